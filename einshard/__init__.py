@@ -1,0 +1,27 @@
+"""torch-einshard: sharded PyTorch programs in einsum-like notation.
+
+>>> import torch, einshard as es
+>>> es.einshard("i j, j k -> i k", torch.ones(2, 3), torch.ones(3, 4)).shape
+torch.Size([2, 4])
+"""
+
+from ._version import __version__
+from . import helpers
+from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
+from .notation import parse_sharding
+from .ops import einshard
+from .policy import PlanPolicy, optimize, set_default_policy
+
+__all__ = [
+    "__version__",
+    "helpers",
+    "Mesh",
+    "current_mesh",
+    "use_mesh",
+    "wrap_mesh",
+    "parse_sharding",
+    "einshard",
+    "PlanPolicy",
+    "optimize",
+    "set_default_policy",
+]

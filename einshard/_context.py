@@ -1,0 +1,36 @@
+"""The ambient context: the mesh and split shapes that ops use when not given.
+
+``es.use_mesh`` sets the mesh; ``shard_map`` sets the mesh and the split
+shapes it knows from its specs. Ops read :func:`current` once per call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Ambient:
+    mesh: object = None
+    # {mesh-dim label: {axis: tuple(split shapes)}} known from shard_map specs
+    shapes: dict = field(default_factory=dict)
+    # extra per-scope state (shard_map's variance tracking, policy scope)
+    policy: object = None
+    shard_map: object = None
+
+
+_EMPTY = Ambient()
+_AMBIENT: contextvars.ContextVar[Ambient] = contextvars.ContextVar("einshard_ambient", default=_EMPTY)
+
+
+def current() -> Ambient:
+    return _AMBIENT.get()
+
+
+def push(**changes) -> contextvars.Token:
+    return _AMBIENT.set(replace(_AMBIENT.get(), **changes))
+
+
+def pop(token: contextvars.Token) -> None:
+    _AMBIENT.reset(token)

@@ -1,0 +1,205 @@
+"""The einshard notation (SPEC §2): parsing, family expansion and validation.
+
+``parse_sharding(text)`` returns an immutable, cached :class:`Formula`;
+``expand(text, families)`` also replaces families ``*f`` and zips
+``[*a *b]`` by the axes ``families=`` gives, then validates the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+
+from .grammar import _PARSER, invalid, parse_text
+from .objects import Annotation, Axis, EllipsisItem, Family, Formula, Group, Item, TensorSpec, Zip
+
+__all__ = [
+    "Annotation",
+    "Axis",
+    "EllipsisItem",
+    "Family",
+    "Formula",
+    "Group",
+    "Item",
+    "TensorSpec",
+    "Zip",
+    "parse_sharding",
+    "expand",
+    "freeze_families",
+    "invalid",
+]
+
+_ANNOTATION_KEYS = {"param": False, "grad": True, "init_sync": True}
+
+
+@lru_cache(maxsize=4096)
+def parse_sharding(formula: str) -> Formula:
+    """Parse a formula (or a bare tensor spec) into immutable objects.
+
+    The result is cached: parsing the same text twice returns the same
+    object, which callers must not (and cannot) mutate.
+
+    >>> f = parse_sharding("a/sp b, b c -> a/sp c")
+    >>> [str(t) for t in f.inputs], str(f.output)
+    (['a/sp b', 'b c'], 'a/sp c')
+    """
+    inputs, output = parse_text(formula)
+    parsed = Formula(formula, inputs, output)
+    _check_structure(parsed)
+    if not _has_families(parsed):
+        _check_semantics(parsed)
+    return parsed
+
+
+def freeze_families(families: Mapping | None) -> tuple:
+    """A hashable form of ``families=`` (used as a cache key)."""
+    if not families:
+        return ()
+    frozen = []
+    for name, members in families.items():
+        if isinstance(members, str):
+            members = (members,)
+        frozen.append((name, tuple(members)))
+    return tuple(sorted(frozen))
+
+
+def expand(formula: str, families: Mapping | tuple | None = None) -> Formula:
+    """Parse ``formula`` and expand its families; the result has no ``*f`` or zips."""
+    if families is None or isinstance(families, tuple):
+        return _expand_cached(formula, families or ())
+    return _expand_cached(formula, freeze_families(families))
+
+
+@lru_cache(maxsize=4096)
+def _expand_cached(formula: str, frozen: tuple) -> Formula:
+    parsed = parse_sharding(formula)
+    if not _has_families(parsed):
+        return parsed
+    table = {name: tuple(_parse_member(formula, name, m) for m in members) for name, members in frozen}
+    expanded = Formula(
+        formula,
+        tuple(_expand_tensor(formula, t, table) for t in parsed.inputs),
+        None if parsed.output is None else _expand_tensor(formula, parsed.output, table),
+    )
+    _check_semantics(expanded)
+    return expanded
+
+
+def _parse_member(formula: str, family: str, member) -> Axis:
+    if isinstance(member, Axis):
+        return member
+    if not isinstance(member, str):
+        raise ValueError(
+            f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})"
+        )
+    try:
+        parsed = _PARSER(member.strip()).axis()
+        if str(parsed) != "".join(member.split()):
+            raise ValueError
+    except Exception:
+        raise ValueError(
+            f"Invalid einshard expression: families[{family!r}] entry {member!r} is not an axis "
+            f"like 'h' or 'h/sp' (in {formula!r})"
+        ) from None
+    return Axis(parsed.name, parsed.mesh)
+
+
+def _has_families(formula: Formula) -> bool:
+    return any(isinstance(i, (Family, Zip)) for t in formula.tensors for i in t.items)
+
+
+def _family(formula: str, fam: Family, table) -> tuple[Axis, ...]:
+    if fam.name not in table:
+        known = ", ".join(sorted(table)) or "none given"
+        raise invalid(formula, fam.pos, f"unknown family {fam.name!r} (families: {known})")
+    return tuple(Axis(a.name, a.mesh, fam.pos) for a in table[fam.name])
+
+
+def _expand_tensor(formula: str, tensor: TensorSpec, table) -> TensorSpec:
+    items: list[Item] = []
+    for item in tensor.items:
+        if isinstance(item, Family):
+            items.extend(_family(formula, item, table))
+        elif isinstance(item, Zip):
+            members = [_family(formula, f, table) for f in item.families]
+            lengths = {len(m) for m in members}
+            if len(lengths) != 1:
+                sizes = ", ".join(f"*{f.name} has {len(m)}" for f, m in zip(item.families, members))
+                raise invalid(formula, item.pos, f"zipped families must have equal lengths ({sizes})")
+            items.extend(Group(tuple(column), item.pos) for column in zip(*members))
+        else:
+            items.append(item)
+    return TensorSpec(tuple(items), tensor.partial, tensor.annotations, tensor.pos)
+
+
+def _check_structure(formula: Formula) -> None:
+    """Checks that do not depend on family expansion."""
+    text = formula.text
+    for tensor in formula.tensors:
+        ellipses = [i for i in tensor.items if isinstance(i, EllipsisItem)]
+        if len(ellipses) > 1:
+            raise invalid(text, ellipses[1].pos, "at most one '...' per tensor")
+    if formula.output is not None and formula.output.annotations:
+        raise invalid(text, formula.output.pos, "annotations like [param] are allowed on inputs only")
+    for tensor in formula.inputs:
+        for ann in tensor.annotations:
+            needs_value = _ANNOTATION_KEYS.get(ann.key)
+            if needs_value is None:
+                raise invalid(
+                    text, tensor.pos, f"unknown annotation {ann.key!r} (known: param, grad=V, init_sync=V)"
+                )
+            if needs_value and ann.value is None:
+                raise invalid(text, tensor.pos, f"annotation {ann.key!r} needs a value, e.g. {ann.key}=dp")
+            if not needs_value and ann.value is not None:
+                raise invalid(text, tensor.pos, f"annotation {ann.key!r} takes no value")
+
+
+def _check_semantics(formula: Formula) -> None:
+    """Checks on the expanded formula: names, mesh dimensions, output axes."""
+    text = formula.text
+    for index, tensor in enumerate(formula.tensors):
+        where = _operand_name(formula, index)
+        seen: dict[str, Axis] = {}
+        used: dict[str, str] = {}
+        for axis in tensor.axes:
+            if axis.name in seen:
+                if formula.output is not None and tensor is formula.output:
+                    raise invalid(text, axis.pos, f"axis {axis.name!r} appears twice in the output")
+                if axis.mesh or seen[axis.name].mesh:
+                    raise invalid(
+                        text, axis.pos, f"axis {axis.name!r} appears twice in {where}; a diagonal cannot be sharded"
+                    )
+            seen.setdefault(axis.name, axis)
+            for dim in axis.mesh_components:
+                if dim in used:
+                    raise invalid(
+                        text,
+                        axis.pos,
+                        f"mesh dimension {dim!r} shards both {used[dim]!r} and {axis.name!r} in {where}",
+                    )
+                used[dim] = axis.name
+        partial_dims: list[str] = []
+        for p in tensor.partial:
+            for dim in p.split("-"):
+                if dim in partial_dims:
+                    raise invalid(text, tensor.pos, f"{where} is partial over {dim!r} twice")
+                if dim in used:
+                    raise invalid(
+                        text,
+                        tensor.pos,
+                        f"mesh dimension {dim!r} both shards {used[dim]!r} and is partial in {where}",
+                    )
+                partial_dims.append(dim)
+    if formula.output is not None:
+        known = {a.name for t in formula.inputs for a in t.axes}
+        for axis in formula.output.axes:
+            if axis.name not in known:
+                raise invalid(text, axis.pos, f"output axis {axis.name!r} does not appear in any input")
+        if formula.output.has_ellipsis and not any(t.has_ellipsis for t in formula.inputs):
+            raise invalid(text, formula.output.pos, "the output has '...' but no input has")
+
+
+def _operand_name(formula: Formula, index: int) -> str:
+    if formula.output is not None and index == len(formula.inputs):
+        return "the output"
+    return f"operand {index}"

@@ -1,0 +1,78 @@
+"""``es.einshard``: the entry point for local and distributed formulas (SPEC §5)."""
+
+from __future__ import annotations
+
+from ..notation import expand, freeze_families
+from ..policy import resolve_policy
+from .local import build_local_plan, freeze_sizes
+
+__all__ = ["einshard"]
+
+# (formula, sizes key, families key, *input shapes) -> LocalPlan
+_LOCAL_PLANS: dict = {}
+_NO_KEY = ()
+
+
+def einshard(
+    formula: str,
+    *tensors,
+    mesh=None,
+    shapes=None,
+    sizes=None,
+    families=None,
+    optimize=None,
+    policy=None,
+):
+    """Evaluate an einsum-like formula on local or sharded tensors.
+
+    Local formulas (no ``/``, no ``//``) lower to ``torch.einsum`` plus
+    reshapes. Distributed formulas describe what every rank holds and the
+    library inserts the communication (see the notation guide).
+
+    >>> import torch, einshard as es
+    >>> x, w = torch.ones(2, 3), torch.ones(4, 3)
+    >>> es.einshard("b c, h c -> b h", x, w).shape
+    torch.Size([2, 4])
+    >>> es.einshard("b (h p) -> b h p", torch.ones(2, 8), sizes={"p": 4}).shape
+    torch.Size([2, 2, 4])
+    """
+    if optimize is not None and policy is not None:
+        raise ValueError("einshard: pass either optimize or policy, not both")
+    try:
+        in_shapes = [t.shape for t in tensors]
+    except AttributeError:  # a non-tensor operand: _plan_and_run reports it by position
+        in_shapes = [getattr(t, "shape", None) for t in tensors]
+    if sizes is None and families is None:
+        key = (formula, _NO_KEY, _NO_KEY, *in_shapes)
+    else:
+        key = (formula, freeze_sizes(sizes), freeze_families(families), *in_shapes)
+    plan = _LOCAL_PLANS.get(key)
+    if plan is not None:
+        if optimize is not None or policy is not None:
+            resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
+        return plan.run(tensors)
+    return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
+
+
+def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy):
+    resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
+    parsed = expand(formula, key[2])
+    _check_tensors(parsed, tensors)
+    if parsed.is_local:
+        plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
+        if len(_LOCAL_PLANS) > 65536:
+            _LOCAL_PLANS.clear()
+        _LOCAL_PLANS[key] = plan
+        return plan.run(tensors)
+    from ..distributed import run_distributed
+
+    return run_distributed(parsed, tensors, mesh=mesh, shapes=shapes, sizes=key[1], families=key[2],
+                           optimize=optimize, policy=policy)
+
+
+def _check_tensors(parsed, tensors) -> None:
+    import torch
+
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{parsed.text!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")

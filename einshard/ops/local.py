@@ -1,0 +1,346 @@
+"""Local (single-rank) lowering of a formula: reshapes around one ``einsum``.
+
+A formula on local tensors becomes: split factored groups (``reshape``), run
+the cheapest torch call for the core (nothing, ``permute``, ``sum`` or
+``einsum``), and merge output groups (``reshape``). Everything is decided
+once, in :func:`build_local_plan`; the returned plan only replays.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
+
+try:  # the C++ entry point skips torch.einsum's Python-level argument handling
+    _einsum = torch._C._VariableFunctions.einsum
+except AttributeError:  # pragma: no cover - older/newer torch
+    _einsum = None
+
+_LETTERS = string.ascii_letters
+
+
+def einsum(equation: str, operands: Sequence[torch.Tensor], path=None) -> torch.Tensor:
+    """``torch.einsum`` with a precomputed contraction path."""
+    if _einsum is not None:
+        return _einsum(equation, list(operands), path=path)
+    return torch.einsum(equation, *operands)
+
+
+def letters_for(names: Sequence[str]) -> dict[str, str]:
+    """Assign einsum letters to axis names (52 at most)."""
+    table: dict[str, str] = {}
+    for name in names:
+        if name not in table:
+            if len(table) == len(_LETTERS):
+                raise ValueError("a formula may use at most 52 distinct axis names")
+            table[name] = _LETTERS[len(table)]
+    return table
+
+
+class Contraction:
+    """The core of a formula on atomic axes: ``operand axes -> output axes``.
+
+    ``inputs`` and ``output`` are tuples of axis names; ``None`` stands for
+    the ellipsis. The callable picks the cheapest torch call once.
+    """
+
+    __slots__ = ("run", "equation", "path", "kind")
+
+    def __init__(self, inputs: Sequence[tuple], output: tuple, ellipsis_ndims: Sequence[int] = ()):
+        names = [n for axes in list(inputs) + [output] for n in axes if n is not None]
+        table = letters_for(names)
+
+        def term(axes):
+            return "".join("..." if n is None else table[n] for n in axes)
+
+        self.equation = ",".join(term(a) for a in inputs) + "->" + term(output)
+        self.path = None
+        self.kind, self.run = self._lower(list(inputs), tuple(output), list(ellipsis_ndims))
+
+    def _lower(self, inputs, output, ellipsis_ndims):
+        if len(inputs) == 1:
+            (axes,) = inputs
+            if len(set(axes)) == len(axes) and None not in axes:
+                kept = [n for n in axes if n in output]
+                dropped = tuple(i for i, n in enumerate(axes) if n not in output)
+                if set(kept) == set(output):
+                    order = tuple(kept.index(n) for n in output)
+                    identity = order == tuple(range(len(order)))
+                    if not dropped and identity:
+                        return "identity", _identity
+                    if not dropped:
+                        return "permute", _permute(order)
+                    if identity:
+                        return "sum", _sum(dropped)
+                    return "sum+permute", _sum_permute(dropped, order)
+        if len(inputs) > 2:
+            self.path = _greedy_path(inputs, output)
+        equation, path = self.equation, self.path
+        return "einsum", lambda tensors: einsum(equation, tensors, path)
+
+    def __call__(self, tensors):
+        return self.run(tensors)
+
+
+def _identity(tensors):
+    return tensors[0]
+
+
+def _permute(order):
+    return lambda tensors: tensors[0].permute(order)
+
+
+def _sum(dims):
+    return lambda tensors: tensors[0].sum(dims)
+
+
+def _sum_permute(dims, order):
+    return lambda tensors: tensors[0].sum(dims).permute(order)
+
+
+def _greedy_path(inputs, output):
+    """A contraction path for 3+ operands: repeatedly join the pair sharing most axes.
+
+    Returned in ``torch.einsum``'s ``path`` format (list of index pairs into
+    the current operand list, results appended at the end).
+    """
+    live = [set(a) - {None} for a in inputs]
+    out = set(output) - {None}
+    path = []
+    while len(live) > 1:
+        best = None
+        for i in range(len(live)):
+            for j in range(i + 1, len(live)):
+                others = out.union(*(live[k] for k in range(len(live)) if k not in (i, j)))
+                joined = (live[i] | live[j]) & others
+                score = (len(joined), -len(live[i] & live[j]))
+                if best is None or score < best[0]:
+                    best = (score, i, j, joined)
+        _, i, j, joined = best
+        path.extend([i, j])
+        live = [s for k, s in enumerate(live) if k not in (i, j)] + [joined]
+    return path
+
+
+def operand_name(index: int) -> str:
+    return f"operand {index}"
+
+
+def dims_of(spec: TensorSpec, ndim: int, formula: Formula, index: int):
+    """Match a tensor spec's items to ``ndim`` tensor dimensions.
+
+    Returns a list with one entry per tensor dimension: an ``Axis``, a
+    ``Group`` or ``EllipsisItem`` (one per ellipsis dimension).
+    """
+    named = [i for i in spec.items if not isinstance(i, EllipsisItem)]
+    if spec.has_ellipsis:
+        extra = ndim - len(named)
+        if extra < 0:
+            raise ValueError(
+                f"{formula.text!r}: {operand_name(index)} '{spec}' names {len(named)} dimensions "
+                f"besides '...' but the tensor has only {ndim}"
+            )
+    elif ndim != len(named):
+        raise ValueError(
+            f"{formula.text!r}: {operand_name(index)} '{spec}' names {len(named)} dimensions "
+            f"but the tensor has {ndim}"
+        )
+    dims = []
+    for item in spec.items:
+        if isinstance(item, EllipsisItem):
+            dims.extend([item] * (ndim - len(named)))
+        else:
+            dims.append(item)
+    return dims
+
+
+def freeze_sizes(sizes: Mapping | None) -> tuple:
+    if not sizes:
+        return ()
+    return tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in sizes.items()))
+
+
+def expand_sizes(formula: Formula, sizes: tuple, families: tuple) -> dict[str, int]:
+    """``sizes=`` with family keys expanded to their members."""
+    table = dict(families)
+    names = {a.name for t in formula.tensors for a in t.axes}
+    out: dict[str, int] = {}
+    for key, value in sizes:
+        if isinstance(value, tuple):
+            members = table.get(key)
+            if members is None:
+                raise ValueError(f"{formula.text!r}: sizes[{key!r}] is a tuple but {key!r} is not a family")
+            if len(members) != len(value):
+                raise ValueError(
+                    f"{formula.text!r}: sizes[{key!r}] has {len(value)} entries but family {key!r} "
+                    f"has {len(members)} members"
+                )
+            for member, v in zip(members, value):
+                out[member.split("/")[0].strip()] = int(v)
+        elif key in table and key not in names:
+            raise ValueError(f"{formula.text!r}: sizes[{key!r}] for a family needs one size per member")
+        else:
+            out[key] = int(value)
+    unknown = sorted(set(out) - names)
+    if unknown:
+        raise ValueError(f"{formula.text!r}: sizes names axis {unknown[0]!r}, which is not in the formula")
+    return out
+
+
+def infer_group_sizes(formula: Formula, index: int, group: Group, dim_size: int, known: dict) -> None:
+    """Fill ``known`` with the sizes of a group's factors (one unknown allowed)."""
+    unknown = [a.name for a in group.axes if a.name not in known]
+    product = math.prod(known[a.name] for a in group.axes if a.name in known)
+    if len(unknown) > 1:
+        raise ValueError(
+            f"{formula.text!r}: cannot infer the sizes of {', '.join(map(repr, unknown))} in group "
+            f"'{group}' of {operand_name(index)}; pass sizes= for all but one"
+        )
+    if unknown:
+        if product == 0 or dim_size % product:
+            raise ValueError(
+                f"{formula.text!r}: dimension of size {dim_size} in {operand_name(index)} cannot be "
+                f"factored as '{group}' with known factors of product {product}"
+            )
+        known[unknown[0]] = dim_size // product
+    elif product != dim_size:
+        sizes = " * ".join(f"{a.name}={known[a.name]}" for a in group.axes)
+        raise ValueError(
+            f"{formula.text!r}: group '{group}' of {operand_name(index)} has size {dim_size}, "
+            f"but {sizes} = {product}"
+        )
+
+
+def check_size(formula: Formula, index: int, axis: str, size: int, known: dict) -> None:
+    old = known.get(axis)
+    if old is None or old == size:
+        known[axis] = size
+    elif old == 1:
+        known[axis] = size
+    elif size != 1:
+        raise ValueError(
+            f"{formula.text!r}: axis {axis!r} has size {size} in {operand_name(index)} but {old} elsewhere"
+        )
+
+
+class LocalPlan:
+    """Replays a local formula: input reshapes, the contraction, the output reshape."""
+
+    __slots__ = ("in_shapes", "contraction", "out_shape", "run")
+
+    def __init__(self, in_shapes, contraction, out_shape):
+        self.in_shapes = in_shapes  # per input: None or the expanded shape
+        self.contraction = contraction
+        self.out_shape = out_shape  # None or the merged output shape
+        self.run = self._compile()
+
+    def _compile(self):
+        core = self.contraction.run
+        reshapes = self.in_shapes
+        out_shape = self.out_shape
+        if not any(s is not None for s in reshapes):
+            if out_shape is None:
+                return core
+            return lambda tensors: core(tensors).reshape(out_shape)
+
+        def run(tensors):
+            tensors = [t if s is None else t.reshape(s) for t, s in zip(tensors, reshapes)]
+            out = core(tensors)
+            return out if out_shape is None else out.reshape(out_shape)
+
+        return run
+
+    def __call__(self, tensors):
+        return self.run(tensors)
+
+
+def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (), families: tuple = ()) -> LocalPlan:
+    """Plan a local formula for inputs of the given shapes."""
+    if formula.output is None:
+        raise ValueError(f"{formula.text!r}: einshard needs a formula 'inputs -> output'")
+    if len(shapes) != len(formula.inputs):
+        raise ValueError(
+            f"{formula.text!r}: the formula has {len(formula.inputs)} operand(s) but "
+            f"{len(shapes)} tensor(s) were given"
+        )
+    known = expand_sizes(formula, sizes, families)
+    given = dict(known)
+    per_input = [dims_of(spec, len(shape), formula, i) for i, (spec, shape) in enumerate(zip(formula.inputs, shapes))]
+    ellipsis_shapes = []
+    # plain axes first, so groups can use their sizes
+    for i, (dims, shape) in enumerate(zip(per_input, shapes)):
+        ell = []
+        for d, size in zip(dims, shape):
+            if isinstance(d, Axis):
+                if d.name in given and given[d.name] != size:
+                    raise ValueError(
+                        f"{formula.text!r}: axis {d.name!r} of {operand_name(i)} has size {size} "
+                        f"but sizes= says {given[d.name]}"
+                    )
+                check_size(formula, i, d.name, size, known)
+            elif isinstance(d, EllipsisItem):
+                ell.append(size)
+        ellipsis_shapes.append(tuple(ell))
+    for i, (dims, shape) in enumerate(zip(per_input, shapes)):
+        for d, size in zip(dims, shape):
+            if isinstance(d, Group):
+                infer_group_sizes(formula, i, d, size, known)
+    in_shapes = []
+    in_axes = []
+    for spec, shape in zip(formula.inputs, shapes):
+        axes: list = []
+        expanded: list[int] = []
+        grouped = False
+        n_ellipsis = len(shape) - sum(1 for i in spec.items if not isinstance(i, EllipsisItem))
+        k = 0
+        for item in spec.items:
+            if isinstance(item, EllipsisItem):
+                axes.append(None)
+                expanded.extend(shape[k : k + n_ellipsis])
+                k += n_ellipsis
+                continue
+            if isinstance(item, Group):
+                grouped = True
+                axes.extend(a.name for a in item.axes)
+                expanded.extend(known[a.name] for a in item.axes)
+            else:
+                axes.append(item.name)
+                expanded.append(shape[k])
+            k += 1
+        in_axes.append(tuple(axes))
+        in_shapes.append(tuple(expanded) if grouped else None)
+    out_axes: list = []
+    out_shape: list[int] = []
+    out_grouped = False
+    ell_out = _broadcast_ellipsis(formula, ellipsis_shapes) if formula.output.has_ellipsis else ()
+    for item in formula.output.items:
+        if isinstance(item, Group):
+            out_grouped = True
+            out_axes.extend(a.name for a in item.axes)
+            out_shape.append(math.prod(known[a.name] for a in item.axes))
+        elif isinstance(item, Axis):
+            out_axes.append(item.name)
+            out_shape.append(known[item.name])
+        else:
+            out_axes.append(None)
+            out_shape.extend(ell_out)
+    contraction = Contraction(in_axes, tuple(out_axes), [len(e) for e in ellipsis_shapes])
+    return LocalPlan(tuple(in_shapes), contraction, tuple(out_shape) if out_grouped else None)
+
+
+def _broadcast_ellipsis(formula: Formula, shapes: list[tuple]) -> tuple:
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for k, size in enumerate(s):
+            j = ndim - len(s) + k
+            if out[j] == 1:
+                out[j] = size
+            elif size not in (1, out[j]):
+                raise ValueError(f"{formula.text!r}: the '...' dimensions {shapes} do not broadcast")
+    return tuple(out)

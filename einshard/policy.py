@@ -1,0 +1,115 @@
+"""Plan policies: how the planner weighs the candidates it can choose from (SPEC §5).
+
+Precedence: ``policy=``, then ``optimize=``, then the innermost
+``with es.optimize(mode):`` scope, then ``es.set_default_policy(mode)``,
+then ``"training"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+__all__ = ["PlanPolicy", "optimize", "set_default_policy", "resolve_policy", "MODES"]
+
+
+@dataclass(frozen=True)
+class PlanPolicy:
+    """Weights of the planner's cost model.
+
+    A candidate plan costs ``forward * F + backward * B`` where ``F`` and
+    ``B`` are ``bytes_weight * bytes + collective_weight * collectives`` of
+    that pass, plus ``memory_weight * peak_local_bytes``. Ties are broken by
+    total bytes, then collective count, then peak memory.
+
+    >>> PlanPolicy.from_mode("inference").backward
+    0.0
+    """
+
+    name: str = "training"
+    forward: float = 1.0
+    backward: float = 1.0
+    bytes_weight: float = 1.0
+    collective_weight: float = 65536.0
+    memory_weight: float = 0.0
+
+    @classmethod
+    def from_mode(cls, mode: str) -> "PlanPolicy":
+        """The policy of a named mode: training, inference, memory, communication, latency."""
+        try:
+            return MODES[mode]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown optimize mode {mode!r}; choose one of {sorted(MODES)}") from None
+
+    def score(self, fwd_bytes, bwd_bytes, fwd_calls, bwd_calls, peak_bytes) -> tuple:
+        """The sort key of a candidate (smaller is better)."""
+        cost = (
+            self.forward * (self.bytes_weight * fwd_bytes + self.collective_weight * fwd_calls)
+            + self.backward * (self.bytes_weight * bwd_bytes + self.collective_weight * bwd_calls)
+            + self.memory_weight * peak_bytes
+        )
+        total = self.forward * fwd_bytes + self.backward * bwd_bytes
+        calls = self.forward * fwd_calls + self.backward * bwd_calls
+        return (cost, total, calls, peak_bytes)
+
+
+MODES: dict[str, PlanPolicy] = {
+    # forward + backward bytes, a collective priced like 64 KiB moved
+    "training": PlanPolicy("training"),
+    # forward only
+    "inference": PlanPolicy("inference", backward=0.0),
+    # peak local bytes first; bytes only break ties
+    "memory": PlanPolicy("memory", bytes_weight=0.0, collective_weight=0.0, memory_weight=1.0),
+    # bytes moved, forward and backward, collective count ignored
+    "communication": PlanPolicy("communication", collective_weight=0.0),
+    # collective count first, bytes only break ties
+    "latency": PlanPolicy("latency", bytes_weight=0.0, collective_weight=1.0),
+}
+
+_SCOPE: contextvars.ContextVar[PlanPolicy | None] = contextvars.ContextVar("einshard_policy", default=None)
+_DEFAULT: list[PlanPolicy | None] = [None]
+
+
+def _as_policy(mode_or_policy) -> PlanPolicy:
+    if isinstance(mode_or_policy, PlanPolicy):
+        return mode_or_policy
+    return PlanPolicy.from_mode(mode_or_policy)
+
+
+@contextlib.contextmanager
+def optimize(mode):
+    """Scope a default plan policy (a mode name or a ``PlanPolicy``).
+
+    >>> with es.optimize("memory"):  # doctest: +SKIP
+    ...     y = es.einshard("a b, b c -> a c/tp", x, w, mesh=mesh)
+    """
+    token = _SCOPE.set(_as_policy(mode))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def set_default_policy(mode) -> None:
+    """Set the process-wide default policy (a mode name, a ``PlanPolicy`` or ``None``).
+
+    >>> set_default_policy("inference"); set_default_policy(None)
+    """
+    _DEFAULT[0] = None if mode is None else _as_policy(mode)
+
+
+def resolve_policy(optimize=None, policy=None) -> PlanPolicy:
+    """Apply the precedence rules; ``ValueError`` when both arguments are given."""
+    if optimize is not None and policy is not None:
+        raise ValueError("pass either optimize or policy, not both")
+    if policy is not None:
+        if not isinstance(policy, PlanPolicy):
+            raise ValueError(f"policy= must be a PlanPolicy, got {type(policy).__name__}")
+        return policy
+    if optimize is not None:
+        return PlanPolicy.from_mode(optimize)
+    scoped = _SCOPE.get()
+    if scoped is not None:
+        return scoped
+    return _DEFAULT[0] or MODES["training"]
