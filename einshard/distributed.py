@@ -1,0 +1,135 @@
+"""Distributed ``einshard``: resolve layouts, plan once, replay.
+
+One call: resolve this rank's layouts (:mod:`einshard.resolve`), agree on
+errors when checks are on, pick the cheapest candidate
+(:mod:`einshard.plan.contraction`), then run it: operand transitions, the
+local einsum, the result transition. Plans are cached per (formula, local
+shapes, split shapes, sizes, mesh, dtype, policy, ambient split shapes).
+"""
+
+from __future__ import annotations
+
+from . import _context, checks
+from .execute import transition
+from .layout import MeshShape
+from .mesh import resolve_mesh
+from .ops.local import Contraction
+from .plan.contraction import Problem, plan_schedule
+from .policy import resolve_policy
+from .resolve import freeze_shapes, resolve
+
+__all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
+
+_PLANS: dict = {}
+
+
+class DistributedPlan:
+    """A chosen schedule bound to this rank: call ``run`` with the local tensors."""
+
+    __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error")
+
+    def __init__(self, problem, schedules, resolved, mesh):
+        self.problem = problem
+        self.schedules = schedules
+        self.chosen = schedules[0]
+        self.resolved = resolved
+        self.mesh = mesh
+        self.local_error = resolved.local_error
+        self.run = None
+
+    def compile(self) -> "DistributedPlan":
+        mesh = self.mesh
+        layouts = list(self.problem.operands)
+        compiled = []
+        for indices, _axes, cand in self.chosen.steps:
+            chains = []
+            for k, i in enumerate(indices):
+                chain = [transition(layouts[i], cand.targets[k], mesh)]
+                for move in cand.moves:
+                    if move.what == f"operand {k} (pvary)":
+                        chain.append(transition(move.src, move.dst, mesh))
+                chains.append(tuple(t for t in chain if not t.trivial))
+            core = Contraction([t.axes for t in cand.targets], cand.result.axes).run
+            compiled.append((tuple(indices), tuple(chains), core))
+            layouts = [op for j, op in enumerate(layouts) if j not in indices] + [cand.result]
+        finish = transition(layouts[-1], self.problem.output, mesh)
+        finish = None if finish.trivial else finish
+        in_shapes = self.resolved.in_shapes
+        out_shape = self.resolved.out_shape
+        single = len(compiled) == 1
+
+        def run(tensors):
+            xs = [x if shape is None else x.reshape(shape) for x, shape in zip(tensors, in_shapes)]
+            for indices, chains, core in compiled:
+                args = []
+                for i, chain in zip(indices, chains):
+                    x = xs[i]
+                    for t in chain:
+                        x = t(x)
+                    args.append(x)
+                y = core(args)
+                xs = [y] if single else [x for j, x in enumerate(xs) if j not in indices] + [y]
+            y = xs[-1]
+            if finish is not None:
+                y = finish(y)
+            return y if out_shape is None else y.reshape(out_shape)
+
+        self.run = run
+        return self
+
+
+def _itemsize(tensors) -> int:
+    return max(t.element_size() for t in tensors)
+
+
+def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy):
+    """Resolve and plan (no communication); returns a compiled :class:`DistributedPlan`."""
+    ambient = _context.current().shapes
+    resolved = resolve(parsed, local_shapes, mesh, shapes=shapes, sizes=dict(sizes), ambient=ambient)
+    problem = Problem(
+        resolved.operands,
+        resolved.output,
+        MeshShape.of(mesh),
+        itemsize,
+        resolved.summed,
+        resolved.fixed,
+    )
+    return DistributedPlan(problem, plan_schedule(problem, policy), resolved, mesh)
+
+
+def _agree_group(mesh):
+    return mesh.group(tuple(mesh.names))
+
+
+def run_distributed(parsed, tensors, *, mesh, shapes, sizes, families, optimize, policy):
+    """Run a distributed formula (called by :func:`einshard.einshard`)."""
+    mesh = resolve_mesh(mesh)
+    pol = resolve_policy(optimize, policy)
+    ambient = _context.current().shapes
+    key = (
+        parsed.text,
+        families,
+        sizes,
+        freeze_shapes(shapes),
+        tuple(tuple(t.shape) for t in tensors),
+        mesh,
+        tuple(t.dtype for t in tensors),
+        pol,
+        tuple(sorted(ambient.items())) if ambient else None,
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        try:
+            plan = plan_distributed(
+                parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol
+            ).compile()
+        except ValueError as err:
+            if checks.checks_enabled():
+                checks.agree(_agree_group(mesh), err)
+            raise
+        if len(_PLANS) > 16384:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    if plan.local_error is not None or checks.checks_enabled():
+        checks.agree(_agree_group(mesh), None if plan.local_error is None else ValueError(plan.local_error))
+    return plan.run(tensors)

@@ -1,0 +1,173 @@
+"""Running planned transitions on one rank, as autograd Functions.
+
+:func:`compile_step` binds a rank-independent :class:`~einshard.plan.transition.Step`
+to this rank's coordinate and process groups. :class:`Transition` runs a
+whole transition; its backward is the reverse transition (itself a
+``Transition``), so gradients are exact adjoints and double backward works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import collectives as C
+from .layout import Layout, MeshShape
+
+__all__ = ["Transition", "compile_step", "transition"]
+
+
+def _rel_slices(inner, outer):
+    """Per-axis ``(start, length)`` of box ``inner`` inside box ``outer``."""
+    return [(a - c, b - a) for (a, b), (c, _) in zip(inner, outer)]
+
+
+def _narrow(x: torch.Tensor, rel) -> torch.Tensor:
+    for dim, (start, length) in enumerate(rel):
+        if start != 0 or length != x.shape[dim]:
+            x = x.narrow(dim, start, length)
+    return x
+
+
+def compile_step(step, mesh):
+    """A callable ``x -> y`` running ``step`` on this rank."""
+    shape = MeshShape.of(mesh)
+    coord = mesh.coordinate
+    kind = step.kind
+    if kind == "slice":
+        rel = _rel_slices(step.dst.box(coord, shape), step.src.box(coord, shape))
+        return lambda x: _narrow(x, rel)
+    group = mesh.group(step.dims)
+    members = shape.group_coords(step.dims, coord)
+    if kind == "all_reduce":
+        return lambda x: C.all_reduce(x, group)
+    if kind == "reduce_scatter":
+        i = step.axis
+        sizes = [b - a for a, b in (step.dst.interval(i, m, shape) for m in members)]
+        return lambda x: C.reduce_scatter(x, group, i, sizes)
+    if kind == "all_gather":
+        i = step.axis
+        sizes = [b - a for a, b in (step.src.interval(i, m, shape) for m in members)]
+        return lambda x: C.all_gather(x, group, i, sizes)
+    if kind == "all_to_all":
+        i, j = step.axis, step.to_axis
+        src_sizes = [b - a for a, b in (step.src.interval(i, m, shape) for m in members)]
+        dst_sizes = [b - a for a, b in (step.dst.interval(j, m, shape) for m in members)]
+        return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
+    if kind == "exchange":
+        return _compile_exchange(step.src, step.dst, step.dims, shape, coord, group, members)
+    raise AssertionError(kind)
+
+
+def _intersect(a, b):
+    out = []
+    for (x0, x1), (y0, y1) in zip(a, b):
+        lo, hi = max(x0, y0), min(x1, y1)
+        if hi <= lo:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _compile_exchange(src: Layout, dst: Layout, dims, shape: MeshShape, coord, group, members):
+    """Every rank sends each peer the part of its block the peer needs and lacks.
+
+    The peer that supplies a region is the one that holds it and agrees with
+    the receiver on every exchanged mesh dimension that shards nothing in
+    ``src``: so replicated data is read from the "nearest" copy and every
+    element moves at most once.
+    """
+    free = [shape.names.index(d) for d in dims if src.owner(d) is None]
+    my_src = src.box(coord, shape)
+    my_dst = dst.box(coord, shape)
+    out_shape = tuple(b - a for a, b in my_dst)
+    sends, recvs = [], []
+    for m in members:
+        if any(m[p] != coord[p] for p in free):
+            sends.append(None)
+            recvs.append(None)
+            continue
+        piece = _intersect(my_src, dst.box(m, shape))
+        sends.append(None if piece is None else _rel_slices(piece, my_src))
+        piece = _intersect(src.box(m, shape), my_dst)
+        recvs.append(None if piece is None else _rel_slices(piece, my_dst))
+    recv_numels = [0 if r is None else _numel(r) for r in recvs]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        empty = x.new_empty(0)
+        chunks = [empty if s is None else _narrow(x, s) for s in sends]
+        got = C.all_to_all_v(chunks, recv_numels, group)
+        out = x.new_empty(out_shape)
+        for r, flat in zip(recvs, got):
+            if r is not None:
+                _narrow(out, r).copy_(flat.view([n for _, n in r]))
+        return out
+
+    return run
+
+
+def _numel(rel) -> int:
+    n = 1
+    for _, length in rel:
+        n *= length
+    return n
+
+
+class Transition:
+    """A compiled ``src -> dst`` transition on this rank; call it on a local tensor."""
+
+    __slots__ = ("src", "dst", "mesh", "shape", "steps", "_reverse", "trivial")
+
+    def __init__(self, src: Layout, dst: Layout, mesh, steps=None):
+        from .plan.transition import plan_transition
+
+        self.src, self.dst, self.mesh = src, dst, mesh
+        self.shape = MeshShape.of(mesh)
+        planned = plan_transition(src, dst, self.shape) if steps is None else steps
+        self.steps = [s.compile(mesh) for s in planned]
+        self._reverse = None
+        # no forward steps and no reverse steps: autograd needs nothing either
+        self.trivial = not self.steps and not plan_transition(dst, src, self.shape)
+
+    def reverse(self) -> "Transition":
+        if self._reverse is None:
+            self._reverse = transition(self.dst, self.src, self.mesh)
+            self._reverse._reverse = self
+        return self._reverse
+
+    def run_raw(self, x: torch.Tensor) -> torch.Tensor:
+        for step in self.steps:
+            x = step(x)
+        return x
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.trivial:
+            return x
+        return _TransitionFn.apply(x, self)
+
+
+_TRANSITIONS: dict = {}
+
+
+def transition(src: Layout, dst: Layout, mesh) -> Transition:
+    """The compiled transition ``src -> dst`` for this rank (cached)."""
+    key = (src, dst, id(mesh), mesh.coordinate)
+    found = _TRANSITIONS.get(key)
+    if found is None or found.mesh is not mesh:
+        found = Transition(src, dst, mesh)
+        _TRANSITIONS[key] = found
+    return found
+
+
+class _TransitionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ex):
+        y = ex.run_raw(x)
+        return x.view_as(x) if y is x else y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ex = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.ex.reverse()(grad), None

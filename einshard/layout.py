@@ -1,0 +1,170 @@
+"""Layouts: what every rank holds of a logical tensor.
+
+A :class:`Layout` lists a tensor's logical axes (in local dimension order)
+with their global sizes and, per axis, the mesh dimensions that shard it (in
+mesh order, so a compound ``a/dp-sp`` is ``("dp", "sp")``) with the split
+shapes over the flattened group. Mesh dimensions that shard nothing are
+either partial (listed in ``partial``) or replicated. This is DTensor's
+``Shard``/``Partial``/``Replicate`` per mesh dimension, plus uneven split
+shapes and compound dimensions.
+
+Everything here is rank-independent: a rank's block is computed from a mesh
+coordinate (:meth:`Layout.box`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Layout", "MeshShape", "coarsen_splits"]
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The rank-independent part of a mesh: dimension names and sizes."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, mesh) -> "MeshShape":
+        return cls(tuple(mesh.names), tuple(mesh.shape))
+
+    def size(self, dims: Iterable[str]) -> int:
+        return math.prod(self.shape[self.names.index(d)] for d in dims)
+
+    def sort(self, dims: Iterable[str]) -> tuple[str, ...]:
+        return tuple(sorted(set(dims), key=self.names.index))
+
+    def index(self, dims: Sequence[str], coord: Sequence[int]) -> int:
+        """Flat index of ``coord`` within the group of ``dims`` (mesh order)."""
+        index = 0
+        for d in dims:
+            i = self.names.index(d)
+            index = index * self.shape[i] + coord[i]
+        return index
+
+    def coords(self) -> Iterable[tuple[int, ...]]:
+        return itertools.product(*(range(s) for s in self.shape))
+
+    def group_coords(self, dims: Sequence[str], coord: Sequence[int]) -> list[tuple[int, ...]]:
+        """The coordinates of ``coord``'s group over ``dims``, in group-rank order."""
+        positions = [self.names.index(d) for d in dims]
+        out = []
+        for values in itertools.product(*(range(self.shape[p]) for p in positions)):
+            c = list(coord)
+            for p, v in zip(positions, values):
+                c[p] = v
+            out.append(tuple(c))
+        return out
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.shape)
+
+
+def coarsen_splits(splits: Sequence[int], dims: Sequence[str], keep: Sequence[str], mesh: MeshShape):
+    """Split shapes over ``keep`` when ``keep`` is an outer prefix of ``dims``.
+
+    Returns ``None`` when the coarser blocks would not be contiguous.
+    """
+    keep = tuple(keep)
+    if keep != tuple(dims[: len(keep)]):
+        return None
+    inner = mesh.size(dims[len(keep) :])
+    return tuple(sum(splits[j * inner : (j + 1) * inner]) for j in range(len(splits) // inner))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What every rank holds of one logical tensor (see the module docstring)."""
+
+    axes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    shard: tuple[tuple[str, ...], ...]
+    splits: tuple[tuple[int, ...] | None, ...]
+    partial: frozenset = frozenset()
+
+    # -- queries ------------------------------------------------------------
+    def owner(self, dim: str) -> int | None:
+        """Index of the axis that ``dim`` shards, or ``None``."""
+        for i, dims in enumerate(self.shard):
+            if dim in dims:
+                return i
+        return None
+
+    def placement(self, dim: str):
+        """``("S", axis)``, ``("P",)`` or ``("R",)`` for one mesh dimension."""
+        i = self.owner(dim)
+        if i is not None:
+            return ("S", self.axes[i])
+        return ("P",) if dim in self.partial else ("R",)
+
+    def used_dims(self) -> frozenset:
+        return frozenset(d for dims in self.shard for d in dims) | self.partial
+
+    def interval(self, i: int, coord: Sequence[int], mesh: MeshShape) -> tuple[int, int]:
+        dims = self.shard[i]
+        if not dims:
+            return (0, self.sizes[i])
+        splits = self.splits[i]
+        b = mesh.index(dims, coord)
+        start = sum(splits[:b])
+        return (start, start + splits[b])
+
+    def box(self, coord: Sequence[int], mesh: MeshShape) -> tuple[tuple[int, int], ...]:
+        return tuple(self.interval(i, coord, mesh) for i in range(len(self.axes)))
+
+    def local_shape(self, coord: Sequence[int], mesh: MeshShape) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.box(coord, mesh))
+
+    def mean_numel(self, mesh: MeshShape) -> float:
+        """Local element count averaged over the ranks (exact for uneven splits)."""
+        total = 1.0
+        for i, size in enumerate(self.sizes):
+            total *= size / mesh.size(self.shard[i]) if self.shard[i] else size
+        return total
+
+    def max_numel(self, mesh: MeshShape) -> int:
+        total = 1
+        for i, size in enumerate(self.sizes):
+            total *= max(self.splits[i]) if self.shard[i] else size
+        return total
+
+    # -- edits --------------------------------------------------------------
+    def with_shard(self, i: int, dims: tuple[str, ...], splits) -> "Layout":
+        shard = list(self.shard)
+        spl = list(self.splits)
+        shard[i] = tuple(dims)
+        spl[i] = tuple(splits) if dims else None
+        return replace(self, shard=tuple(shard), splits=tuple(spl))
+
+    def with_partial(self, partial: Iterable[str]) -> "Layout":
+        return replace(self, partial=frozenset(partial))
+
+    def permuted(self, axes: Sequence[str]) -> "Layout":
+        order = [self.axes.index(a) for a in axes]
+        return Layout(
+            tuple(axes),
+            tuple(self.sizes[i] for i in order),
+            tuple(self.shard[i] for i in order),
+            tuple(self.splits[i] for i in order),
+            self.partial,
+        )
+
+    def data_equal(self, other: "Layout") -> bool:
+        """Same blocks on every rank (partial and replicated both hold whole data)."""
+        return self.shard == other.shard and self.splits == other.splits
+
+    def __str__(self) -> str:
+        parts = []
+        for axis, dims in zip(self.axes, self.shard):
+            parts.append(f"{axis}/{'-'.join(dims)}" if dims else axis)
+        text = " ".join(parts)
+        if self.partial:
+            dims = sorted(self.partial)
+            text += " // " + (dims[0] if len(dims) == 1 else "(" + ", ".join(dims) + ")")
+        return text

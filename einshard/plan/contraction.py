@@ -1,0 +1,289 @@
+"""Contractions: choose operand layouts that make a local ``einsum`` valid.
+
+For every mesh dimension the planner picks a *role*:
+
+- ``("R",)``: every operand replicated over it; the local result is too;
+- ``("S", x)``: axis ``x`` sharded over it in every operand that has ``x``
+  (alike: same split shapes); the result is sharded on ``x`` if the output
+  keeps ``x``, and partial otherwise (``x`` is summed);
+- ``("P", i)``: operand ``i`` stays partial over it; the result is partial.
+
+An operand that neither holds the sharded axis nor is the partial one feeds
+rank-specific computation, so it is marked varying (``pvary``): identity
+forward, gradients summed over the dimension in backward.
+
+Each candidate's price is the sum of its transitions (operands to their
+targets, result to the output), forward and backward (the reverse
+transitions), priced by the policy. Roles per dimension are few (replicated,
+the axes that dimension shards anywhere, the partial operands), so the
+candidates are enumerated.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .._split import compute_split_shapes
+from ..layout import Layout, MeshShape
+from ..policy import PlanPolicy
+from .transition import Step, plan_transition, transition_cost
+
+__all__ = ["Problem", "Candidate", "Schedule", "plan_contraction", "plan_schedule"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A contraction to plan: operand layouts, the requested output layout, the mesh.
+
+    ``summed`` holds the output's partial dimensions that must carry per-rank
+    contributions (the formula sums over an axis or has a partial input);
+    ``fixed`` holds axes that may not be sharded (diagonals, ``...``,
+    broadcast axes).
+    """
+
+    operands: tuple[Layout, ...]
+    output: Layout
+    mesh: MeshShape
+    itemsize: int
+    summed: frozenset = frozenset()
+    fixed: frozenset = frozenset()
+    free_output: bool = False  # an intermediate: keep whatever layout the einsum produces
+
+
+@dataclass(frozen=True)
+class Cost:
+    fwd_bytes: float = 0.0
+    bwd_bytes: float = 0.0
+    fwd_calls: int = 0
+    bwd_calls: int = 0
+    peak_bytes: float = 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(
+            self.fwd_bytes + other.fwd_bytes,
+            self.bwd_bytes + other.bwd_bytes,
+            self.fwd_calls + other.fwd_calls,
+            self.bwd_calls + other.bwd_calls,
+            max(self.peak_bytes, other.peak_bytes),
+        )
+
+    def key(self, policy: PlanPolicy) -> tuple:
+        return policy.score(self.fwd_bytes, self.bwd_bytes, self.fwd_calls, self.bwd_calls, self.peak_bytes)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One planned transition of a candidate: what it moves, forward and backward."""
+
+    what: str  # "operand 0", "operand 1 (pvary)", "result"
+    src: Layout
+    dst: Layout
+    forward: tuple[Step, ...]
+    backward: tuple[Step, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a contraction, with its transitions and cost."""
+
+    roles: tuple
+    targets: tuple[Layout, ...]  # the operands as the local einsum sees them
+    result: Layout  # the local einsum's result
+    moves: tuple[Move, ...]
+    cost: Cost
+
+    def describe_roles(self, mesh: MeshShape, operands: int) -> str:
+        parts = []
+        for name, role in zip(mesh.names, self.roles):
+            if role[0] == "R":
+                parts.append(f"{name}: replicated")
+            elif role[0] == "S":
+                parts.append(f"{name}: shard {role[1]}")
+            else:
+                parts.append(f"{name}: partial operand {role[1]}")
+        return ", ".join(parts)
+
+
+def _axis_roles(problem: Problem, dim: str) -> list:
+    """The roles worth trying for one mesh dimension."""
+    out_axes = set(problem.output.axes)
+    mentioned: list[str] = []
+    for layout in problem.operands + (problem.output,):
+        i = layout.owner(dim)
+        if i is not None and layout.axes[i] not in mentioned:
+            mentioned.append(layout.axes[i])
+    partial_ops = [("P", k) for k, op in enumerate(problem.operands) if dim in op.partial]
+    roles = [("R",)] + [("S", x) for x in mentioned if x not in problem.fixed] + partial_ops
+    if dim in problem.summed:
+        summed_axes = []
+        for op in problem.operands:
+            for x in op.axes:
+                if x not in out_axes and x not in problem.fixed and x not in summed_axes:
+                    summed_axes.append(x)
+        contributing = [r for r in roles if (r[0] == "S" and r[1] not in out_axes) or r[0] == "P"]
+        contributing += [("S", x) for x in summed_axes if ("S", x) not in contributing]
+        roles = contributing
+    return roles
+
+
+def _splits_for(problem: Problem, axis: str, dims: tuple[str, ...], size: int):
+    for layout in (problem.output,) + problem.operands:
+        if axis in layout.axes:
+            i = layout.axes.index(axis)
+            if layout.shard[i] == dims:
+                return layout.splits[i]
+    return tuple(compute_split_shapes(size, problem.mesh.size(dims)))
+
+
+def _layout_for(base: Layout, roles, names, problem: Problem, partial_dims) -> Layout:
+    shard, splits = [], []
+    for axis, size in zip(base.axes, base.sizes):
+        dims = tuple(d for d, r in zip(names, roles) if r == ("S", axis))
+        shard.append(dims)
+        splits.append(_splits_for(problem, axis, dims, size) if dims else None)
+    return Layout(base.axes, base.sizes, tuple(shard), tuple(splits), frozenset(partial_dims))
+
+
+def _move(what: str, src: Layout, dst: Layout, mesh: MeshShape, itemsize: int) -> tuple[Move, Cost]:
+    fwd = plan_transition(src, dst, mesh)
+    bwd = plan_transition(dst, src, mesh)
+    fb, fc, fp = transition_cost(fwd, mesh, itemsize)
+    bb, bc, bp = transition_cost(bwd, mesh, itemsize)
+    return Move(what, src, dst, fwd, bwd), Cost(fb, bb, fc, bc, max(fp, bp) * itemsize)
+
+
+def _candidate(problem: Problem, roles) -> Candidate:
+    mesh = problem.mesh
+    names = mesh.names
+    moves: list[Move] = []
+    cost = Cost()
+    targets = []
+    live_bytes = 0.0
+    for k, op in enumerate(problem.operands):
+        own_partial = [d for d, r in zip(names, roles) if r == ("P", k)]
+        target = _layout_for(op, roles, names, problem, own_partial)
+        move, c = _move(f"operand {k}", op, target, mesh, problem.itemsize)
+        if move.forward or move.backward:
+            moves.append(move)
+        cost += c
+        varying = [
+            d
+            for d, r in zip(names, roles)
+            if r != ("R",) and r != ("P", k) and not (r[0] == "S" and r[1] in op.axes)
+        ]
+        if varying:
+            marked = target.with_partial(target.partial | set(varying))
+            move, c = _move(f"operand {k} (pvary)", target, marked, mesh, problem.itemsize)
+            moves.append(move)
+            cost += c
+        targets.append(target)
+        live_bytes += target.mean_numel(mesh) * problem.itemsize
+    out_axes = set(problem.output.axes)
+    result_partial = [
+        d for d, r in zip(names, roles) if r[0] == "P" or (r[0] == "S" and r[1] not in out_axes)
+    ]
+    result = _layout_for(problem.output, roles, names, problem, result_partial)
+    if not problem.free_output:
+        move, c = _move("result", result, problem.output, mesh, problem.itemsize)
+        if move.forward or move.backward:
+            moves.append(move)
+        cost += c
+    live_bytes += result.mean_numel(mesh) * problem.itemsize
+    cost = Cost(cost.fwd_bytes, cost.bwd_bytes, cost.fwd_calls, cost.bwd_calls, max(cost.peak_bytes, live_bytes))
+    return Candidate(tuple(roles), tuple(targets), result, tuple(moves), cost)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A contraction as a sequence of local einsums.
+
+    Each step contracts the operands at ``indices`` of the current operand
+    list (removing them and appending the result) with ``candidate``'s
+    layouts; the last step produces the output.
+    """
+
+    steps: tuple  # ((indices, axes of the step's result, candidate), ...)
+    cost: Cost
+
+
+def _needed_axes(operands, keep_out, i, j) -> tuple[str, ...]:
+    """Axes of operands ``i`` and ``j`` that the rest of the contraction still needs."""
+    later = set(keep_out)
+    for k, op in enumerate(operands):
+        if k not in (i, j):
+            later.update(op.axes)
+    out = []
+    for axis in operands[i].axes + operands[j].axes:
+        if axis in later and axis not in out:
+            out.append(axis)
+    return tuple(out)
+
+
+def _sizes_of(operands, axes):
+    table = {}
+    for op in operands:
+        for a, s in zip(op.axes, op.sizes):
+            table[a] = max(table.get(a, 1), s)
+    return tuple(table[a] for a in axes)
+
+
+_BEAM = 4
+
+
+@lru_cache(maxsize=1024)
+def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
+    """Schedules best first: one einsum over every operand, or pairwise contractions.
+
+    With three or more operands every pair is tried first (its best
+    ``_BEAM`` intermediate layouts), then the rest recursively; the cost
+    model ranks the results together with the single einsum.
+    """
+    everything = tuple(range(len(problem.operands)))
+    schedules = [
+        Schedule(((everything, problem.output.axes, c),), c.cost) for c in plan_contraction(problem, policy)
+    ]
+    n = len(problem.operands)
+    if n >= 3:
+        for i in range(n):
+            for j in range(i + 1, n):
+                axes = _needed_axes(problem.operands, problem.output.axes, i, j)
+                sizes = _sizes_of(problem.operands, axes)
+                free = Layout(axes, sizes, ((),) * len(axes), (None,) * len(axes))
+                pair = Problem(
+                    (problem.operands[i], problem.operands[j]),
+                    free,
+                    problem.mesh,
+                    problem.itemsize,
+                    fixed=problem.fixed,
+                    free_output=True,
+                )
+                seen = set()
+                for cand in plan_contraction(pair, policy):
+                    if cand.result in seen:
+                        continue
+                    seen.add(cand.result)
+                    rest = tuple(op for k, op in enumerate(problem.operands) if k not in (i, j)) + (cand.result,)
+                    sub = Problem(rest, problem.output, problem.mesh, problem.itemsize, problem.summed, problem.fixed)
+                    best = plan_schedule(sub, policy)[0]
+                    schedules.append(Schedule(((( i, j), axes, cand),) + best.steps, cand.cost + best.cost))
+                    if len(seen) == _BEAM:
+                        break
+    order = sorted(range(len(schedules)), key=lambda k: (schedules[k].cost.key(policy), k))
+    return tuple(schedules[k] for k in order)
+
+
+@lru_cache(maxsize=4096)
+def plan_contraction(problem: Problem, policy: PlanPolicy) -> tuple[Candidate, ...]:
+    """Every candidate, best first under ``policy`` (deterministic on every rank)."""
+    options = [_axis_roles(problem, d) for d in problem.mesh.names]
+    if any(not o for o in options):
+        dim = problem.mesh.names[[not o for o in options].index(True)]
+        raise ValueError(
+            f"the output is partial over {dim!r} but nothing can be summed over it "
+            "(no contracted axis can be sharded there and no input is partial over it)"
+        )
+    candidates = [_candidate(problem, roles) for roles in itertools.product(*options)]
+    order = sorted(range(len(candidates)), key=lambda k: (candidates[k].cost.key(policy), k))
+    return tuple(candidates[k] for k in order)
