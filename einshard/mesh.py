@@ -160,7 +160,14 @@ class Mesh:
     # -- groups -----------------------------------------------------------
     def group(self, name: str | Sequence[str]):
         """The process group of a (compound) dimension, created once and cached."""
-        dims = self.dims(name) if isinstance(name, str) else tuple(name)
+        if isinstance(name, str):
+            dims = self.dims(name)
+        else:
+            # library-internal form (any mesh, wrapped or not): put the atomic
+            # dimensions in mesh order so ("tp", "dp") and ("dp", "tp") share a group
+            dims = tuple(name)
+            if all(d in self.names for d in dims):
+                dims = tuple(sorted(set(dims), key=self.names.index))
         group = self._groups.get(dims)
         if group is not None:
             return group

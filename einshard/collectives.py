@@ -1,0 +1,556 @@
+"""Raw collectives on process groups (SPEC §4, "Plain collectives").
+
+These are *not* differentiable (their inputs are detached); the autograd
+versions are in :mod:`einshard.mappings`. Every function
+
+- accepts ``group=None`` for the default (world) group;
+- returns a new contiguous tensor (except :func:`split`, which returns a
+  view like ``torch.narrow``);
+- supports uneven split shapes, including empty blocks, on gloo and NCCL:
+  ``all_gather`` and ``reduce_scatter`` pad every block to the largest one
+  and use the native collective; ``all_to_all`` uses ``all_to_all_single``
+  with split sizes;
+- raises ``ValueError`` before communicating: errors every rank can see
+  from the shared arguments (a ``shapes`` list of the wrong length,
+  negative sizes, a bad ``src`` or ``perm``) on every rank; rank-local
+  errors (this rank's size disagrees with ``shapes``) through
+  :func:`einshard.checks.agree`, so with checks on every rank raises the
+  same error;
+- records its calls and bytes in :mod:`einshard.comm_stats`.
+
+Groups of one rank communicate nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import checks as _checks
+from . import comm_stats as _stats
+from ._split import compute_split_shapes
+
+__all__ = [
+    "group_size",
+    "group_rank",
+    "all_reduce",
+    "broadcast",
+    "split",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_v",
+    "ppermute",
+]
+
+# torch 2.13 renamed the tensor collectives; older versions only have the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# -- small helpers -------------------------------------------------------------
+
+
+def group_size(group=None) -> int:
+    """The number of ranks in ``group`` (``None``: the world).
+
+    >>> group_size(mesh.get_group("tp"))  # doctest: +SKIP
+    4
+    """
+    return dist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    """This rank's index in ``group`` (``None``: the world).
+
+    >>> group_rank(mesh.get_group("tp"))  # doctest: +SKIP
+    2
+    """
+    return dist.get_rank(group)
+
+
+def _global_rank(group, rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def _agree(group, err) -> None:
+    if err is not None or _checks._ENABLED:
+        _checks.agree(group, err)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat real view of a contiguous tensor (complex as pairs of reals)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(-1)
+
+
+def _real_factor(t: torch.Tensor) -> int:
+    return 2 if t.is_complex() else 1
+
+
+def _sizes(shapes, what: str, size: int) -> list[int]:
+    """Validate a split-shapes list shared by every rank (raises on every rank)."""
+    if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence):
+        try:
+            shapes = list(shapes)
+        except TypeError:
+            raise ValueError(f"{what} must be a list of per-rank sizes, got {shapes!r}") from None
+    out = []
+    for s in shapes:
+        if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)) and int(s) != s:
+            raise ValueError(f"{what} must hold integers, got {list(shapes)!r}")
+        out.append(int(s))
+    if len(out) != size:
+        raise ValueError(f"{what} {out} has {len(out)} entries but the group has {size} ranks")
+    if any(s < 0 for s in out):
+        raise ValueError(f"{what} {out} holds a negative size")
+    return out
+
+
+def _dim(dim, ndim: int, fn: str, what: str = "dim"):
+    """(normalised dim, error or None)."""
+    try:
+        d = int(dim)
+    except (TypeError, ValueError):
+        return 0, ValueError(f"{fn}: {what} must be an int, got {dim!r}")
+    if not -max(ndim, 1) <= d < max(ndim, 1) or ndim == 0:
+        return 0, ValueError(f"{fn}: {what}={dim} is out of range for a tensor with {ndim} dimensions")
+    return d % ndim, None
+
+
+def _offsets(shapes: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in shapes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _contiguous_clone(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+class _CompletedWork:
+    """The ``Work`` of an asynchronous collective on a one-rank group."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+# -- all_reduce / broadcast ------------------------------------------------------
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": None, "mean": None}
+
+
+def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool = False):
+    """The element-wise reduction of ``x`` over the ranks of ``group``, as a new tensor.
+
+    ``op`` is ``"sum"``, ``"max"``, ``"min"`` or ``"avg"`` (alias ``"mean"``;
+    floating or complex dtypes, computed as the sum of ``x / P``). With
+    ``async_op=True`` returns ``(tensor, work)``; call ``work.wait()`` before
+    reading the tensor.
+
+    >>> y = all_reduce(torch.ones(3), group)  # doctest: +SKIP
+    >>> y  # on 4 ranks  # doctest: +SKIP
+    tensor([4., 4., 4.])
+    """
+    name = op.lower() if isinstance(op, str) else op
+    if name not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    if x.is_complex() and name in ("max", "min"):
+        raise ValueError(f"all_reduce: op={op!r} is not defined for complex tensors")
+    if name in ("avg", "mean") and not (x.is_floating_point() or x.is_complex()):
+        raise ValueError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
+    size = dist.get_world_size(group)
+    x = x.detach()
+    if name in ("avg", "mean"):
+        y = (x / size).contiguous() if size > 1 else _contiguous_clone(x)
+        reduce_op = dist.ReduceOp.SUM
+    else:
+        y = _contiguous_clone(x)
+        reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[name])
+    if size == 1:
+        return (y, _CompletedWork()) if async_op else y
+    if _stats._ACTIVE:
+        n = 2 * (size - 1) * y.numel() * y.element_size() // size
+        _stats.record("all_reduce", group, n, n)
+    buf = torch.view_as_real(y) if y.is_complex() else y
+    work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=async_op)
+    return (y, work) if async_op else y
+
+
+def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
+    """Rank ``src``'s ``x`` on every rank of ``group``, as a new tensor.
+
+    ``src`` is the rank *within the group*. The other ranks' ``x`` only give
+    the shape and dtype (they must match ``src``'s).
+
+    >>> y = broadcast(torch.full((2,), float(rank)), group, src=1)  # doctest: +SKIP
+    >>> y  # on every rank  # doctest: +SKIP
+    tensor([1., 1.])
+    """
+    size = dist.get_world_size(group)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
+        raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {size})")
+    x = x.detach()
+    if size == 1:
+        return _contiguous_clone(x)
+    rank = dist.get_rank(group)
+    y = _contiguous_clone(x) if rank == src else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if _stats._ACTIVE:
+        n = y.numel() * y.element_size()
+        _stats.record("broadcast", group, n if rank == src else 0, 0 if rank == src else n)
+    buf = torch.view_as_real(y) if y.is_complex() else y
+    dist.broadcast(buf, src=_global_rank(group, src), group=group)
+    return y
+
+
+# -- split / all_gather / reduce_scatter -----------------------------------------
+
+
+def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (a view; no communication).
+
+    ``shapes`` are the per-rank block sizes (default
+    ``compute_split_shapes(x.shape[dim], P)``); they must sum to ``x.shape[dim]``.
+
+    >>> split(torch.arange(10), group, 0)  # rank 3 of 4 → shapes [3, 3, 3, 1]  # doctest: +SKIP
+    tensor([9])
+    """
+    size = dist.get_world_size(group)
+    if shapes is not None:
+        shapes = _sizes(shapes, "split: shapes", size)
+    d, err = _dim(dim, x.dim(), "split")
+    if err is None:
+        if shapes is None:
+            shapes = compute_split_shapes(x.shape[d], size)
+        elif sum(shapes) != x.shape[d]:
+            err = ValueError(
+                f"split: shapes {shapes} sum to {sum(shapes)} but the tensor has size {x.shape[d]} along dim {dim}"
+            )
+    _agree(group, err)
+    rank = dist.get_rank(group) if size > 1 else 0
+    return x.detach().narrow(d, sum(shapes[:rank]), shapes[rank])
+
+
+def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in group-rank order.
+
+    ``shapes`` are the per-rank sizes along ``dim`` (default: even, every
+    rank holds ``x.shape[dim]``). Uneven blocks are padded to the largest.
+
+    >>> all_gather(torch.full((1, 2), float(rank)), group, 0)  # 2 ranks  # doctest: +SKIP
+    tensor([[0., 0.],
+            [1., 1.]])
+    >>> all_gather(x, group, dim=1, shapes=[3, 3, 3, 0])  # doctest: +SKIP
+    """
+    size = dist.get_world_size(group)
+    if shapes is not None:
+        shapes = _sizes(shapes, "all_gather: shapes", size)
+    d, err = _dim(dim, x.dim(), "all_gather")
+    rank = dist.get_rank(group) if size > 1 else 0
+    if err is None and shapes is not None and x.shape[d] != shapes[rank]:
+        err = ValueError(
+            f"all_gather: this rank (group rank {rank}) holds {x.shape[d]} elements along dim {dim} "
+            f"but shapes[{rank}] = {shapes[rank]} (shapes {shapes})"
+        )
+    _agree(group, err)
+    x = x.detach()
+    if size == 1:
+        return _contiguous_clone(x)
+    local = x.shape[d]
+    if shapes is None:
+        shapes = [local] * size
+    m = max(shapes)
+    even = all(s == m for s in shapes)
+    if local == m:
+        block = x.contiguous()
+    else:
+        block = x.new_zeros(x.shape[:d] + (m,) + x.shape[d + 1 :])
+        block.narrow(d, 0, local).copy_(x)
+    out = block.new_empty((size,) + block.shape)
+    if block.numel() > 0:
+        if _stats._ACTIVE:
+            n = (size - 1) * block.numel() * block.element_size()
+            _stats.record("all_gather", group, n, n)
+        _all_gather_tensor(_flat(out), _flat(block), group=group)
+    if even:
+        return out.movedim(0, d).reshape(x.shape[:d] + (size * m,) + x.shape[d + 1 :])
+    return torch.cat([out[j].narrow(d, 0, shapes[j]) for j in range(size)], dim=d)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's block along ``dim`` of the sum over ranks of ``x``.
+
+    Every rank passes the whole (same-shaped) ``x``; ``shapes`` (default
+    ``compute_split_shapes(x.shape[dim], P)``) must sum to ``x.shape[dim]``.
+    Uneven blocks are padded to the largest.
+
+    >>> reduce_scatter(torch.ones(4), group, 0)  # 2 ranks  # doctest: +SKIP
+    tensor([2., 2.])
+    """
+    size = dist.get_world_size(group)
+    if shapes is not None:
+        shapes = _sizes(shapes, "reduce_scatter: shapes", size)
+    d, err = _dim(dim, x.dim(), "reduce_scatter")
+    if err is None:
+        if shapes is None:
+            shapes = compute_split_shapes(x.shape[d], size)
+        elif sum(shapes) != x.shape[d]:
+            err = ValueError(
+                f"reduce_scatter: shapes {shapes} sum to {sum(shapes)} but the tensor has size "
+                f"{x.shape[d]} along dim {dim}"
+            )
+    _agree(group, err)
+    x = x.detach()
+    if size == 1:
+        return _contiguous_clone(x)
+    rank = dist.get_rank(group)
+    m = max(shapes)
+    if all(s == m for s in shapes):
+        buf = x.unflatten(d, (size, m)).movedim(d, 0).contiguous()
+    else:
+        buf = x.new_zeros((size,) + x.shape[:d] + (m,) + x.shape[d + 1 :])
+        for j, off in enumerate(_offsets(shapes)):
+            if shapes[j]:
+                buf[j].narrow(d, 0, shapes[j]).copy_(x.narrow(d, off, shapes[j]))
+    out = buf.new_empty(buf.shape[1:])
+    if out.numel() == 0:
+        return out.narrow(d, 0, shapes[rank]).contiguous()
+    if _stats._ACTIVE:
+        own = out.numel() * out.element_size()
+        _stats.record("reduce_scatter", group, (size - 1) * own, (size - 1) * own)
+    _reduce_scatter_tensor(_flat(out), _flat(buf), op=dist.ReduceOp.SUM, group=group)
+    if shapes[rank] == m:
+        return out
+    return out.narrow(d, 0, shapes[rank]).contiguous()
+
+
+# -- all_to_all ------------------------------------------------------------------
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group,
+    src_dim: int,
+    dst_dim: int,
+    src_shapes: Sequence[int] | None = None,
+    dst_shapes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Repartition: sharded along ``src_dim`` and whole along ``dst_dim`` → the reverse.
+
+    This rank holds ``src_shapes[rank]`` along ``src_dim`` (default: even)
+    and the whole ``dst_dim``; it gets the whole ``src_dim`` and
+    ``dst_shapes[rank]`` along ``dst_dim`` (default
+    ``compute_split_shapes(x.shape[dst_dim], P)``). One ``all_to_all_single``
+    with split sizes, so uneven and empty blocks cost no padding.
+
+    >>> x = torch.randn(2, 8)              # rows 2r, 2r+1 of a (8, 8) matrix, 4 ranks  # doctest: +SKIP
+    >>> all_to_all(x, group, 0, 1).shape   # every row, columns 2r, 2r+1  # doctest: +SKIP
+    torch.Size([8, 2])
+    """
+    size = dist.get_world_size(group)
+    if src_shapes is not None:
+        src_shapes = _sizes(src_shapes, "all_to_all: src_shapes", size)
+    if dst_shapes is not None:
+        dst_shapes = _sizes(dst_shapes, "all_to_all: dst_shapes", size)
+    rank = dist.get_rank(group) if size > 1 else 0
+    sd, err = _dim(src_dim, x.dim(), "all_to_all", "src_dim")
+    dd, err2 = _dim(dst_dim, x.dim(), "all_to_all", "dst_dim")
+    err = err or err2
+    if err is None and sd == dd:
+        err = ValueError(f"all_to_all: src_dim ({src_dim}) and dst_dim ({dst_dim}) must differ")
+    if err is None:
+        if src_shapes is None:
+            src_shapes = [x.shape[sd]] * size
+        elif x.shape[sd] != src_shapes[rank]:
+            err = ValueError(
+                f"all_to_all: this rank (group rank {rank}) holds {x.shape[sd]} elements along src_dim "
+                f"{src_dim} but src_shapes[{rank}] = {src_shapes[rank]} (src_shapes {src_shapes})"
+            )
+    if err is None:
+        if dst_shapes is None:
+            dst_shapes = compute_split_shapes(x.shape[dd], size)
+        elif sum(dst_shapes) != x.shape[dd]:
+            err = ValueError(
+                f"all_to_all: dst_shapes {dst_shapes} sum to {sum(dst_shapes)} but the tensor has size "
+                f"{x.shape[dd]} along dst_dim {dst_dim}"
+            )
+    _agree(group, err)
+    x = x.detach()
+    if size == 1:
+        return _contiguous_clone(x)
+    # Blocks for the destination ranks are contiguous once dst_dim is in front.
+    xt = x.movedim(dd, 0).contiguous()
+    other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
+    mine = dst_shapes[rank]
+    factor = _real_factor(x)
+    in_splits = [s * other * x.shape[sd] for s in dst_shapes]
+    out_splits = [mine * other * s for s in src_shapes]
+    out = x.new_empty(sum(out_splits))
+    # Skip only when nobody moves anything (decided from shared sizes, so every rank agrees).
+    if sum(src_shapes) * sum(dst_shapes) * other:
+        if _stats._ACTIVE:
+            isz = x.element_size()
+            _stats.record(
+                "all_to_all",
+                group,
+                (sum(in_splits) - in_splits[rank]) * isz,
+                (sum(out_splits) - out_splits[rank]) * isz,
+            )
+        dist.all_to_all_single(
+            _flat(out),
+            _flat(xt),
+            [s * factor for s in out_splits],
+            [s * factor for s in in_splits],
+            group=group,
+        )
+    result_shape = list(x.shape)
+    result_shape[sd] = sum(src_shapes)
+    result_shape[dd] = mine
+    result = x.new_empty(result_shape)
+    moved = list(xt.shape)  # block layout: dst_dim first, the others in order
+    sd_moved = sd + 1 if sd < dd else sd
+    moved[0] = mine
+    for j, (off, part) in enumerate(zip(_offsets(src_shapes), out.split(out_splits))):
+        if src_shapes[j] == 0:
+            continue
+        moved[sd_moved] = src_shapes[j]
+        result.narrow(sd, off, src_shapes[j]).copy_(part.view(moved).movedim(0, dd))
+    return result
+
+
+def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group) -> list[torch.Tensor]:
+    """General exchange: ``chunks[j]`` goes to group rank ``j``; returns what each rank sent here.
+
+    Chunks may have any shape (they are flattened) and must share one dtype;
+    ``recv_numels[j]`` is the element count rank ``j`` sends to this rank.
+    Returns flat 1-D tensors, one per source rank. This rank's own chunk is
+    passed through without communication (the result may share its memory).
+    One ``all_to_all_single`` with split sizes.
+
+    >>> got = all_to_all_v([torch.full((j,), float(rank)) for j in range(P)], [rank] * P, group)  # doctest: +SKIP
+    >>> got[j]  # rank j's chunk for this rank: `rank` elements equal to j  # doctest: +SKIP
+    """
+    size = dist.get_world_size(group)
+    chunks = list(chunks)
+    if len(chunks) != size:
+        raise ValueError(f"all_to_all_v: got {len(chunks)} chunks but the group has {size} ranks")
+    recv_numels = _sizes(recv_numels, "all_to_all_v: recv_numels", size)
+    rank = dist.get_rank(group) if size > 1 else 0
+    err = None
+    dtype = chunks[rank].dtype
+    if any(c.dtype != dtype for c in chunks):
+        err = ValueError(f"all_to_all_v: chunks have different dtypes {sorted({str(c.dtype) for c in chunks})}")
+    elif chunks[rank].numel() != recv_numels[rank]:
+        err = ValueError(
+            f"all_to_all_v: this rank (group rank {rank}) keeps {chunks[rank].numel()} elements for itself "
+            f"but recv_numels[{rank}] = {recv_numels[rank]}"
+        )
+    _agree(group, err)
+    own = chunks[rank].detach().reshape(-1)
+    if size == 1:
+        return [own]
+    in_splits = [0 if j == rank else c.numel() for j, c in enumerate(chunks)]
+    out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
+    send = [c.detach().reshape(-1) for j, c in enumerate(chunks) if j != rank and c.numel()]
+    inp = torch.cat(send) if send else own.new_empty(0)
+    out = own.new_empty(sum(out_splits))
+    # Always called: a rank cannot know whether the others exchange anything.
+    if _stats._ACTIVE:
+        isz = own.element_size()
+        _stats.record("all_to_all_v", group, sum(in_splits) * isz, sum(out_splits) * isz)
+    factor = _real_factor(own)
+    dist.all_to_all_single(
+        _flat(out),
+        _flat(inp.contiguous()),
+        [s * factor for s in out_splits],
+        [s * factor for s in in_splits],
+        group=group,
+    )
+    result = list(out.split(out_splits))
+    result[rank] = own
+    return result
+
+
+# -- ppermute --------------------------------------------------------------------
+
+
+def _check_perm(perm, size: int) -> list[tuple[int, int]]:
+    pairs = []
+    try:
+        for pair in perm:
+            s, d = pair
+            if isinstance(s, bool) or isinstance(d, bool) or int(s) != s or int(d) != d:
+                raise TypeError
+            pairs.append((int(s), int(d)))
+    except (TypeError, ValueError):
+        raise ValueError(f"ppermute: perm must be a list of (src, dst) rank pairs, got {perm!r}") from None
+    for s, d in pairs:
+        if not (0 <= s < size and 0 <= d < size):
+            raise ValueError(f"ppermute: pair {(s, d)} names a rank outside the group (size {size})")
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    if len(set(srcs)) != len(srcs):
+        raise ValueError(f"ppermute: a rank sends more than once in {pairs}")
+    if len(set(dsts)) != len(dsts):
+        raise ValueError(f"ppermute: a rank receives more than once in {pairs}")
+    return pairs
+
+
+def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
+    """Send ``x`` along the ``(src, dst)`` pairs of ``perm`` (group ranks), like ``jax.lax.ppermute``.
+
+    Each rank sends at most once and receives at most once; a rank that
+    receives nothing gets zeros. ``recv_shape`` (default ``x.shape``) is the
+    shape this rank receives. Batched ``isend``/``irecv``.
+
+    >>> ring = [(i, (i + 1) % P) for i in range(P)]  # doctest: +SKIP
+    >>> ppermute(torch.tensor([float(rank)]), group, ring)  # rank r gets r-1  # doctest: +SKIP
+    """
+    size = dist.get_world_size(group)
+    pairs = _check_perm(perm, size)
+    x = x.detach()
+    recv_shape = tuple(x.shape) if recv_shape is None else tuple(int(s) for s in recv_shape)
+    rank = dist.get_rank(group) if size > 1 else 0
+    dst = next((d for s, d in pairs if s == rank), None)
+    src = next((s for s, d in pairs if d == rank), None)
+    err = None
+    if src == rank and math.prod(recv_shape) != x.numel():
+        err = ValueError(f"ppermute: rank {rank} sends to itself but recv_shape {recv_shape} != {tuple(x.shape)}")
+    _agree(group, err)
+    if src is None:
+        out = x.new_zeros(recv_shape)
+    elif src == rank:
+        out = _contiguous_clone(x).view(recv_shape)
+    else:
+        out = x.new_empty(recv_shape)
+    if size == 1:
+        return out
+    ops = []
+    sent = received = 0
+    if dst is not None and dst != rank and x.numel():
+        xc = x.contiguous()
+        ops.append(dist.P2POp(dist.isend, _flat(xc), _global_rank(group, dst), group))
+        sent = xc.numel() * xc.element_size()
+    if src is not None and src != rank and out.numel():
+        ops.append(dist.P2POp(dist.irecv, _flat(out), _global_rank(group, src), group))
+        received = out.numel() * out.element_size()
+    if _stats._ACTIVE:
+        _stats.record("ppermute", group, sent, received)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
