@@ -9,6 +9,7 @@ from ._version import __version__
 from . import helpers
 from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
 from .notation import parse_sharding
+from .explain import explain, Explanation
 from .ops import einshard
 from .policy import PlanPolicy, optimize, set_default_policy
 
@@ -20,6 +21,8 @@ __all__ = [
     "use_mesh",
     "wrap_mesh",
     "parse_sharding",
+    "explain",
+    "Explanation",
     "einshard",
     "PlanPolicy",
     "optimize",

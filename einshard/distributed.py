@@ -13,7 +13,7 @@ from . import _context, checks
 from .execute import transition
 from .layout import MeshShape
 from .mesh import resolve_mesh
-from .ops.local import Contraction
+from .ops.local import Contraction, expand_sizes
 from .plan.contraction import Problem, plan_schedule
 from .policy import resolve_policy
 from .resolve import freeze_shapes, resolve
@@ -82,10 +82,11 @@ def _itemsize(tensors) -> int:
     return max(t.element_size() for t in tensors)
 
 
-def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy):
-    """Resolve and plan (no communication); returns a compiled :class:`DistributedPlan`."""
+def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=()):
+    """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled)."""
     ambient = _context.current().shapes
-    resolved = resolve(parsed, local_shapes, mesh, shapes=shapes, sizes=dict(sizes), ambient=ambient)
+    sizes = expand_sizes(parsed, sizes, families)
+    resolved = resolve(parsed, local_shapes, mesh, shapes=shapes, sizes=sizes, ambient=ambient)
     problem = Problem(
         resolved.operands,
         resolved.output,
@@ -121,7 +122,7 @@ def run_distributed(parsed, tensors, *, mesh, shapes, sizes, families, optimize,
     if plan is None:
         try:
             plan = plan_distributed(
-                parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol
+                parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families
             ).compile()
         except ValueError as err:
             if checks.checks_enabled():

@@ -17,8 +17,8 @@ __all__ = ["Transition", "compile_step", "transition"]
 
 
 def _rel_slices(inner, outer):
-    """Per-axis ``(start, length)`` of box ``inner`` inside box ``outer``."""
-    return [(a - c, b - a) for (a, b), (c, _) in zip(inner, outer)]
+    """Per-axis ``(start, length)`` of box ``inner`` inside box ``outer`` (empty: ``(0, 0)``)."""
+    return [(a - c, b - a) if b > a else (0, 0) for (a, b), (c, _) in zip(inner, outer)]
 
 
 def _narrow(x: torch.Tensor, rel) -> torch.Tensor:

@@ -266,7 +266,10 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
                     seen.add(cand.result)
                     rest = tuple(op for k, op in enumerate(problem.operands) if k not in (i, j)) + (cand.result,)
                     sub = Problem(rest, problem.output, problem.mesh, problem.itemsize, problem.summed, problem.fixed)
-                    best = plan_schedule(sub, policy)[0]
+                    try:
+                        best = plan_schedule(sub, policy)[0]
+                    except ValueError:  # this intermediate cannot give the output's contributions
+                        continue
                     schedules.append(Schedule(((( i, j), axes, cand),) + best.steps, cand.cost + best.cost))
                     if len(seen) == _BEAM:
                         break

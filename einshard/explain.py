@@ -1,0 +1,181 @@
+"""``es.explain``: the plan a distributed formula would run, without running it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import MeshShape
+from .mesh import resolve_mesh
+from .notation import expand, freeze_families
+from .ops.local import freeze_sizes
+from .policy import PlanPolicy, resolve_policy
+
+__all__ = ["explain", "Explanation"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One collective (or local step) of a plan."""
+
+    phase: str  # "forward" or "backward"
+    tensor: str  # "operand 0", "operand 1 (pvary)", "result", "step 2: operand 0", ...
+    move: str  # "all-gather along c", "all-reduce", "local slice", ...
+    mesh_dims: str  # "tp", "dp-sp", "" for local steps
+    bytes_per_rank: float
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The chosen plan and its alternatives; ``str()`` is a readable table.
+
+    ``rows`` lists every step (forward and backward) of the chosen plan;
+    ``alternatives`` lists ``(description, cost)`` for every candidate the
+    planner priced, best first (the first is the chosen one).
+    """
+
+    formula: str
+    policy: PlanPolicy
+    local: bool
+    rows: tuple[Row, ...]
+    alternatives: tuple[tuple[str, dict], ...]
+
+    @property
+    def forward_bytes(self) -> float:
+        return sum(r.bytes_per_rank for r in self.rows if r.phase == "forward")
+
+    @property
+    def backward_bytes(self) -> float:
+        return sum(r.bytes_per_rank for r in self.rows if r.phase == "backward")
+
+    @property
+    def collectives(self) -> int:
+        return sum(1 for r in self.rows if r.mesh_dims)
+
+    def __str__(self) -> str:
+        lines = [f"einshard plan for {self.formula!r} (policy: {self.policy.name})"]
+        if self.local:
+            lines.append("  local formula: one torch call, no communication")
+            return "\n".join(lines)
+        header = ("phase", "tensor", "move", "mesh dim", "bytes/rank")
+        table = [header] + [
+            (r.phase, r.tensor, r.move, r.mesh_dims or "-", f"{r.bytes_per_rank:,.0f}") for r in self.rows
+        ]
+        if len(table) == 1:
+            table.append(("-", "-", "no communication", "-", "0"))
+        widths = [max(len(row[k]) for row in table) for k in range(len(header))]
+        for n, row in enumerate(table):
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            if n == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines.append(
+            f"  total: forward {self.forward_bytes:,.0f} B, backward {self.backward_bytes:,.0f} B, "
+            f"{self.collectives} collective(s)"
+        )
+        if len(self.alternatives) > 1:
+            lines.append("alternatives (best first):")
+            for text, cost in self.alternatives[: min(len(self.alternatives), 8)]:
+                lines.append(
+                    f"  fwd {cost['forward_bytes']:>12,.0f} B  bwd {cost['backward_bytes']:>12,.0f} B  "
+                    f"calls {cost['collectives']:>2}  peak {cost['peak_bytes']:>12,.0f} B  {text}"
+                )
+            if len(self.alternatives) > 8:
+                lines.append(f"  ... and {len(self.alternatives) - 8} more")
+        return "\n".join(lines)
+
+
+def _schedule_rows(plan) -> tuple[Row, ...]:
+    mesh = plan.problem.mesh
+    itemsize = plan.problem.itemsize
+    rows = []
+    multi = len(plan.chosen.steps) > 1
+    for n, (_indices, _axes, cand) in enumerate(plan.chosen.steps):
+        prefix = f"step {n + 1}: " if multi else ""
+        for move in cand.moves:
+            for phase, steps in (("forward", move.forward), ("backward", move.backward)):
+                for step in steps:
+                    rows.append(
+                        Row(
+                            phase,
+                            prefix + move.what,
+                            step.describe(),
+                            "-".join(step.dims) if step.is_collective else "",
+                            step.bytes_per_rank(mesh, itemsize),
+                        )
+                    )
+    order = {"forward": 0, "backward": 1}
+    rows.sort(key=lambda r: order[r.phase])
+    return tuple(rows)
+
+
+def _describe_schedule(schedule, mesh: MeshShape) -> str:
+    parts = []
+    for indices, _axes, cand in schedule.steps:
+        roles = cand.describe_roles(mesh, len(indices))
+        if len(schedule.steps) > 1:
+            parts.append(f"contract {tuple(indices)} [{roles}]")
+        else:
+            parts.append(roles)
+    return "; ".join(parts)
+
+
+def explain(
+    formula: str,
+    *tensors_or_shapes,
+    mesh=None,
+    shapes=None,
+    sizes=None,
+    families=None,
+    optimize=None,
+    policy=None,
+    dtype=None,
+) -> Explanation:
+    """The plan ``einshard`` would run for these operands, without running it.
+
+    Operands are tensors or local shapes (what this rank holds; ``dtype``,
+    default float32, sets the element size for shapes). The mesh may be a
+    virtual one (``es.Mesh.virtual((2, 4), ("dp", "tp"))``): explaining
+    needs no process group.
+
+    >>> mesh = es.Mesh.virtual((4,), ("tp",))
+    >>> print(es.explain("b c/tp, h c/tp -> b h", (8, 4), (16, 4), mesh=mesh))  # doctest: +SKIP
+    """
+    pol = resolve_policy(optimize, policy)
+    frozen = freeze_families(families)
+    parsed = expand(formula, frozen)
+    local_shapes, itemsizes = [], []
+    default_itemsize = torch.empty((), dtype=dtype or torch.float32).element_size()
+    for k, t in enumerate(tensors_or_shapes):
+        if isinstance(t, torch.Tensor):
+            local_shapes.append(tuple(t.shape))
+            itemsizes.append(t.element_size())
+        elif isinstance(t, (tuple, list, torch.Size)):
+            local_shapes.append(tuple(int(s) for s in t))
+            itemsizes.append(default_itemsize)
+        else:
+            raise ValueError(f"explain: operand {k} must be a tensor or a shape, got {type(t).__name__}")
+    if parsed.is_local:
+        return Explanation(formula, pol, True, (), ())
+    from .distributed import plan_distributed
+
+    mesh = resolve_mesh(mesh)
+    plan = plan_distributed(
+        parsed, local_shapes, max(itemsizes, default=default_itemsize), mesh, shapes, freeze_sizes(sizes), pol, frozen
+    )
+    if plan.local_error is not None:
+        raise ValueError(plan.local_error)
+    shape = MeshShape.of(mesh)
+    alternatives = tuple(
+        (
+            _describe_schedule(s, shape),
+            {
+                "forward_bytes": s.cost.fwd_bytes,
+                "backward_bytes": s.cost.bwd_bytes,
+                "collectives": s.cost.fwd_calls + s.cost.bwd_calls,
+                "peak_bytes": s.cost.peak_bytes,
+            },
+        )
+        for s in plan.schedules
+    )
+    return Explanation(formula, pol, False, _schedule_rows(plan), alternatives)
