@@ -21,6 +21,7 @@ the mesh fixtures). See ``docs/testing.md``.
 from ._errors import RankError, RankTimeout
 from ._mesh import MeshSpec, make_mesh
 from ._pool import RankPool, close_all_pools, get_pool, run_on_ranks, spawn
+from .reference import local_block
 
 __all__ = [
     "spawn",
@@ -32,4 +33,5 @@ __all__ = [
     "RankTimeout",
     "MeshSpec",
     "make_mesh",
+    "local_block",
 ]
