@@ -6,7 +6,9 @@ torch.Size([2, 4])
 """
 
 from ._version import __version__
-from . import helpers
+from . import collectives, helpers, mappings, testing
+from .checks import set_checks
+from .comm_stats import CommStats, count_communication
 from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
 from .notation import parse_sharding
 from .explain import explain, Explanation
@@ -15,7 +17,13 @@ from .policy import PlanPolicy, optimize, set_default_policy
 
 __all__ = [
     "__version__",
+    "collectives",
     "helpers",
+    "mappings",
+    "testing",
+    "set_checks",
+    "count_communication",
+    "CommStats",
     "Mesh",
     "current_mesh",
     "use_mesh",

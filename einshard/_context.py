@@ -18,6 +18,8 @@ class Ambient:
     # extra per-scope state (shard_map's variance tracking, policy scope)
     policy: object = None
     shard_map: object = None
+    # a hashable form of ``shapes`` for plan-cache keys (set by ``push``)
+    shapes_key: tuple = ()
 
 
 _EMPTY = Ambient()
@@ -29,6 +31,10 @@ def current() -> Ambient:
 
 
 def push(**changes) -> contextvars.Token:
+    if "shapes" in changes:
+        shapes = dict(changes["shapes"] or {})
+        changes["shapes"] = shapes
+        changes["shapes_key"] = tuple(sorted(shapes.items()))
     return _AMBIENT.set(replace(_AMBIENT.get(), **changes))
 
 

@@ -52,8 +52,13 @@ def _flag_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(group, error: BaseException | None) -> None:
+def agree(group, error: BaseException | None, fingerprint: int | None = None, what: str = "") -> None:
     """Raise ``error`` here, or (checks on) the lowest failing rank's error on every rank.
+
+    ``fingerprint`` (checks on): an integer that must be equal on every rank
+    (e.g. a hash of the global shapes a rank derived); when the ranks
+    disagree, every rank raises a ``ValueError`` naming ``what``. It travels
+    in the same collective as the error flag.
 
     With checks off: raises ``error`` if it is not ``None``; no communication.
     With checks on: one all-reduce of a small flag over ``group``; when any
@@ -76,15 +81,21 @@ def agree(group, error: BaseException | None) -> None:
             raise error
         return
     rank = dist.get_rank(group)
-    flag = torch.tensor([rank if error is not None else size], dtype=torch.int64, device=_flag_device(group))
+    fp = 0 if fingerprint is None else int(fingerprint) % (2**62)
+    flag = torch.tensor([rank if error is not None else size, fp, -fp], dtype=torch.int64, device=_flag_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     from . import comm_stats
 
     if comm_stats._ACTIVE:
-        n = flag.element_size()
+        n = flag.numel() * flag.element_size()
         comm_stats.record("check", group, 2 * (size - 1) * n // size, 2 * (size - 1) * n // size)
-    lowest = int(flag.item())
+    lowest, low_fp, neg_high_fp = (int(v) for v in flag.tolist())
     if lowest >= size:
+        if low_fp != -neg_high_fp:
+            raise ValueError(
+                f"the ranks disagree on {what or 'the arguments'}: each rank derived different global shapes or "
+                "split shapes (uneven shards passed without shapes=?)"
+            )
         return
     message = None
     if error is not None:

@@ -9,10 +9,13 @@ shapes, split shapes, sizes, mesh, dtype, policy, ambient split shapes).
 
 from __future__ import annotations
 
+import zlib
+
 from . import _context, checks
 from .execute import transition
 from .layout import MeshShape
-from .mesh import resolve_mesh
+from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
+from .notation import expand
 from .ops.local import Contraction, expand_sizes
 from .plan.contraction import Problem, plan_schedule
 from .policy import resolve_policy
@@ -26,7 +29,7 @@ _PLANS: dict = {}
 class DistributedPlan:
     """A chosen schedule bound to this rank: call ``run`` with the local tensors."""
 
-    __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error")
+    __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint")
 
     def __init__(self, problem, schedules, resolved, mesh):
         self.problem = problem
@@ -36,6 +39,8 @@ class DistributedPlan:
         self.mesh = mesh
         self.local_error = resolved.local_error
         self.run = None
+        # equal on every rank when they agree on global sizes and split shapes (checked with checks on)
+        self.fingerprint = zlib.crc32(repr((problem.operands, problem.output)).encode())
 
     def compile(self) -> "DistributedPlan":
         mesh = self.mesh
@@ -44,10 +49,9 @@ class DistributedPlan:
         for indices, _axes, cand in self.chosen.steps:
             chains = []
             for k, i in enumerate(indices):
-                chain = [transition(layouts[i], cand.targets[k], mesh)]
-                for move in cand.moves:
-                    if move.what == f"operand {k} (pvary)":
-                        chain.append(transition(move.src, move.dst, mesh))
+                steps = cand.chains[k]
+                assert steps[0] == layouts[i]
+                chain = [transition(a, b, mesh) for a, b in zip(steps, steps[1:])]
                 chains.append(tuple(t for t in chain if not t.trivial))
             core = Contraction([t.axes for t in cand.targets], cand.result.axes).run
             compiled.append((tuple(indices), tuple(chains), core))
@@ -102,35 +106,49 @@ def _agree_group(mesh):
     return mesh.group(tuple(mesh.names))
 
 
-def run_distributed(parsed, tensors, *, mesh, shapes, sizes, families, optimize, policy):
-    """Run a distributed formula (called by :func:`einshard.einshard`)."""
-    mesh = resolve_mesh(mesh)
+def run_distributed(key, tensors, mesh, shapes, optimize, policy):
+    """Run a distributed formula (called by :func:`einshard.einshard`).
+
+    ``key`` is einshard's ``(formula, sizes key, families key, *local shapes)``.
+    """
+    ambient = _context.current()
+    if mesh is None:
+        mesh = ambient.mesh
+        if mesh is None:
+            raise ValueError(_MESH_REQUIRED)
+    elif not isinstance(mesh, Mesh):
+        mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
-    ambient = _context.current().shapes
-    key = (
-        parsed.text,
-        families,
-        sizes,
-        freeze_shapes(shapes),
-        tuple(tuple(t.shape) for t in tensors),
-        mesh,
-        tuple(t.dtype for t in tensors),
-        pol,
-        tuple(sorted(ambient.items())) if ambient else None,
-    )
-    plan = _PLANS.get(key)
+    full_key = (key, mesh, None if shapes is None else freeze_shapes(shapes), pol, ambient.shapes_key,
+                *[t.dtype for t in tensors])
+    plan = _PLANS.get(full_key)
     if plan is None:
-        try:
-            plan = plan_distributed(
-                parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families
-            ).compile()
-        except ValueError as err:
-            if checks.checks_enabled():
-                checks.agree(_agree_group(mesh), err)
-            raise
-        if len(_PLANS) > 16384:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    if plan.local_error is not None or checks.checks_enabled():
-        checks.agree(_agree_group(mesh), None if plan.local_error is None else ValueError(plan.local_error))
+        plan = _new_plan(full_key, key, tensors, mesh, shapes, pol)
+    if plan.local_error is not None or checks._ENABLED:
+        checks.agree(
+            _agree_group(mesh),
+            None if plan.local_error is None else ValueError(plan.local_error),
+            fingerprint=plan.fingerprint,
+            what=f"the layouts of {key[0]!r}",
+        )
     return plan.run(tensors)
+
+
+def _new_plan(full_key, key, tensors, mesh, shapes, pol):
+    from .ops.einshard import _check_tensors
+
+    formula, sizes, families = key[0], key[1], key[2]
+    parsed = expand(formula, families)
+    try:
+        _check_tensors(parsed, tensors)
+        plan = plan_distributed(
+            parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families
+        ).compile()
+    except ValueError as err:
+        if checks.checks_enabled():
+            checks.agree(_agree_group(mesh), err)
+        raise
+    if len(_PLANS) > 16384:
+        _PLANS.clear()
+    _PLANS[full_key] = plan
+    return plan

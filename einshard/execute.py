@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import collectives as C
+from ._autograd import fast_apply
 from .layout import Layout, MeshShape
 
 __all__ = ["Transition", "compile_step", "transition"]
@@ -140,9 +141,9 @@ class Transition:
         return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.trivial:
-            return x
-        return _TransitionFn.apply(x, self)
+        if self.trivial or (not self.steps and not (x.requires_grad and torch.is_grad_enabled())):
+            return x  # nothing to do forward, and no backward will run
+        return _apply_transition(x, self)
 
 
 _TRANSITIONS: dict = {}
@@ -171,3 +172,6 @@ class _TransitionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.ex.reverse()(grad), None
+
+
+_apply_transition = fast_apply(_TransitionFn)

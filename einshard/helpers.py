@@ -5,12 +5,21 @@ from __future__ import annotations
 import os
 
 from ._split import compute_split_shapes, compute_split_shapes_for_factors, resolve_split_shapes
+from .collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, ppermute, reduce_scatter, split
 
 __all__ = [
     "compute_split_shapes",
     "compute_split_shapes_for_factors",
     "resolve_split_shapes",
     "init_process_group",
+    "all_reduce",
+    "broadcast",
+    "split",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_v",
+    "ppermute",
 ]
 
 

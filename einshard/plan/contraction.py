@@ -90,6 +90,7 @@ class Candidate:
 
     roles: tuple
     targets: tuple[Layout, ...]  # the operands as the local einsum sees them
+    chains: tuple  # per operand: the layouts it passes through, from its own to the einsum's
     result: Layout  # the local einsum's result
     moves: tuple[Move, ...]
     cost: Cost
@@ -161,23 +162,25 @@ def _candidate(problem: Problem, roles) -> Candidate:
     cost = Cost()
     targets = []
     live_bytes = 0.0
+    chains = []
     for k, op in enumerate(problem.operands):
         own_partial = [d for d, r in zip(names, roles) if r == ("P", k)]
         target = _layout_for(op, roles, names, problem, own_partial)
-        move, c = _move(f"operand {k}", op, target, mesh, problem.itemsize)
-        if move.forward or move.backward:
-            moves.append(move)
-        cost += c
-        varying = [
+        varying = {
             d
             for d, r in zip(names, roles)
             if r != ("R",) and r != ("P", k) and not (r[0] == "S" and r[1] in op.axes)
-        ]
-        if varying:
-            marked = target.with_partial(target.partial | set(varying))
-            move, c = _move(f"operand {k} (pvary)", target, marked, mesh, problem.itemsize)
-            moves.append(move)
+        }
+        marked = target.with_partial(target.partial | varying)
+        # one transition straight to the marked layout (so its reverse can reduce-scatter),
+        # unless the operand is truly partial over a dim it must first reduce, then pvary
+        chain = (op, target, marked) if varying & op.partial else (op, marked)
+        for n, (src, dst) in enumerate(zip(chain, chain[1:])):
+            move, c = _move(f"operand {k}" + (" (pvary)" if n else ""), src, dst, mesh, problem.itemsize)
+            if move.forward or move.backward:
+                moves.append(move)
             cost += c
+        chains.append(chain)
         targets.append(target)
         live_bytes += target.mean_numel(mesh) * problem.itemsize
     out_axes = set(problem.output.axes)
@@ -192,7 +195,7 @@ def _candidate(problem: Problem, roles) -> Candidate:
         cost += c
     live_bytes += result.mean_numel(mesh) * problem.itemsize
     cost = Cost(cost.fwd_bytes, cost.bwd_bytes, cost.fwd_calls, cost.bwd_calls, max(cost.peak_bytes, live_bytes))
-    return Candidate(tuple(roles), tuple(targets), result, tuple(moves), cost)
+    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost)
 
 
 @dataclass(frozen=True)
