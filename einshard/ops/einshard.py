@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..notation import expand, freeze_families
 from ..policy import resolve_policy
+from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
 
 __all__ = ["einshard"]
@@ -11,6 +12,8 @@ __all__ = ["einshard"]
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
 _LOCAL_PLANS: dict = {}
 _NO_KEY = ()
+# formula texts known to be distributed (skip the local cache's parse on a miss)
+_DISTRIBUTED: set = set()
 
 
 def einshard(
@@ -51,6 +54,8 @@ def einshard(
         if optimize is not None or policy is not None:
             resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
         return plan.run(tensors)
+    if formula in _DISTRIBUTED:
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
 
 
@@ -58,16 +63,14 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
     parsed = expand(formula, key[2])
     _check_tensors(parsed, tensors)
-    if parsed.is_local:
-        plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
-        if len(_LOCAL_PLANS) > 65536:
-            _LOCAL_PLANS.clear()
-        _LOCAL_PLANS[key] = plan
-        return plan.run(tensors)
-    from ..distributed import run_distributed
-
-    return run_distributed(parsed, tensors, mesh=mesh, shapes=shapes, sizes=key[1], families=key[2],
-                           optimize=optimize, policy=policy)
+    if not parsed.is_local:
+        _DISTRIBUTED.add(formula)
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
+    if len(_LOCAL_PLANS) > 65536:
+        _LOCAL_PLANS.clear()
+    _LOCAL_PLANS[key] = plan
+    return plan.run(tensors)
 
 
 def _check_tensors(parsed, tensors) -> None:
