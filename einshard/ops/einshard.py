@@ -12,7 +12,7 @@ __all__ = ["einshard"]
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
 _LOCAL_PLANS: dict = {}
 _NO_KEY = ()
-# formula texts known to be distributed (skip the local cache's parse on a miss)
+# (formula, families key) known to be distributed: skip the parse on a local-cache miss
 _DISTRIBUTED: set = set()
 
 
@@ -54,7 +54,7 @@ def einshard(
         if optimize is not None or policy is not None:
             resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
         return plan.run(tensors)
-    if formula in _DISTRIBUTED:
+    if (formula, key[2]) in _DISTRIBUTED:
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
 
@@ -64,7 +64,7 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     parsed = expand(formula, key[2])
     _check_tensors(parsed, tensors)
     if not parsed.is_local:
-        _DISTRIBUTED.add(formula)
+        _DISTRIBUTED.add((formula, key[2]))
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
     if len(_LOCAL_PLANS) > 65536:
