@@ -1,0 +1,63 @@
+"""``torch_einshard``: an alias of :mod:`einshard` (the distribution's own name).
+
+``import torch_einshard as es`` gives the very module object ``import
+einshard as es`` gives, and ``torch_einshard.X`` is ``einshard.X`` for every
+submodule (``import torch_einshard.helpers``, ``from torch_einshard.mappings
+import ...``): each module is executed once, as ``einshard.X``, and shared.
+
+>>> import einshard, torch_einshard, torch_einshard.helpers
+>>> torch_einshard is einshard, torch_einshard.helpers is einshard.helpers
+(True, True)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+
+import einshard as _einshard
+
+_ALIAS = __name__  # "torch_einshard"
+_TARGET = _einshard.__name__  # "einshard"
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves ``torch_einshard.X`` to the module object ``einshard.X``."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith(_ALIAS + "."):
+            return None
+        real_name = _TARGET + fullname[len(_ALIAS) :]
+        try:
+            real_spec = importlib.util.find_spec(real_name)
+        except (ImportError, ValueError):
+            return None
+        if real_spec is None:
+            return None
+        return importlib.machinery.ModuleSpec(
+            fullname,
+            self,
+            origin=real_spec.origin,
+            loader_state={"name": real_name},
+            is_package=real_spec.submodule_search_locations is not None,
+        )
+
+    def create_module(self, spec):
+        module = importlib.import_module(spec.loader_state["name"])
+        # the import system is about to stamp the alias spec onto the module
+        spec.loader_state["spec"] = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        # already executed as einshard.X; only give it its own spec back
+        module.__spec__ = module.__spec__.loader_state["spec"]
+
+
+if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AliasFinder())
+
+# The alias *is* the package: the same object, attributes and submodules.
+sys.modules[_ALIAS] = _einshard
