@@ -71,10 +71,15 @@ def _raises_agreed(fn, rank_prefix: str, fragment: str) -> str:
 def test_agree_on_ranks(mesh_2x2x2):
     rank = dist.get_rank()
     with _checks_on():
-        # nobody failed: one small collective, no error
+        # nobody failed: one small collective (flag + fingerprint range, 3 int64), no error
         with comm_stats.count_communication() as s:
             checks.agree(None, None)
-        assert s.by_kind() == {"check": comm_stats.CommRecord(1, 2 * 7 * 8 // 8, 2 * 7 * 8 // 8)}, str(s)
+        assert s.by_kind() == {"check": comm_stats.CommRecord(1, 2 * 7 * 24 // 8, 2 * 7 * 24 // 8)}, str(s)
+
+        # equal fingerprints pass; different ones raise the same error everywhere
+        checks.agree(None, None, fingerprint=1234, what="the shapes")
+        with pytest.raises(ValueError, match="the ranks disagree on the shapes"):
+            checks.agree(None, None, fingerprint=rank % 2, what="the shapes")
 
         # ranks 5 and 2 fail: every rank raises rank 2's message
         err = ValueError(f"bad size on rank {rank}") if rank in (2, 5) else None
