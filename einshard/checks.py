@@ -12,6 +12,7 @@ costs nothing.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -23,6 +24,27 @@ def _env_default() -> bool:
 
 
 _ENABLED: bool = _env_default()
+
+# Inside a planned operation every argument has been checked (and agreed on) once for the
+# whole operation, so its collectives skip their own agreement: see :func:`planned`.
+_PLANNED = threading.local()
+
+
+class planned:
+    """Context: the collectives inside run a plan whose arguments were already agreed on."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _PLANNED.depth = getattr(_PLANNED, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _PLANNED.depth -= 1
+
+
+def agreement_needed() -> bool:
+    """Checks are on and no planned operation has agreed already."""
+    return _ENABLED and not getattr(_PLANNED, "depth", 0)
 
 
 def set_checks(flag: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import checks as _checks
 from . import collectives as C
 from ._autograd import fast_apply
 from .layout import Layout, MeshShape
@@ -136,6 +137,11 @@ class Transition:
         return self._reverse
 
     def run_raw(self, x: torch.Tensor) -> torch.Tensor:
+        if _checks._ENABLED:  # agreed once per operation, not per collective
+            with _checks.planned():
+                for step in self.steps:
+                    x = step(x)
+            return x
         for step in self.steps:
             x = step(x)
         return x

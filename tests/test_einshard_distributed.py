@@ -334,3 +334,22 @@ def _policies_agree(mesh):
 @pytest.mark.ranks(8)
 def test_every_policy_gives_the_same_values_and_gradients(mesh_2x4):
     _policies_agree(mesh_2x4)
+
+
+def _one_agreement_per_call(mesh):
+    mesh = es.wrap_mesh(mesh)
+    es.set_checks(True)
+    try:
+        x = torch.randn(3, 8, requires_grad=True)
+        es.einshard("a/tp b -> a b/tp", x, mesh=mesh, shapes={"tp": {"a": [3, 3, 3, 3]}})  # plan
+        with es.count_communication() as stats:
+            y = es.einshard("a/tp b -> a b/tp", x, mesh=mesh, shapes={"tp": {"a": [3, 3, 3, 3]}})
+            y.sum().backward()
+        return {kind: rec.calls for kind, rec in stats.by_kind().items()}
+    finally:
+        es.set_checks(False)
+
+
+@pytest.mark.ranks(8)
+def test_checks_agree_once_per_call_not_per_collective(mesh_2x4):
+    assert _one_agreement_per_call(mesh_2x4) == {"check": 1, "all_to_all": 2}
