@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import lru_cache
 from dataclasses import dataclass, replace
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Layout", "MeshShape", "coarsen_splits"]
+import numpy as np
+
+__all__ = ["Layout", "MeshShape", "coarsen_splits", "interval_grid", "grouped"]
 
 
 @dataclass(frozen=True)
@@ -168,3 +171,33 @@ class Layout:
             dims = sorted(self.partial)
             text += " // " + (dims[0] if len(dims) == 1 else "(" + ", ".join(dims) + ")")
         return text
+
+
+@lru_cache(maxsize=16384)
+def interval_grid(layout: Layout, mesh: MeshShape) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's block at once: ``(starts, stops)``, each of shape ``(len(axes),) + mesh.shape``."""
+    starts = np.zeros((len(layout.axes),) + mesh.shape, dtype=np.int64)
+    stops = np.empty_like(starts)
+    grids = np.indices(mesh.shape, dtype=np.int64) if mesh.shape else np.zeros((0,), dtype=np.int64)
+    for i, (dims, size) in enumerate(zip(layout.shard, layout.sizes)):
+        if not dims:
+            stops[i] = size
+            continue
+        block = np.zeros(mesh.shape, dtype=np.int64)
+        for d in dims:
+            k = mesh.names.index(d)
+            block = block * mesh.shape[k] + grids[k]
+        splits = np.asarray(layout.splits[i], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(splits)[:-1]])
+        starts[i] = offsets[block]
+        stops[i] = starts[i] + splits[block]
+    starts.setflags(write=False)
+    stops.setflags(write=False)
+    return starts, stops
+
+
+def grouped(values: np.ndarray, mesh: MeshShape, dims: Sequence[str]) -> np.ndarray:
+    """``values`` (shaped like the mesh) as ``(groups, group size)``, members in group-rank order."""
+    positions = [mesh.names.index(d) for d in dims]
+    moved = np.moveaxis(values, positions, list(range(values.ndim - len(positions), values.ndim)))
+    return moved.reshape(-1, mesh.size(dims))

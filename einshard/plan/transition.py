@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import Layout, MeshShape, coarsen_splits
+import numpy as np
+
+from ..layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
 
 __all__ = ["Step", "plan_transition", "transition_cost"]
 
@@ -88,15 +90,11 @@ class Step:
 
 def _moved_numel(src: Layout, dst: Layout, mesh: MeshShape) -> float:
     """Elements every rank must receive (needed, not held), averaged over ranks."""
-    total = 0
-    for coord in mesh.coords():
-        need = 1
-        own = 1
-        for (a, b), (c, d) in zip(dst.box(coord, mesh), src.box(coord, mesh)):
-            need *= b - a
-            own *= max(0, min(b, d) - max(a, c))
-        total += need - own
-    return total / mesh.world
+    s0, s1 = interval_grid(src, mesh)
+    d0, d1 = interval_grid(dst, mesh)
+    need = np.prod(d1 - d0, axis=0)
+    own = np.prod(np.clip(np.minimum(s1, d1) - np.maximum(s0, d0), 0, None), axis=0)
+    return float(np.mean(need - own))
 
 
 def transition_cost(steps, mesh: MeshShape, itemsize: int) -> tuple[float, int, float]:
@@ -166,31 +164,38 @@ def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ..
 
 def _contained(inner: Layout, outer: Layout, mesh: MeshShape) -> bool:
     """Every rank's block of ``inner`` lies inside its block of ``outer``."""
-    for coord in mesh.coords():
-        for (a, b), (c, d) in zip(inner.box(coord, mesh), outer.box(coord, mesh)):
-            if b > a and (a < c or b > d):
-                return False
-    return True
+    i0, i1 = interval_grid(inner, mesh)
+    o0, o1 = interval_grid(outer, mesh)
+    return bool(np.all((i1 <= i0) | ((i0 >= o0) & (i1 <= o1))))
 
 
-def _consecutive(intervals, whole) -> bool:
-    """``intervals`` (in order) tile ``whole`` exactly."""
-    start = whole[0]
-    for a, b in intervals:
-        if a != start:
-            return False
-        start = b
-    return start == whole[1]
+def _tiles(parts: Layout, i: int, whole: Layout, j: int, dims: tuple, mesh: MeshShape) -> bool:
+    """On every group over ``dims``, the members' blocks of axis ``i`` of ``parts`` (in group
+    order) tile the block of axis ``j`` of ``whole`` (which the members share)."""
+    p0, p1 = interval_grid(parts, mesh)
+    w0, w1 = interval_grid(whole, mesh)
+    a, b = grouped(p0[i], mesh, dims), grouped(p1[i], mesh, dims)
+    lo, hi = grouped(w0[j], mesh, dims), grouped(w1[j], mesh, dims)
+    return bool(
+        np.all(lo == lo[:, :1])
+        and np.all(hi == hi[:, :1])
+        and np.all(a[:, 0] == lo[:, 0])
+        and np.all(a[:, 1:] == b[:, :-1])
+        and np.all(b[:, -1] == hi[:, 0])
+    )
+
+
+def _same_elsewhere(a: Layout, b: Layout, skip: tuple, mesh: MeshShape) -> bool:
+    """Every rank's blocks of ``a`` and ``b`` agree on every axis not in ``skip``."""
+    a0, a1 = interval_grid(a, mesh)
+    b0, b1 = interval_grid(b, mesh)
+    keep = [k for k in range(len(a.axes)) if k not in skip]
+    return bool(np.all(a0[keep] == b0[keep]) and np.all(a1[keep] == b1[keep]))
 
 
 def _scatters(cur: Layout, new: Layout, i: int, dims: tuple, mesh: MeshShape) -> bool:
     """Reduce-scattering axis ``i`` over ``dims`` turns ``cur`` into ``new``."""
-    for coord in mesh.coords():
-        members = mesh.group_coords(dims, coord)
-        whole = cur.interval(i, coord, mesh)
-        if not _consecutive([new.interval(i, m, mesh) for m in members], whole):
-            return False
-    return True
+    return _tiles(new, i, cur, i, dims, mesh)
 
 
 def _exchange_dims(cur: Layout, target: Layout, mesh: MeshShape) -> tuple[str, ...]:
@@ -212,18 +217,23 @@ def _data_placement(layout: Layout, dim: str):
 
 def _covered(cur: Layout, target: Layout, i: int, group: set, mesh: MeshShape) -> bool:
     """The senders over ``group`` hold every rank's new block of axis ``i``."""
-    varying = [d for d in cur.shard[i] if d in group]
-    for coord in mesh.coords():
-        want = target.interval(i, coord, mesh)
-        if want[1] <= want[0]:
-            continue
-        held = sorted(cur.interval(i, m, mesh) for m in mesh.group_coords(varying, coord))
-        start = want[0]
-        for a, b in held:
-            if a <= start < b:
-                start = b
-        if start < want[1]:
-            return False
+    varying = tuple(d for d in cur.shard[i] if d in group)
+    c0, c1 = interval_grid(cur, mesh)
+    t0, t1 = interval_grid(target, mesh)
+    held0, held1 = grouped(c0[i], mesh, varying), grouped(c1[i], mesh, varying)
+    want0, want1 = grouped(t0[i], mesh, varying), grouped(t1[i], mesh, varying)
+    for row in range(held0.shape[0]):
+        merged: list[list[int]] = []
+        for a, b in sorted(zip(held0[row].tolist(), held1[row].tolist())):
+            if b <= a:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in zip(want0[row].tolist(), want1[row].tolist()):
+            if b > a and not any(x <= a and b <= y for x, y in merged):
+                return False
     return True
 
 
@@ -246,14 +256,9 @@ def _gather_axis(cur: Layout, target: Layout, dims: tuple, mesh: MeshShape) -> i
     if len(owners) != 1 or None in owners or any(target.owner(d) is not None for d in dims):
         return None
     (i,) = owners
-    for coord in mesh.coords():
-        members = mesh.group_coords(dims, coord)
-        if not _consecutive([cur.interval(i, m, mesh) for m in members], target.interval(i, coord, mesh)):
-            return None
-        for j in range(len(cur.axes)):
-            if j != i and cur.interval(j, coord, mesh) != target.interval(j, coord, mesh):
-                return None
-    return i
+    if _tiles(cur, i, target, i, dims, mesh) and _same_elsewhere(cur, target, (i,), mesh):
+        return i
+    return None
 
 
 def _all_to_all_axes(cur: Layout, target: Layout, dims: tuple, mesh: MeshShape):
@@ -263,13 +268,10 @@ def _all_to_all_axes(cur: Layout, target: Layout, dims: tuple, mesh: MeshShape):
     i, j = cur.owner(dims[0]), target.owner(dims[0])
     if i is None or j is None or i == j:
         return None
-    for coord in mesh.coords():
-        members = mesh.group_coords(dims, coord)
-        if not _consecutive([cur.interval(i, m, mesh) for m in members], target.interval(i, coord, mesh)):
-            return None
-        if not _consecutive([target.interval(j, m, mesh) for m in members], cur.interval(j, coord, mesh)):
-            return None
-        for k in range(len(cur.axes)):
-            if k not in (i, j) and cur.interval(k, coord, mesh) != target.interval(k, coord, mesh):
-                return None
-    return i, j
+    if (
+        _tiles(cur, i, target, i, dims, mesh)
+        and _tiles(target, j, cur, j, dims, mesh)
+        and _same_elsewhere(cur, target, (i, j), mesh)
+    ):
+        return i, j
+    return None
