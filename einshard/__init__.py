@@ -14,6 +14,7 @@ from .notation import parse_sharding
 from .explain import explain, Explanation
 from .ops import einshard
 from .policy import PlanPolicy, optimize, set_default_policy
+from .visualize import visualize
 
 __all__ = [
     "__version__",
@@ -35,4 +36,5 @@ __all__ = [
     "PlanPolicy",
     "optimize",
     "set_default_policy",
+    "visualize",
 ]
