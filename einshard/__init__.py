@@ -12,7 +12,7 @@ from .comm_stats import CommStats, count_communication
 from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
 from .notation import parse_sharding
 from .explain import explain, Explanation
-from .ops import einshard
+from .ops import einconv, einhalo, einroll, einshard, einwindow
 from .policy import PlanPolicy, optimize, set_default_policy
 from .visualize import visualize
 
@@ -33,6 +33,10 @@ __all__ = [
     "explain",
     "Explanation",
     "einshard",
+    "einhalo",
+    "einwindow",
+    "einconv",
+    "einroll",
     "PlanPolicy",
     "optimize",
     "set_default_policy",

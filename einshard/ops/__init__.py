@@ -1,5 +1,9 @@
 """The operations: einshard, einfft, einhalo/einwindow/einconv, einroll."""
 
+from .conv import einconv
 from .einshard import einshard
+from .halo import einhalo
+from .roll import einroll
+from .window import einwindow
 
-__all__ = ["einshard"]
+__all__ = ["einshard", "einhalo", "einwindow", "einconv", "einroll"]

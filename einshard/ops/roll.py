@@ -1,0 +1,129 @@
+"""``es.einroll``: ``torch.roll`` on named axes of sharded tensors (SPEC §7).
+
+On a sharded axis the rolled tensor keeps the input's layout (the same split
+shapes), so each rank's new block is made of at most two slices of the
+global axis. Each owner sends each destination exactly the part of its
+block that lands there (one ``all_to_all_v`` over the mesh dimensions that
+shard the rolled axes; several sharded axes move together, so a cell that
+crosses two block boundaries moves once, straight to its destination). The
+part of a block that stays on its rank is copied locally. Unsharded axes
+(and axes sharded over one rank) are rolled locally with ``torch.roll``.
+Backward is the reverse exchange (a roll by the opposite shifts).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from .. import _context
+from ..layout import Layout, MeshShape
+from ..notation import freeze_families
+from ..plan.halo import roll_runs
+from ..resolve import freeze_shapes
+from .halo import (
+    agree_before_communicating,
+    ambient_key,
+    build_plan,
+    compile_exchange,
+    exchange_group,
+    freeze,
+    parse_spec,
+    per_axis,
+    pick_mesh,
+    spec_layout,
+)
+
+__all__ = ["einroll", "RollPlan"]
+
+
+class RollPlan:
+    """A roll of one spec, local shape, layout and mesh, bound to this rank: ``plan(x)``."""
+
+    __slots__ = ("layout", "mesh", "local_dims", "local_shifts", "exchange", "local_error")
+
+    def __init__(self, layout: Layout, shifts: dict[int, int], mesh, local_error=None):
+        self.layout, self.mesh, self.local_error = layout, mesh, local_error
+        moving = {i: s % layout.sizes[i] for i, s in shifts.items() if layout.sizes[i] > 0}
+        moving = {i: s for i, s in moving.items() if s}
+        ex_axes, dims = exchange_group(layout, sorted(moving), mesh)
+        self.local_dims = tuple(i for i in sorted(moving) if i not in ex_axes)
+        self.local_shifts = tuple(moving[i] for i in self.local_dims)
+        self.exchange = None
+        if ex_axes and local_error is None:
+            local = layout.local_shape(mesh.coordinate, MeshShape.of(mesh))
+            self.exchange = compile_exchange(
+                layout, ex_axes, dims, mesh,
+                lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
+                {i: local[i] for i in ex_axes},
+            )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        agree_before_communicating(self.mesh, self.local_error)
+        t = x
+        if self.local_dims:
+            t = torch.roll(t, self.local_shifts, self.local_dims)
+        if self.exchange is not None:
+            t = self.exchange(t)
+        return t
+
+
+_PLANS: dict = {}
+_FAST: dict = {}  # the raw arguments of einroll -> plan
+
+
+def _shift(value, axis: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}") from None
+
+
+def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
+    """``torch.roll`` on named axes; sharded axes move only the slices that cross block boundaries.
+
+    ``shifts`` maps axes (or families, with a tuple per member) to integer
+    shifts: the result at global position ``t`` holds the input at
+    ``(t - shift) mod size``, like ``torch.roll``. The result keeps the
+    input's layout. Without ``shapes=`` a sharded axis is assumed evenly split.
+
+    >>> import torch
+    >>> from einshard.ops.roll import einroll
+    >>> einroll("b w", torch.arange(6.).reshape(2, 3), {"w": 1})
+    tensor([[2., 0., 1.],
+            [5., 3., 4.]])
+
+    Distributed (each rank holds its block of ``h`` over ``sp``)::
+
+        y = es.einroll("b h/sp w", x_block, {"h": 3, "w": -1}, mesh=mesh, shapes={"sp": [5, 5, 6]})
+    """
+    try:
+        fast = (spec, freeze(shifts), freeze(families), freeze_shapes(shapes), mesh, _context.current().mesh,
+                ambient_key(), x.shape, x.dtype, x.device)
+        plan = _FAST.get(fast)
+    except TypeError:  # unhashable arguments: take the checked path (it reports them)
+        fast, plan = None, None
+    if plan is not None:
+        return plan(x)
+    what = "einroll"
+    tspec = parse_spec(spec, families, what)
+    names = [a.name for a in tspec.axes]
+    raw = per_axis(shifts, names, families, what, "shifts", spec)
+    by_name = {k: _shift(v, k) for k, v in raw.items()}
+    m = pick_mesh(tspec, mesh)
+    key = (spec, freeze_families(families), tspec, tuple(sorted(by_name.items())), tuple(x.shape),
+           freeze_shapes(shapes), m, ambient_key(), x.dtype, x.device)
+
+    def build():
+        layout, local_error = spec_layout(tspec, spec, tuple(x.shape), m, shapes, what)
+        return RollPlan(layout, {names.index(k): v for k, v in by_name.items()}, m, local_error)
+
+    plan = build_plan(_PLANS, key, m, build)
+    if fast is not None:
+        if len(_FAST) > 4096:
+            _FAST.clear()
+        _FAST[fast] = plan
+    return plan(x)

@@ -1,0 +1,129 @@
+"""``es.einwindow``: sharding-aware unfold (SPEC §7).
+
+``b h/sp w c -> b h/sp w kh c`` with ``windows={"h": "kh"}`` and
+``radius={"h": 1}`` gives, for every position a rank owns, its ``2r+1``
+neighbours along the new local axis ``kh`` (offsets ``-r .. r``). It is
+:func:`einshard.ops.halo.einhalo` (ghost cells fetched from the owners, the
+boundary mode outside the domain) followed by ``Tensor.unfold`` (a view) and
+a permutation to the output order.
+"""
+
+from __future__ import annotations
+
+from ..notation import expand, freeze_families
+from .halo import check_boundary, check_spec, family_table, halo_plan, per_axis, pick_mesh, width_pair
+
+__all__ = ["einwindow", "parse_window_formula"]
+
+
+def _split_formula(formula: str, what: str):
+    if not isinstance(formula, str) or formula.count("->") != 1:
+        raise ValueError(f"{what}: expects a formula 'input -> output', got {formula!r}")
+    left, right = formula.split("->")
+    return left.strip(), right.strip()
+
+
+def same_sharding(a, b, mesh=None) -> bool:
+    """Whether two axes are sharded over the same (compound) mesh dimension."""
+    return frozenset(a.mesh_components) == frozenset(b.mesh_components)
+
+
+def parse_window_formula(formula, windows, radius, families, what="einwindow"):
+    """``(input spec, input text, output spec, {axis: window name}, {axis: (left, right)})``, validated."""
+    left, right = _split_formula(formula, what)
+    fam = freeze_families(families)
+    parsed_in, parsed_out = expand(left, fam), expand(right, fam)
+    if parsed_in.output is not None or len(parsed_in.inputs) != 1 or len(parsed_out.inputs) != 1:
+        raise ValueError(f"{what}: expects one input and one output tensor, got {formula!r}")
+    ins, out = parsed_in.inputs[0], parsed_out.inputs[0]
+    check_spec(ins, formula, what, "the input")
+    check_spec(out, formula, what, "the output")
+    in_names = [a.name for a in ins.axes]
+    wmap = per_axis(windows, in_names, families, what, "windows", formula)
+    table = family_table(families)
+    for axis, name in wmap.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{what}: windows[{axis!r}] must be the name of the window axis, got {name!r}")
+        if name in table and len(table[name]) == 1:
+            wmap[axis] = table[name][0]
+    rad = {k: width_pair(v, k, what, "radius") for k, v in per_axis(radius, in_names, families, what, "radius",
+                                                                      formula).items()}
+    for axis in wmap:
+        if axis not in rad:
+            raise ValueError(f"{what}: {formula!r}: axis {axis!r} has a window but no radius; pass radius={{{axis!r}: r}}")
+    for axis in rad:
+        if axis not in wmap:
+            raise ValueError(f"{what}: {formula!r}: radius names axis {axis!r}, which has no window in windows=")
+    out_axes = {a.name: a for a in out.axes}
+    seen = set()
+    for axis, name in wmap.items():
+        if name in in_names:
+            raise ValueError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is already an input axis")
+        if name in seen:
+            raise ValueError(f"{what}: {formula!r}: window axis {name!r} is used for two axes")
+        seen.add(name)
+        if name not in out_axes:
+            raise ValueError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is missing from the output")
+        if out_axes[name].mesh:
+            raise ValueError(
+                f"{what}: {formula!r}: window axis {name!r} is sharded ('{out_axes[name]}'); window axes are local"
+            )
+    for a in ins.axes:
+        if a.name not in out_axes:
+            raise ValueError(f"{what}: {formula!r}: input axis {a.name!r} is missing from the output")
+        if not same_sharding(a, out_axes[a.name]):
+            raise ValueError(
+                f"{what}: {formula!r}: the output changes the sharding of axis {a.name!r} "
+                f"('{a}' -> '{out_axes[a.name]}'); it must stay as in the input"
+            )
+    for name in out_axes:
+        if name not in in_names and name not in seen:
+            raise ValueError(f"{what}: {formula!r}: output axis {name!r} is neither an input axis nor a window axis")
+    return ins, left, out, wmap, rad
+
+
+def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=None, shapes=None, families=None):
+    """For every owned position, its neighbourhood along new local window axes (a sharded unfold).
+
+    ``windows`` maps input axes to new window axis names (or a family to a
+    family / tuple of names); ``radius`` maps the same axes to ``r`` (window
+    ``2r+1``, offsets ``-r..r``) or ``(left, right)`` (window
+    ``left+right+1``). Positions outside the domain follow ``boundary`` as
+    in :func:`einhalo`. The output holds every input axis with its sharding
+    plus the window axes (unsharded), in the output's order; it is a view of
+    the halo-extended block.
+
+    >>> import torch
+    >>> from einshard.ops.window import einwindow
+    >>> einwindow("w -> w k", torch.arange(4.), {"w": "k"}, {"w": 1})
+    tensor([[0., 0., 1.],
+            [0., 1., 2.],
+            [1., 2., 3.],
+            [2., 3., 0.]])
+
+    Distributed::
+
+        y = es.einwindow("b h/sp w c -> b h/sp w kh kw c", x_block, {"h": "kh", "w": "kw"},
+                         {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
+    """
+    what = "einwindow"
+    check_boundary(boundary, what)
+    ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families, what)
+    m = pick_mesh(ins, mesh)
+    plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, what, freeze_families(families))
+    y = plan(x, fill)
+    names = [a.name for a in ins.axes]
+    current = list(names)
+    for axis, name in wmap.items():
+        left, right = rad[axis]
+        dim, size = names.index(axis), left + right + 1
+        if y.shape[dim] < size:  # an empty block: no windows (unfold refuses)
+            y = y.narrow(dim, 0, 0).unsqueeze(-1)
+            y = y.expand(*y.shape[:-1], size)
+        else:
+            y = y.unfold(dim, size, 1)
+        current.append(name)
+    order = [current.index(a.name) for a in out.axes]
+    if order != list(range(len(order))):
+        y = y.permute(order)
+    return y
