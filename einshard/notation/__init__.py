@@ -25,11 +25,21 @@ __all__ = [
     "Zip",
     "parse_sharding",
     "expand",
+    "expand_specs",
     "freeze_families",
     "invalid",
 ]
 
 _ANNOTATION_KEYS = {"param": False, "grad": True, "init_sync": True}
+
+
+@lru_cache(maxsize=4096)
+def _parse(formula: str) -> Formula:
+    """Syntax and the checks that do not depend on families."""
+    inputs, output = parse_text(formula)
+    parsed = Formula(formula, inputs, output)
+    _check_structure(parsed)
+    return parsed
 
 
 @lru_cache(maxsize=4096)
@@ -43,9 +53,7 @@ def parse_sharding(formula: str) -> Formula:
     >>> [str(t) for t in f.inputs], str(f.output)
     (['a/sp b', 'b c'], 'a/sp c')
     """
-    inputs, output = parse_text(formula)
-    parsed = Formula(formula, inputs, output)
-    _check_structure(parsed)
+    parsed = _parse(formula)
     if not _has_families(parsed):
         _check_semantics(parsed)
     return parsed
@@ -63,26 +71,42 @@ def freeze_families(families: Mapping | None) -> tuple:
     return tuple(sorted(frozen))
 
 
+def _frozen(families) -> tuple:
+    if families is None:
+        return ()
+    return families if isinstance(families, tuple) else freeze_families(families)
+
+
 def expand(formula: str, families: Mapping | tuple | None = None) -> Formula:
-    """Parse ``formula`` and expand its families; the result has no ``*f`` or zips."""
-    if families is None or isinstance(families, tuple):
-        return _expand_cached(formula, families or ())
-    return _expand_cached(formula, freeze_families(families))
+    """Parse ``formula`` and expand its families; the result has no ``*f`` or zips.
+
+    Validated as an einsum: every output axis must come from an input.
+    """
+    return _expand_cached(formula, _frozen(families), True)
+
+
+def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formula:
+    """Like :func:`expand`, but the output may introduce new axes.
+
+    For operations whose output names axes of their own (``einfft``'s
+    frequency axes, ``einwindow``'s window axes); each tensor spec is still
+    checked on its own.
+    """
+    return _expand_cached(formula, _frozen(families), False)
 
 
 @lru_cache(maxsize=4096)
-def _expand_cached(formula: str, frozen: tuple) -> Formula:
-    parsed = parse_sharding(formula)
-    if not _has_families(parsed):
-        return parsed
-    table = {name: tuple(_parse_member(formula, name, m) for m in members) for name, members in frozen}
-    expanded = Formula(
-        formula,
-        tuple(_expand_tensor(formula, t, table) for t in parsed.inputs),
-        None if parsed.output is None else _expand_tensor(formula, parsed.output, table),
-    )
-    _check_semantics(expanded)
-    return expanded
+def _expand_cached(formula: str, frozen: tuple, einsum: bool) -> Formula:
+    parsed = _parse(formula)
+    if _has_families(parsed):
+        table = {name: tuple(_parse_member(formula, name, m) for m in members) for name, members in frozen}
+        parsed = Formula(
+            formula,
+            tuple(_expand_tensor(formula, t, table) for t in parsed.inputs),
+            None if parsed.output is None else _expand_tensor(formula, parsed.output, table),
+        )
+    _check_semantics(parsed, einsum)
+    return parsed
 
 
 def _parse_member(formula: str, family: str, member) -> Axis:
@@ -154,8 +178,8 @@ def _check_structure(formula: Formula) -> None:
                 raise invalid(text, tensor.pos, f"annotation {ann.key!r} takes no value")
 
 
-def _check_semantics(formula: Formula) -> None:
-    """Checks on the expanded formula: names, mesh dimensions, output axes."""
+def _check_semantics(formula: Formula, einsum: bool = True) -> None:
+    """Checks on the expanded formula: names, mesh dimensions, and (``einsum``) output axes."""
     text = formula.text
     for index, tensor in enumerate(formula.tensors):
         where = _operand_name(formula, index)
@@ -190,7 +214,7 @@ def _check_semantics(formula: Formula) -> None:
                         f"mesh dimension {dim!r} both shards {used[dim]!r} and is partial in {where}",
                     )
                 partial_dims.append(dim)
-    if formula.output is not None:
+    if formula.output is not None and einsum:
         known = {a.name for t in formula.inputs for a in t.axes}
         for axis in formula.output.axes:
             if axis.name not in known:
