@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .. import vma as _vma
 from ..notation import expand, freeze_families
 from ..policy import resolve_policy
 from ..distributed import run_distributed
@@ -39,6 +40,9 @@ def einshard(
     >>> es.einshard("b (h p) -> b h p", torch.ones(2, 8), sizes={"p": 4}).shape
     torch.Size([2, 2, 4])
     """
+    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): set the output's vma
+        return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes, families=families,
+                               optimize=optimize, policy=policy)
     if optimize is not None and policy is not None:
         raise ValueError("einshard: pass either optimize or policy, not both")
     try:

@@ -1,0 +1,448 @@
+"""Named collectives for per-shard code (SPEC §9), after JAX's ``jax.lax`` ones.
+
+Every function takes mesh dimensions by name: one dimension (``"dp"``), a
+compound name (``"dp-tp"``) or a tuple of names (``("dp", "tp")``). Several
+dimensions act as one group whose ranks are ordered by the mesh's own
+dimension order (as in the notation: ``a/dp-tp``), whatever order the names
+are given in. The mesh is the ambient one (``shard_map`` or ``es.use_mesh``)
+unless ``mesh=`` is passed.
+
+All are autograd-correct (SPEC §3). With variance tracking on
+(``shard_map(check_vma=True)``) they also follow JAX's typing: an input
+that is invariant over a dimension the collective works on is ``pvary``-ed
+first (so ``psum`` of an invariant value is ``size * x`` and its gradient is
+``size * ct``), and the output's vma is set from the collective's semantics:
+
+============== ============================ ================================ ======================
+collective     forward                      output varies over               backward
+============== ============================ ================================ ======================
+psum           sum over the ranks           input's dims minus ``dims``      identity
+pmean          mean over the ranks          input's dims minus ``dims``      ``/ size``
+pmax / pmin    max / min over the ranks     input's dims minus ``dims``      to the arg-max ranks
+all_gather     concatenate the blocks       input's dims minus ``dim``       this rank's block
+psum_scatter   this rank's block of the sum input's dims plus ``dim``        all-gather
+all_to_all     re-split ``split_axis``      input's dims plus ``dim``        inverse all-to-all
+ppermute       send along ``perm``          input's dims plus ``dim``        inverse permutation
+pvary          identity                     input's dims plus ``dims``       sum over ``dims``
+============== ============================ ================================ ======================
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from . import collectives as C
+from . import mappings as M
+from . import vma as _vma
+from .mesh import resolve_mesh
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "pvary",
+    "axis_index",
+    "axis_size",
+]
+
+_Tensor = torch.Tensor
+
+
+class _Axes:
+    """Resolved mesh dimensions of one call."""
+
+    __slots__ = ("mesh", "dims", "tracker", "mask")
+
+    def __init__(self, names, mesh, what):
+        tracker = _vma.current()
+        if mesh is None and tracker is not None:
+            m = tracker.info.mesh
+        else:
+            m = resolve_mesh(mesh)
+            if tracker is not None and (m.names != tracker.info.names or m.device_mesh is not tracker.info.mesh.device_mesh):
+                tracker = None  # another mesh: not tracked
+        dims = _atomic(m, names, what)
+        self.mesh = m
+        self.dims = dims
+        self.tracker = tracker
+        self.mask = tracker.info.mask(dims) if tracker is not None else 0
+
+    @property
+    def group(self):
+        if self.tracker is not None:
+            return self.tracker.info.group(self.mask)
+        return self.mesh.group(self.dims)
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size(self.dims)
+
+
+def _atomic(mesh, names, what) -> tuple[str, ...]:
+    if isinstance(names, str):
+        parts = [names]
+    else:
+        try:
+            parts = list(names)
+        except TypeError:
+            raise ValueError(f"{what}: mesh dimensions must be a name or a tuple of names, got {names!r}") from None
+        if not parts or not all(isinstance(p, str) for p in parts):
+            raise ValueError(f"{what}: mesh dimensions must be a name or a tuple of names, got {names!r}")
+    atoms: list[str] = []
+    for p in parts:
+        # each component is checked by the mesh; compound groups are library-internal here, so an
+        # unwrapped mesh accepts them too
+        for d in (d for c in p.split("-") for d in mesh.dims(c)):
+            if d in atoms:
+                raise ValueError(f"{what}: mesh dimension {d!r} is named twice in {names!r}")
+            atoms.append(d)
+    return tuple(sorted(atoms, key=mesh.names.index))
+
+
+def _norm_axis(axis: int, ndim: int, what: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{what}: axis {axis} is out of range for a tensor with {ndim} dimensions")
+    return axis % ndim
+
+
+def _check_tensor(x, what):
+    if not isinstance(x, _Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+
+
+def _widen(ax: _Axes, x: _Tensor) -> tuple[_Tensor, int]:
+    """``x`` pvary-ed over the collective's dimensions it does not vary over; its new mask."""
+    tr = ax.tracker
+    m = tr.mask_of(x)
+    missing = ax.mask & ~m
+    if missing:
+        with _vma.suspended(tr):  # x.requires_grad would go through the mode otherwise
+            if x.requires_grad and torch.is_grad_enabled():
+                x = tr.pvary(x, m, missing)
+    return x, m
+
+
+def _run(ax: _Axes, fn, args, out_mask: int):
+    return _vma.library_call(ax.tracker, fn, args, {}, out_mask)
+
+
+def _map(fn, tree):
+    if isinstance(tree, _Tensor):
+        return fn(tree)
+    return optree.tree_map(fn, tree, none_is_leaf=False)
+
+
+# -- reductions ----------------------------------------------------------------------------
+
+
+def psum(x, dims, *, mesh=None):
+    """Sum over the ranks of ``dims``; the result is invariant over them (JAX's ``psum``).
+
+    ``x`` is a tensor or a pytree of tensors; a Python number gives
+    ``x * size`` (``psum(1, "dp")`` is the size of ``dp``). Backward: the
+    identity (the cotangent of an invariant value is the same on every rank).
+
+    >>> total = es.psum(local_loss, "dp")            # doctest: +SKIP
+    >>> grads = es.psum(grads, ("dp", "sp"))         # a dict of tensors  # doctest: +SKIP
+    """
+    ax = _Axes(dims, mesh, "psum")
+
+    def one(t):
+        if isinstance(t, (int, float, complex)) and not isinstance(t, bool):
+            return t * ax.size
+        _check_tensor(t, "psum")
+        if ax.tracker is None:
+            return _vma.psum_tensor(t, ax.group)
+        t, m = _widen(ax, t)
+        return _run(ax, _vma.psum_tensor, (t, ax.group), m & ~ax.mask)
+
+    return _map(one, x)
+
+
+def pmean(x, dims, *, mesh=None):
+    """Mean over the ranks of ``dims`` (``psum(x, dims) / size``); invariant over them.
+
+    >>> loss = es.pmean(local_loss, "dp")  # doctest: +SKIP
+    """
+    ax = _Axes(dims, mesh, "pmean")
+    n = ax.size
+
+    def one(t):
+        if isinstance(t, (int, float, complex)) and not isinstance(t, bool):
+            return t
+        _check_tensor(t, "pmean")
+        if ax.tracker is None:
+            return _vma.psum_tensor(t, ax.group) / n
+        t, m = _widen(ax, t)
+        return _run(ax, _mean, (t, ax.group, n), m & ~ax.mask)
+
+    return _map(one, x)
+
+
+def _mean(t, group, n):
+    return _vma.psum_tensor(t, group) / n
+
+
+class _PExtreme(torch.autograd.Function):
+    """All-reduce max/min; the gradient goes to the ranks holding the extreme, split among ties."""
+
+    @staticmethod
+    def forward(x, group, op):
+        return C.all_reduce(x, group, op=op)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.group, _ = inputs
+        ctx.save_for_backward(x == output)  # local; the tie count is summed in backward (every rank runs it)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (hit,) = ctx.saved_tensors
+        hit = hit.to(grad.dtype)
+        count = C.all_reduce(hit, ctx.group).clamp_min(1)
+        return grad * (hit / count), None, None
+
+
+def _extreme(name, op, x, dims, mesh):
+    ax = _Axes(dims, mesh, name)
+
+    def one(t):
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
+            return t
+        _check_tensor(t, name)
+        if ax.tracker is None:
+            return _PExtreme.apply(t, ax.group, op)
+        t, m = _widen(ax, t)
+        return _run(ax, _PExtreme.apply, (t, ax.group, op), m & ~ax.mask)
+
+    return _map(one, x)
+
+
+def pmax(x, dims, *, mesh=None):
+    """Element-wise maximum over the ranks of ``dims``; invariant over them.
+
+    Backward: the gradient goes to the ranks whose value is the maximum,
+    split evenly among ties (like ``torch.amax``).
+
+    >>> m = es.pmax(x.abs().amax(), "tp")  # doctest: +SKIP
+    """
+    return _extreme("pmax", "max", x, dims, mesh)
+
+
+def pmin(x, dims, *, mesh=None):
+    """Element-wise minimum over the ranks of ``dims``; invariant over them.
+
+    Backward: the gradient goes to the ranks whose value is the minimum,
+    split evenly among ties (like ``torch.amin``).
+
+    >>> m = es.pmin(x.amin(), ("dp", "tp"))  # doctest: +SKIP
+    """
+    return _extreme("pmin", "min", x, dims, mesh)
+
+
+# -- gathers and scatters ------------------------------------------------------------------------
+
+
+def all_gather(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, mesh=None):
+    """Concatenate every rank's ``x`` along ``axis`` (JAX's ``all_gather``); invariant over ``dim_name``.
+
+    ``tiled=True`` concatenates along the existing ``axis``; ``tiled=False``
+    stacks along a new axis inserted at ``axis``. ``shapes`` gives per-rank
+    sizes along ``axis`` when they differ (uneven blocks); default: every
+    rank holds as much as this one. Backward: this rank's block of the
+    cotangent.
+
+    >>> w = es.all_gather(w_block, "tp", axis=0)  # doctest: +SKIP
+    """
+    _check_tensor(x, "all_gather")
+    ax = _Axes(dim_name, mesh, "all_gather")
+    if tiled:
+        a = _norm_axis(axis, x.dim(), "all_gather")
+        fn, args = M.allgather_forward_split_backward, (x, ax.group, a, _shapes(shapes, ax, "all_gather"))
+    else:
+        a = _norm_axis(axis, x.dim() + 1, "all_gather")
+        fn, args = _gather_stacked, (x, ax.group, a)
+    if ax.tracker is None:
+        return fn(*args)
+    t, m = _widen(ax, x)
+    return _run(ax, fn, (t, *args[1:]), m & ~ax.mask)
+
+
+def _gather_stacked(x, group, axis):
+    return M.allgather_forward_split_backward(x.unsqueeze(axis), group, axis, None)
+
+
+def _shapes(shapes, ax, what):
+    if shapes is None:
+        return None
+    shapes = [int(s) for s in shapes]
+    if len(shapes) != ax.size:
+        raise ValueError(f"{what}: shapes has {len(shapes)} entries but {'-'.join(ax.dims)!r} has {ax.size} ranks")
+    return shapes
+
+
+def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, mesh=None):
+    """This rank's block of the sum over ``dim_name`` (JAX's ``psum_scatter``); varies over it.
+
+    ``tiled=True`` splits ``axis`` into blocks (``shapes``, default
+    ``compute_split_shapes``: uneven sizes allowed); ``tiled=False`` needs
+    ``x.shape[axis] == size`` and removes ``axis``. Backward: all-gather.
+
+    >>> g_block = es.psum_scatter(g, "dp", axis=0)  # doctest: +SKIP
+    """
+    _check_tensor(x, "psum_scatter")
+    ax = _Axes(dim_name, mesh, "psum_scatter")
+    a = _norm_axis(axis, x.dim(), "psum_scatter")
+    if tiled:
+        fn, args = M.reducescatter_forward_allgather_backward, (x, ax.group, a, _shapes(shapes, ax, "psum_scatter"))
+    else:
+        if x.shape[a] != ax.size:
+            raise ValueError(
+                f"psum_scatter: tiled=False needs x.shape[{axis}] == {ax.size} (the size of "
+                f"{'-'.join(ax.dims)!r}), got {x.shape[a]}"
+            )
+        fn, args = _scatter_squeezed, (x, ax.group, a)
+    if ax.tracker is None:
+        return fn(*args)
+    t, m = _widen(ax, x)
+    return _run(ax, fn, (t, *args[1:]), m | ax.mask)
+
+
+def _scatter_squeezed(x, group, axis):
+    return M.reducescatter_forward_allgather_backward(x, group, axis, None).squeeze(axis)
+
+
+def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = True, mesh=None):
+    """Split ``split_axis`` into one block per rank, send block ``j`` to rank ``j``, concatenate along ``concat_axis``.
+
+    JAX's ``all_to_all``. ``tiled=True`` (the default here; JAX's default is
+    ``False``) keeps the number of dimensions: ``split_axis`` shrinks by the
+    group size and ``concat_axis`` grows by it (uneven ``split_axis`` sizes
+    are split with ``compute_split_shapes``). ``tiled=False`` needs
+    ``x.shape[split_axis] == size``, removes ``split_axis`` and inserts a new
+    axis of that size at ``concat_axis`` (of the result). The output varies
+    over ``dim_name``; backward: the inverse all-to-all.
+
+    >>> y = es.all_to_all(x, "sp", split_axis=2, concat_axis=1)  # doctest: +SKIP
+    """
+    _check_tensor(x, "all_to_all")
+    ax = _Axes(dim_name, mesh, "all_to_all")
+    if tiled:
+        s = _norm_axis(split_axis, x.dim(), "all_to_all")
+        c = _norm_axis(concat_axis, x.dim(), "all_to_all")
+        if s == c:
+            fn, args = _same_axis_a2a, (x, ax.group, s)
+        else:
+            fn, args = M.alltoall_repartition, (x, ax.group, c, s, None, None)
+    else:
+        s = _norm_axis(split_axis, x.dim(), "all_to_all")
+        c = _norm_axis(concat_axis, x.dim(), "all_to_all")
+        if x.shape[s] != ax.size:
+            raise ValueError(
+                f"all_to_all: tiled=False needs x.shape[{split_axis}] == {ax.size} (the size of "
+                f"{'-'.join(ax.dims)!r}), got {x.shape[s]}"
+            )
+        fn, args = _a2a_untiled, (x, ax.group, s, c)
+    if ax.tracker is None:
+        return fn(*args)
+    t, m = _widen(ax, x)
+    return _run(ax, fn, (t, *args[1:]), m | ax.mask)
+
+
+def _same_axis_a2a(x, group, axis):
+    # split and concatenate along the same axis: blocks move, the shape stays
+    n = C.group_size(group)
+    size = x.shape[axis]
+    if size % n:
+        raise ValueError(f"all_to_all: split_axis == concat_axis needs a size divisible by {n}, got {size}")
+    shape = list(x.shape)
+    y = x.reshape(shape[:axis] + [n, size // n] + shape[axis + 1 :])
+    y = M.alltoall_repartition(y.unsqueeze(axis + 1), group, axis + 1, axis, None, None)
+    return y.reshape(shape)
+
+
+def _a2a_untiled(x, group, split_axis, concat_axis):
+    y = x.movedim(split_axis, 0).unsqueeze(1)  # (n, 1, rest): block j goes to rank j
+    y = M.alltoall_repartition(y, group, 1, 0, None, None)  # (1, n, rest): block r came from rank r
+    return y.squeeze(0).movedim(0, concat_axis)
+
+
+def ppermute(x, dim_name, perm, *, mesh=None):
+    """Send ``x`` along the ``(src, dst)`` pairs of ``perm`` (indices within the ``dim_name`` group).
+
+    JAX's ``ppermute``: a rank that receives nothing gets zeros. The output
+    varies over ``dim_name``; backward: the inverse permutation.
+
+    >>> n = es.axis_size("sp")                                             # doctest: +SKIP
+    >>> right = es.ppermute(x, "sp", [(i, (i + 1) % n) for i in range(n)])  # doctest: +SKIP
+    """
+    _check_tensor(x, "ppermute")
+    ax = _Axes(dim_name, mesh, "ppermute")
+    perm = [tuple(p) for p in perm]
+    if ax.tracker is None:
+        return M.ppermute(x, ax.group, perm)
+    t, m = _widen(ax, x)
+    return _run(ax, M.ppermute, (t, ax.group, perm), m | ax.mask)
+
+
+def pvary(x, dims, *, mesh=None):
+    """Mark ``x`` as varying over ``dims``: identity forward, gradient summed over ``dims`` backward.
+
+    JAX's ``pvary``. Use it where an invariant value feeds per-rank
+    computation in plain torch code with ``check_vma=False`` (with
+    ``check_vma=True`` shard_map inserts it). When variance is tracked,
+    dimensions ``x`` already varies over are left alone. ``x`` may be a
+    pytree of tensors.
+
+    >>> w = es.pvary(w, "dp")   # w replicated over dp, multiplied with per-rank data  # doctest: +SKIP
+    """
+    ax = _Axes(dims, mesh, "pvary")
+
+    def one(t):
+        _check_tensor(t, "pvary")
+        if ax.tracker is None:
+            return _vma.pvary_tensor(t, ax.group)
+        tr = ax.tracker
+        m = tr.mask_of(t)
+        missing = ax.mask & ~m
+        if not missing:
+            return t
+        return tr.pvary(t, m, missing)
+
+    return _map(one, x)
+
+
+# -- indices ---------------------------------------------------------------------------------------
+
+
+def axis_index(dim_name, *, mesh=None) -> torch.Tensor:
+    """This rank's index along ``dim_name`` as a 0-d int64 tensor that varies over it.
+
+    For several dimensions: the index in their group, mesh order (``a/dp-tp``
+    block order).
+
+    >>> i = es.axis_index("tp")   # tensor(2) on tp-rank 2  # doctest: +SKIP
+    """
+    ax = _Axes(dim_name, mesh, "axis_index")
+    value = ax.mesh.index(ax.dims)
+    if ax.tracker is None:
+        return torch.tensor(value, dtype=torch.int64)
+    with _vma.suspended(ax.tracker):
+        t = torch.tensor(value, dtype=torch.int64)
+    ax.tracker.tag(t, ax.mask)
+    return t
+
+
+def axis_size(dim_name, *, mesh=None) -> int:
+    """The number of ranks along ``dim_name`` (a product for several dimensions).
+
+    >>> es.axis_size(("dp", "tp"))   # 8 on a 2x4 mesh  # doctest: +SKIP
+    """
+    ax = _Axes(dim_name, mesh, "axis_size")
+    return ax.size

@@ -1,0 +1,452 @@
+"""``es.shard_map``: per-shard programs over a device mesh (SPEC §9).
+
+``shard_map(f, in_specs, out_specs)`` runs ``f`` on every rank with the local
+blocks of its arguments, like ``jax.shard_map``:
+
+1. **match** ``in_specs`` (a pytree prefix of the positional arguments) to
+   the arguments, and check each tensor's local shape against its spec;
+2. **convert** where a spec says so (``"b n c -> b/dp n c"``) or where an
+   argument is a ``DTensor`` (from its own placements);
+3. **push the ambient context**: the mesh and every split shape known from
+   the specs, so ``es.einshard`` in the body needs neither ``mesh=`` nor
+   ``shapes=``;
+4. **run the body**, with variance tracking (:mod:`einshard.vma`) when
+   ``check_vma=True``;
+5. **check and convert the outputs** against ``out_specs`` (an output that
+   varies over a dimension its spec says it is replicated over is a
+   ``ValueError``), wrapping them as ``DTensor`` s when an input was one.
+
+Steps 1-2 and 5 are planned once per argument structure and local shapes and
+replayed afterwards; ``benchmarks/bench_shard_map.py`` measures what a call
+costs on top of the body.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import optree
+import torch
+
+from . import _context, checks
+from . import vma as _vma
+from ._specs import (
+    explicit_entries,
+    layout_entries,
+    leaf_path,
+    match,
+    maybe_dtensor,
+    resolve_spec,
+    sizes_subset,
+    spec_tree,
+)
+from .mesh import resolve_mesh, wrap_mesh
+from .notation import expand
+
+__all__ = ["shard_map", "ShardMap"]
+
+_Tensor = torch.Tensor
+_UNSET = object()
+
+
+class _Body:
+    """What the ambient context's ``shard_map`` field holds while a body runs."""
+
+    __slots__ = ("tracker", "shard_map")
+
+    def __init__(self, tracker, shard_map):
+        self.tracker = tracker
+        self.shard_map = shard_map
+
+
+class _InPlan:
+    __slots__ = ("actions", "masks", "shapes", "dtensor")
+
+    def __init__(self, actions, masks, shapes, dtensor):
+        self.actions = actions  # ((leaf index, fn), ...)
+        self.masks = masks  # ((leaf index, vma mask), ...) for tracked tensors that vary
+        self.shapes = shapes  # ambient split shapes {(dims, axis): splits}
+        self.dtensor = dtensor  # an argument was a DTensor: outputs become DTensors
+
+
+class _OutPlan:
+    __slots__ = ("checks", "actions")
+
+    def __init__(self, checks, actions):
+        self.checks = checks  # ((leaf index, declared mask, Spec), ...)
+        self.actions = actions  # ((leaf index, fn), ...)
+
+
+def _leaf_key(x):
+    if isinstance(x, _Tensor):
+        if maybe_dtensor(x):
+            return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
+        return x.shape
+    return None
+
+
+def _merge(table: dict, entries: dict, ambiguous: set) -> None:
+    for key, splits in entries.items():
+        if key in ambiguous:
+            continue
+        old = table.get(key)
+        if old is None:
+            table[key] = splits
+        elif old != splits:  # two specs split the same axis name differently: the body must pass shapes=
+            del table[key]
+            ambiguous.add(key)
+
+
+class ShardMap:
+    """A function mapped over the shards of a mesh; build it with :func:`shard_map`."""
+
+    def __init__(self, f, in_specs, out_specs, *, mesh=None, shapes=None, check_vma=True, sizes=None,
+                 families=None):
+        if not callable(f):
+            raise TypeError(f"shard_map needs a function, got {type(f).__name__}")
+        if isinstance(in_specs, list):
+            in_specs = tuple(in_specs)  # the positional arguments are a tuple
+        self.f = f
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.mesh = None if mesh is None else wrap_mesh(resolve_mesh(mesh))
+        self.shapes = shapes
+        self.check_vma = bool(check_vma)
+        self.sizes = dict(sizes) if sizes else None
+        self.families = families
+        self._in_leaves, self._in_def = spec_tree(in_specs, families, "in_specs", "in")
+        self._out_leaves, self._out_def = spec_tree(out_specs, families, "out_specs", "out")
+        self._in_plans: dict = {}
+        self._out_plans: dict = {}
+        functools.update_wrapper(self, f)
+
+    def __reduce__(self):
+        # pickled by reference, like the function it wraps (e.g. to run it with einshard.testing)
+        return (_by_name, (self.__module__, self.__qualname__))
+
+    def __repr__(self) -> str:
+        name = getattr(self.f, "__qualname__", repr(self.f))
+        return f"shard_map({name}, in_specs={self.in_specs!r}, out_specs={self.out_specs!r})"
+
+    # -- the call -----------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        outer = _context.current().shard_map
+        if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
+            raise ValueError(
+                f"shard_map: {self!r} is called inside the body of {outer.shard_map!r}, which tracks variance; "
+                "nested shard_map calls are not supported (call the inner function directly)"
+            )
+        mesh = self.mesh
+        if mesh is None:
+            mesh = wrap_mesh(resolve_mesh(None))
+        leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+        key = (treedef, mesh, *[_leaf_key(x) for x in leaves])
+        plan = self._in_plans.get(key)
+        if plan is None:
+            plan = self._plan_inputs(key, args, leaves, mesh)
+        body_args = args
+        body_leaves = leaves
+        if plan.actions:
+            body_leaves = list(leaves)
+            for i, fn in plan.actions:
+                body_leaves[i] = fn(leaves[i])
+            body_args = treedef.unflatten(body_leaves)
+        tracker = _vma.Tracker(mesh) if self.check_vma else None
+        token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self))
+        try:
+            if tracker is None:
+                out = self.f(*body_args, **kwargs)
+                return self._finish(out, mesh, plan, None)
+            tagged = []
+            for i, mask in plan.masks:
+                x = body_leaves[i]
+                tracker.tag(x, mask)
+                tagged.append(x)
+            try:
+                with _vma.tracking(tracker):
+                    out = self.f(*body_args, **kwargs)
+                return self._finish(out, mesh, plan, tracker)
+            finally:
+                for x in tagged:
+                    x.__dict__.pop(_vma._ATTR, None)
+                tracker.memo.clear()
+        finally:
+            _context.pop(token)
+
+    def _finish(self, out, mesh, plan, tracker):
+        leaves, treedef = optree.tree_flatten(out, none_is_leaf=True)
+        key = (treedef, plan, *[_leaf_key(x) for x in leaves])
+        oplan = self._out_plans.get(key)
+        if oplan is None:
+            oplan = self._plan_outputs(key, out, leaves, mesh, plan)
+        changed = False
+        if tracker is not None:
+            for i, declared, spec in oplan.checks:
+                x = leaves[i]
+                m = tracker.mask_of(x)
+                bad = m & ~declared
+                if bad:
+                    dim = tracker.info.dims(bad)[0]
+                    raise ValueError(
+                        f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
+                        f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
+                        f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
+                        f"sharded or partial over {dim!r} in out_specs"
+                    )
+                missing = declared & ~m
+                if missing and x.requires_grad and torch.is_grad_enabled():
+                    if not changed:
+                        leaves = list(leaves)
+                        changed = True
+                    leaves[i] = tracker.pvary(x, m, missing)
+            tracker.suspended += 1  # the body is over: exit conversions are not tracked
+        if oplan.actions:
+            if not changed:
+                leaves = list(leaves)
+                changed = True
+            for i, fn in oplan.actions:
+                leaves[i] = fn(leaves[i])
+        if tracker is not None:
+            for x in leaves:
+                if isinstance(x, _Tensor):
+                    x.__dict__.pop(_vma._ATTR, None)
+        return treedef.unflatten(leaves) if changed else out
+
+    # -- planning (once per argument structure and local shapes) ---------------------
+    def _opts(self, parsed_formula):
+        return dict(shapes=self.shapes, sizes=sizes_subset(parsed_formula, self.sizes, self.families),
+                    families=self.families)
+
+    def _plan_inputs(self, key, args, leaves, mesh) -> _InPlan:
+        per_leaf = match(self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)
+        info = _vma.mesh_info(mesh)
+        actions, masks = [], []
+        table: dict = {}
+        ambiguous: set = set()
+        dtensor = False
+        errors = []
+        from .ops.einshard import einshard
+
+        for i, (x, spec) in enumerate(zip(leaves, per_leaf)):
+            if spec is None or not isinstance(x, _Tensor):
+                continue
+            where = f"shard_map: argument args{leaf_path(args, i)} (spec {spec.text!r})"
+            if maybe_dtensor(x):
+                dtensor = True
+                try:
+                    fn, entries = self._dtensor_input(x, spec, mesh, where)
+                except ValueError as err:
+                    errors.append(str(err))
+                    continue
+                actions.append((i, fn))
+                _merge(table, entries, ambiguous)
+            else:
+                formula = spec.text if spec.conversion else f"{spec.inner} -> {spec.inner}"
+                try:
+                    resolved = resolve_spec(formula, x.shape, mesh, self.shapes, self.sizes, self.families)
+                except ValueError as err:  # may be seen by some ranks only (local sizes): agreed below
+                    errors.append(f"{where}: {err}")
+                    continue
+                if resolved.local_error is not None:
+                    errors.append(f"{where}: {resolved.local_error}")
+                if spec.conversion:
+                    opts = self._opts(expand(spec.text, self.families))
+                    actions.append((i, functools.partial(_convert, einshard, spec.text, mesh, opts)))
+                    _merge(table, layout_entries(resolved.output), ambiguous)
+                else:
+                    _merge(table, explicit_entries(resolved.output, self.shapes, mesh), ambiguous)
+            mask = spec.inner_mask(info)
+            if mask:
+                masks.append((i, mask))
+        _raise_agreed(mesh, errors)
+        plan = _InPlan(tuple(actions), tuple(masks), table, dtensor)
+        if len(self._in_plans) > 256:
+            self._in_plans.clear()
+        self._in_plans[key] = plan
+        return plan
+
+    def _dtensor_input(self, x, spec, mesh, where):
+        from .dtensor import apply_from_dtensor, plan_from_dtensor
+
+        try:
+            src, layout = plan_from_dtensor(x, spec.outer, mesh, shapes=self.shapes, sizes=self.sizes,
+                                            families=self.families, where=where)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        entries = layout_entries(layout)
+        first = functools.partial(_from_dtensor, apply_from_dtensor, src, layout, mesh)
+        if not spec.conversion:
+            return first, entries
+        from .layout import MeshShape
+        from .ops.einshard import einshard
+
+        local_shape = layout.local_shape(mesh.coordinate, MeshShape.of(mesh))
+        resolved = resolve_spec(spec.text, local_shape, mesh, self.shapes, self.sizes, self.families,
+                                ambient=entries)
+        opts = self._opts(expand(spec.text, self.families))
+        fn = functools.partial(_dtensor_convert, first, einshard, spec.text, mesh, opts, entries)
+        return fn, layout_entries(resolved.output)
+
+    def _plan_outputs(self, key, out, leaves, mesh, plan) -> _OutPlan:
+        per_leaf = match(self._out_leaves, self._out_def, out, "out_specs", "out", self.out_specs)
+        info = _vma.mesh_info(mesh)
+        checks_, actions, errors = [], [], []
+        from .ops.einshard import einshard
+
+        for i, (x, spec) in enumerate(zip(leaves, per_leaf)):
+            if spec is None or not isinstance(x, _Tensor):
+                continue
+            where = f"shard_map: output out{leaf_path(out, i)} (out_spec {spec.text!r})"
+            checks_.append((i, spec.inner_mask(info), spec))
+            formula = spec.text if spec.conversion else f"{spec.inner} -> {spec.inner}"
+            try:
+                resolved = resolve_spec(formula, x.shape, mesh, self.shapes, self.sizes, self.families,
+                                        ambient=plan.shapes)
+            except ValueError as err:
+                errors.append(f"{where}: {err}")
+                continue
+            if resolved.local_error is not None:
+                errors.append(f"{where}: {resolved.local_error}")
+                continue
+            steps = []
+            if spec.conversion:
+                opts = self._opts(expand(spec.text, self.families))
+                steps.append(functools.partial(_convert, einshard, spec.text, mesh, opts))
+            if plan.dtensor:
+                from .dtensor import to_dtensor
+
+                layout = resolved.output
+                steps.append(functools.partial(_to_dtensor, to_dtensor, layout, mesh, where))
+            if steps:
+                actions.append((i, steps[0] if len(steps) == 1 else functools.partial(_chain, tuple(steps))))
+        _raise_agreed(mesh, errors)
+        oplan = _OutPlan(tuple(checks_), tuple(actions))
+        if len(self._out_plans) > 256:
+            self._out_plans.clear()
+        self._out_plans[key] = oplan
+        return oplan
+
+
+def _by_name(module: str, qualname: str):
+    import importlib
+
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _raise_agreed(mesh, errors) -> None:
+    """Raise the first error; with ``es.set_checks(True)`` every rank raises when any rank has one.
+
+    Errors about local shapes can be seen by some ranks only; without checks
+    those ranks raise while the others go on (SPEC §4: checks make them agree).
+    """
+    error = ValueError(errors[0]) if errors else None
+    if checks.checks_enabled():
+        checks.agree(mesh.group(tuple(mesh.names)), error)
+    elif error is not None:
+        raise error
+
+
+# -- per-leaf actions (module level so plans hold no closures over the ShardMap) ---------------
+
+
+def _convert(einshard, formula, mesh, opts, x):
+    return einshard(formula, x, mesh=mesh, **opts)
+
+
+def _from_dtensor(apply_from_dtensor, src, target, mesh, x):
+    return apply_from_dtensor(x, src, target, mesh)
+
+
+def _dtensor_convert(first, einshard, formula, mesh, opts, entries, x):
+    local = first(x)
+    token = _context.push(shapes={**_context.current().shapes, **entries})
+    try:
+        return einshard(formula, local, mesh=mesh, **opts)
+    finally:
+        _context.pop(token)
+
+
+def _to_dtensor(to_dtensor, layout, mesh, where, x):
+    return to_dtensor(x, layout, mesh, where)
+
+
+def _chain(steps, x):
+    for s in steps:
+        x = s(x)
+    return x
+
+
+# -- the public function -----------------------------------------------------------------------
+
+
+def shard_map(f=_UNSET, in_specs=_UNSET, out_specs=_UNSET, *, mesh=None, shapes=None, check_vma=True, sizes=None,
+              families=None):
+    """Map ``f`` over the shards of a mesh: ``f`` runs on every rank with its local blocks.
+
+    Two forms::
+
+        @es.shard_map(in_specs, out_specs, mesh=mesh)
+        def step(params, batch): ...
+
+        step = es.shard_map(f, in_specs=..., out_specs=..., mesh=mesh)
+
+    - ``in_specs``: a pytree prefix of the positional arguments (a tuple
+      with one entry per argument, or one spec for all). A spec string at a
+      node applies to every tensor below it; ``None`` passes a subtree
+      through; non-tensor leaves pass through. ``"b/dp n c"``: the argument is
+      already this rank's block of that layout (its local shape is checked)
+      and the body sees it unchanged (``nn.Parameter`` s keep their identity,
+      so ``.grad`` lands on them). ``"b n c -> b/dp n c"``: the argument
+      arrives in the left layout and is converted on entry. Keyword
+      arguments pass through unmapped.
+    - ``out_specs``: a pytree prefix of the result. ``"b/dp n c"``: the body
+      returns this rank's block of that layout; ``"// dp -> "``: converted
+      on exit (here: summed over ``dp``).
+    - ``mesh``: a ``DeviceMesh`` or ``es.wrap_mesh(...)``; default: the
+      ambient mesh (``es.use_mesh``) at call time. Compound dimensions
+      (``dp-tp``) are always allowed.
+    - ``shapes``: split shapes for uneven shards, as for ``es.einshard``;
+      ``sizes``/``families``: for factored axes and families in the specs.
+    - ``check_vma``: track which mesh dimensions each tensor in the body
+      varies over, pvary invariant values where they meet varying ones (so
+      their gradients are summed), and check outputs against ``out_specs``.
+      ``False`` runs the body at plain speed; mixing invariant and varying
+      values in plain torch ops is then the caller's job (``es.pvary``).
+
+    In the body the mesh and every split shape known from the specs are
+    ambient: ``es.einshard`` needs no ``mesh=`` and no ``shapes=``. When an
+    argument is a ``DTensor`` it is converted from its placements, and the
+    outputs are returned as ``DTensor`` s with the out-specs' placements.
+
+    >>> @es.shard_map(({"w": "h c"}, "b/dp n c"), "// dp", mesh=mesh)   # doctest: +SKIP
+    ... def loss_fn(params, x):
+    ...     y = es.einshard("b/dp n c, h c -> b/dp n h", x, params["w"])
+    ...     return es.einshard("b/dp n h -> // dp", y * y)
+    """
+    if f is not _UNSET and (isinstance(f, ShardMap) or (callable(f) and not isinstance(f, (str, type(None))))):
+        if in_specs is _UNSET or out_specs is _UNSET:
+            raise TypeError("shard_map(f, in_specs=..., out_specs=...) needs both in_specs and out_specs")
+        return ShardMap(f, in_specs, out_specs, mesh=mesh, shapes=shapes, check_vma=check_vma, sizes=sizes,
+                        families=families)
+    # decorator form: shard_map(in_specs, out_specs, ...) or shard_map(in_specs=..., out_specs=...)
+    if f is not _UNSET:
+        if out_specs is not _UNSET and in_specs is not _UNSET:
+            raise TypeError("shard_map: the first argument must be the function, or pass in_specs, out_specs")
+        if in_specs is not _UNSET:  # shard_map(in_specs, out_specs) positionally
+            in_specs, out_specs = f, in_specs
+        else:
+            in_specs = f
+    if in_specs is _UNSET or out_specs is _UNSET:
+        raise TypeError("shard_map needs in_specs and out_specs")
+
+    def decorate(fn):
+        return ShardMap(fn, in_specs, out_specs, mesh=mesh, shapes=shapes, check_vma=check_vma, sizes=sizes,
+                        families=families)
+
+    # validate the specs now, so a typo is reported at decoration time
+    spec_tree(in_specs if not isinstance(in_specs, list) else tuple(in_specs), families, "in_specs", "in")
+    spec_tree(out_specs, families, "out_specs", "out")
+    return decorate

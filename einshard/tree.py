@@ -1,0 +1,157 @@
+"""Whole model states ↔ sharded ones: ``es.tree_shard`` and ``es.tree_gather`` (SPEC §9).
+
+For checkpoints: a state dict, an optimizer state, any pytree of tensors.
+``specs`` is a pytree prefix of the tree (optree rules, as for
+``shard_map``): a spec string at a node applies to every tensor below it,
+``None`` passes a subtree through, and non-tensor leaves (step counters,
+hyper-parameters) pass through.
+
+- ``tree_shard(tree, specs, mesh=...)``: every rank holds the whole tensors
+  (e.g. just loaded); returns this rank's blocks. Sharding is slicing: no
+  communication. A partial spec (``// d``) puts the whole value on the first
+  rank of ``d`` and zeros on the others, so the sum over ``d`` is the value.
+- ``tree_gather(tree, specs, mesh=...)``: every rank holds its blocks;
+  returns the whole tensors on every rank (all-gathers; sums over partial
+  dimensions). Uneven split shapes need no ``shapes=``: the ranks exchange
+  their block sizes in one small all-gather for the whole tree.
+
+``tree_gather(tree_shard(t, specs), specs) == t`` exactly. Both run without
+autograd and return plain tensors (``nn.Parameter`` leaves come back as
+tensors, as in a ``state_dict``). ``DTensor`` leaves are accepted too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optree
+import torch
+
+from . import collectives as C
+from ._specs import match, maybe_dtensor as is_dtensor, sizes_subset, spec_tree, strip_spec as _strip
+from .layout import MeshShape
+from .mesh import resolve_mesh, wrap_mesh
+from .notation import Group
+
+__all__ = ["tree_shard", "tree_gather"]
+
+
+def _setup(tree, specs, mesh, families, fn):
+    mesh = wrap_mesh(resolve_mesh(mesh))
+    spec_leaves, spec_def = spec_tree(specs, families, "specs", "in")
+    for s in spec_leaves:
+        if s is not None and s.conversion:
+            raise ValueError(f"{fn}: specs are layouts, not conversions; got {s.text!r}")
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    per_leaf = match(spec_leaves, spec_def, tree, "specs", "tree", specs)
+    return mesh, leaves, treedef, per_leaf
+
+
+def _einshard():
+    from .ops.einshard import einshard
+
+    return einshard
+
+
+def tree_shard(tree, specs, *, mesh=None, shapes=None, sizes=None, families=None):
+    """This rank's blocks of the whole tensors in ``tree``, laid out as ``specs``.
+
+    >>> specs = {"w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c"}      # doctest: +SKIP
+    >>> local = es.tree_shard(torch.load("ckpt.pt"), specs, mesh=mesh)        # doctest: +SKIP
+    """
+    mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_shard")
+    einshard = _einshard()
+    out = []
+    with torch.no_grad():
+        for x, spec in zip(leaves, per_leaf):
+            if spec is None or not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            if is_dtensor(x):
+                from .dtensor import from_dtensor
+
+                local, _ = from_dtensor(x, spec.inner, mesh, shapes=shapes, sizes=sizes, families=families)
+                out.append(local.detach().clone())
+                continue
+            parsed = spec.inner_spec
+            target = dataclasses.replace(parsed, partial=())
+            formula = f"{_strip(parsed)} -> {target}"
+            y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes,
+                         sizes=sizes_subset(_parsed(formula, families), sizes, families), families=families)
+            pdims = []
+            for p in parsed.partial:
+                pdims.extend(mesh.dims(p))
+            if pdims and mesh.index(_sorted(mesh, pdims)) != 0:
+                y = torch.zeros_like(y)
+            out.append(y.clone(memory_format=torch.contiguous_format))
+    return treedef.unflatten(out)
+
+
+def _sorted(mesh, dims):
+    return tuple(sorted(set(dims), key=mesh.names.index))
+
+
+def _parsed(formula, families):
+    from .notation import expand
+
+    return expand(formula, families)
+
+
+def tree_gather(tree, specs, *, mesh=None, shapes=None, sizes=None, families=None):
+    """The whole tensors, on every rank, from this rank's blocks laid out as ``specs``.
+
+    >>> whole = es.tree_gather(model_state, specs, mesh=mesh)   # doctest: +SKIP
+    >>> if dist.get_rank() == 0: torch.save(whole, "ckpt.pt")   # doctest: +SKIP
+    """
+    mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_gather")
+    einshard = _einshard()
+    found = None if shapes is not None else _discover(mesh, leaves, per_leaf)
+    out = []
+    with torch.no_grad():
+        for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
+            if spec is None or not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            if is_dtensor(x):
+                out.append(x.full_tensor().detach())
+                continue
+            parsed = spec.inner_spec
+            formula = f"{spec.inner} -> {_strip(parsed)}"
+            leaf_shapes = shapes if found is None else (found.get(k) or None)
+            y = einshard(formula, x.detach(), mesh=mesh, shapes=leaf_shapes,
+                         sizes=sizes_subset(_parsed(formula, families), sizes, families), families=families)
+            if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+                y = y.clone()  # replicated: a copy, not a view of the caller's tensor
+            out.append(y)
+    return treedef.unflatten(out)
+
+
+def _discover(mesh, leaves, per_leaf):
+    """Per leaf ``{label: {axis: split shapes}}`` of its sharded axes, from one all-gather of local sizes."""
+    wanted = []  # (leaf index, axis name, dims, local size)
+    for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
+        if spec is None or not isinstance(x, torch.Tensor) or is_dtensor(x):
+            continue
+        items = [i for i in spec.inner_spec.items]
+        if spec.inner_spec.has_ellipsis or len(items) != x.dim():
+            continue  # the op reports rank mismatches; '...' dims are never sharded
+        for dim, item in enumerate(items):
+            if isinstance(item, Group) or not getattr(item, "mesh", None):
+                continue
+            wanted.append((k, item.name, mesh.dims(item.mesh), x.shape[dim]))
+    if not wanted:
+        return {}
+    shape = MeshShape.of(mesh)
+    group = mesh.group(tuple(mesh.names))
+    local = torch.tensor([[w[3] for w in wanted]], dtype=torch.int64)
+    table = C.all_gather(local, group, 0).tolist() if shape.world > 1 else local.tolist()
+    found: dict = {}
+    for j, (k, axis, dims, _) in enumerate(wanted):
+        splits = []
+        for coord in shape.group_coords(dims, mesh.coordinate):
+            flat = 0
+            for c, n in zip(coord, shape.shape):
+                flat = flat * n + c
+            splits.append(int(table[flat][j]))
+        found.setdefault(k, {}).setdefault(mesh.label(dims), {})[axis] = splits
+    return found

@@ -1,0 +1,566 @@
+"""Variance tracking for ``shard_map`` bodies (``check_vma=True``).
+
+Inside a ``shard_map`` body every tensor either holds the same value on every
+rank of a mesh dimension (it is *invariant* over it) or may hold a different
+value per rank (it *varies* over it). The set of mesh dimensions a tensor
+varies over is its **vma** (JAX's name: "varying manual axes").
+
+Why it matters: a value that is invariant over ``d`` but feeds rank-specific
+computation is really used ``size(d)`` times, so its gradient must be summed
+over ``d``. JAX's ``pvary`` marks that (identity forward, ``psum`` of the
+gradient backward). With ``check_vma=True`` this module inserts it
+automatically:
+
+- body inputs get their vma from their specs (the mesh dimensions the body
+  layout shards or is partial over);
+- plain torch operations (seen through a ``TorchFunctionMode``): the output
+  varies over the union of the inputs' vmas, and every input that requires
+  grad and lacks some of those dimensions is ``pvary``-ed over the missing
+  ones first;
+- library operations (``es.einshard``, the named collectives, and later
+  ``einfft``/``einhalo``) run with tracking suspended and set their outputs'
+  vma from their semantics (:func:`formula_op`, :func:`library_call`);
+- ``torch.autograd.grad`` returns gradients with the vma of their inputs (a
+  cotangent has the type of its primal).
+
+Representation: a tensor's vma is a bit mask over the mesh dimensions,
+stored as one integer attribute (``_es_vma``) that also carries the serial
+number of the ``shard_map`` call that set it, so tags left on tensors by an
+earlier call are ignored (and a tag is a plain ``int``: harmless in a
+``state_dict`` or pickle). Tensors without a current tag are invariant.
+
+Library hook (zero cost when nothing is tracked): an operation checks the
+module global :data:`ACTIVE` (the number of tracking bodies running in the
+process) before anything else::
+
+    if _vma.ACTIVE and _vma.current() is not None:
+        return _vma.formula_op(my_op, formula, tensors, mesh=mesh, ...)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _context
+from ._autograd import fast_apply
+
+__all__ = [
+    "ACTIVE",
+    "Tracker",
+    "current",
+    "get_vma",
+    "formula_op",
+    "library_call",
+    "pvary_tensor",
+]
+
+#: number of ``shard_map(check_vma=True)`` bodies running in this process (any thread)
+ACTIVE = 0
+
+_ATTR = "_es_vma"
+_MASK = (1 << 32) - 1
+_SERIALS = itertools.count(1)
+_Tensor = torch.Tensor
+_SEQ = (list, tuple)
+_DisableTorchFunction = torch._C.DisableTorchFunction
+_grad_enabled = torch.is_grad_enabled
+
+
+# -- per-mesh static data ------------------------------------------------------------
+
+
+class _MeshInfo:
+    """Bit masks of a mesh's dimensions, groups per mask, formula rules (cached per mesh)."""
+
+    __slots__ = ("mesh", "names", "bit", "groups", "formulas", "__weakref__")
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.names = tuple(mesh.names)
+        self.bit = {n: 1 << i for i, n in enumerate(self.names)}
+        self.groups: dict[int, object] = {}
+        self.formulas: dict = {}
+
+    def mask(self, name_or_names) -> int:
+        """The mask of a (compound) dimension name or an iterable of names."""
+        if isinstance(name_or_names, str):
+            names = self.mesh.dims(name_or_names)
+        else:
+            names = []
+            for n in name_or_names:
+                names.extend(self.mesh.dims(n))
+        m = 0
+        for n in names:
+            m |= self.bit[n]
+        return m
+
+    def dims(self, mask: int) -> tuple[str, ...]:
+        return tuple(n for n in self.names if mask & self.bit[n])
+
+    def group(self, mask: int):
+        g = self.groups.get(mask)
+        if g is None:
+            g = self.mesh.group(self.dims(mask))
+            self.groups[mask] = g
+        return g
+
+
+_INFOS: dict = {}
+
+
+def mesh_info(mesh) -> _MeshInfo:
+    info = _INFOS.get(mesh)
+    if info is None or info.mesh is not mesh:
+        info = _MeshInfo(mesh)
+        if len(_INFOS) > 64:
+            _INFOS.clear()
+        _INFOS[mesh] = info
+    return info
+
+
+# -- pvary ---------------------------------------------------------------------------
+
+
+class _PVary(torch.autograd.Function):
+    """JAX's ``pvary``: identity forward, the gradient summed over ``group`` in backward."""
+
+    @staticmethod
+    def forward(x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _psum_apply(grad, ctx.group), None
+
+
+class _PSum(torch.autograd.Function):
+    """JAX's ``psum`` (the adjoint of ``pvary``): all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(x, group):
+        from .collectives import all_reduce
+
+        return all_reduce(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+_pvary_apply = fast_apply(_PVary)
+_psum_apply = fast_apply(_PSum)
+
+
+def pvary_tensor(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; the gradient is summed over ``group`` in backward (double backward too)."""
+    return _pvary_apply(x, group)
+
+
+def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce (sum) forward; the gradient passes through (double backward too)."""
+    return _psum_apply(x, group)
+
+
+# -- the tracker -----------------------------------------------------------------------
+
+
+class Tracker:
+    """Variance state of one ``shard_map`` call (see the module docstring)."""
+
+    __slots__ = ("info", "serial", "suspended", "memo", "mode")
+
+    def __init__(self, mesh):
+        self.info = mesh_info(mesh)
+        self.serial = next(_SERIALS) << 32
+        self.suspended = 0
+        self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, pvaried)
+        self.mode = None
+
+    # tags ---------------------------------------------------------------
+    def mask_of(self, t) -> int:
+        tag = t.__dict__.get(_ATTR, 0)
+        m = tag & _MASK
+        return m if tag - m == self.serial else 0
+
+    def tag(self, t, mask: int) -> None:
+        t.__dict__[_ATTR] = self.serial | mask
+
+    def tag_tree(self, out, mask: int):
+        if isinstance(out, _Tensor):
+            out.__dict__[_ATTR] = self.serial | mask
+        elif isinstance(out, _SEQ):
+            tag = self.serial | mask
+            for o in out:
+                if isinstance(o, _Tensor):
+                    o.__dict__[_ATTR] = tag
+        return out
+
+    def vma(self, t) -> frozenset:
+        return frozenset(self.info.dims(self.mask_of(t)))
+
+    # pvary -----------------------------------------------------------------
+    def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
+        """``t`` (with vma ``mask``) marked varying over ``missing`` too (memoised per call)."""
+        key = (id(t), missing, _grad_enabled())
+        hit = self.memo.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        with _DisableTorchFunction():
+            y = pvary_tensor(t, self.info.group(missing))
+        y.__dict__[_ATTR] = self.serial | mask | missing
+        self.memo[key] = (t, y)
+        return y
+
+    # torch functions ---------------------------------------------------------
+    def dispatch(self, func, args, kwargs):
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(self, func, args, kwargs)
+        serial = self.serial
+        union = 0
+        mixed = False
+        first = -1
+        for a in args:
+            if isinstance(a, _Tensor):
+                tag = a.__dict__.get(_ATTR, 0)
+                m = tag & _MASK
+                if tag - m != serial:
+                    m = 0
+                if first < 0:
+                    first = m
+                elif m != first:
+                    mixed = True
+                union |= m
+            elif type(a) in _SEQ:
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        tag = b.__dict__.get(_ATTR, 0)
+                        m = tag & _MASK
+                        if tag - m != serial:
+                            m = 0
+                        if first < 0:
+                            first = m
+                        elif m != first:
+                            mixed = True
+                        union |= m
+        if kwargs:
+            for a in kwargs.values():
+                if isinstance(a, _Tensor):
+                    tag = a.__dict__.get(_ATTR, 0)
+                    m = tag & _MASK
+                    if tag - m != serial:
+                        m = 0
+                    if first < 0:
+                        first = m
+                    elif m != first:
+                        mixed = True
+                    union |= m
+        if not union:
+            return func(*args, **kwargs)
+        if mixed and _grad_enabled():
+            args, kwargs = self._widen_args(func, args, kwargs, union)
+        out = func(*args, **kwargs)
+        tag = serial | union
+        if isinstance(out, _Tensor):
+            out.__dict__[_ATTR] = tag
+        elif isinstance(out, _SEQ):
+            for o in out:
+                if isinstance(o, _Tensor):
+                    o.__dict__[_ATTR] = tag
+        return out
+
+    def _widen_args(self, func, args, kwargs, union):
+        inplace = _is_inplace(func)
+
+        def fix(a):
+            if isinstance(a, _Tensor):
+                m = self.mask_of(a)
+                if m != union and a.requires_grad:
+                    return self.pvary(a, m, union & ~m)
+                return a
+            if type(a) in _SEQ:
+                return type(a)(fix(b) for b in a)
+            return a
+
+        new_args = list(args)
+        for i, a in enumerate(args):
+            if i == 0 and inplace:
+                continue  # the tensor written in place keeps its identity
+            new_args[i] = fix(a)
+        if kwargs:
+            kwargs = {k: (v if k == "out" else fix(v)) for k, v in kwargs.items()}
+        return tuple(new_args), kwargs
+
+
+_INPLACE_DUNDER = frozenset(
+    "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __iand__ __ior__ "
+    "__ixor__ __ilshift__ __irshift__ __imatmul__".split()
+)
+_INPLACE_CACHE: dict = {}
+
+
+def _is_inplace(func) -> bool:
+    found = _INPLACE_CACHE.get(func)
+    if found is None:
+        name = getattr(func, "__name__", "")
+        found = name in _INPLACE_DUNDER or (name.endswith("_") and not name.endswith("__"))
+        _INPLACE_CACHE[func] = found
+    return found
+
+
+def _autograd_grad(tracker, func, args, kwargs):
+    """Gradients carry the vma of the tensors they are taken with respect to."""
+    inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+    with _DisableTorchFunction():
+        out = func(*args, **kwargs)
+    if isinstance(inputs, _Tensor):
+        inputs = (inputs,)
+    for g, x in zip(out, inputs):
+        if isinstance(g, _Tensor):
+            tracker.tag(g, tracker.mask_of(x))
+    return out
+
+
+def _untracked(tracker, func, args, kwargs):
+    """Run without tracking (backward passes: the gradients land in ``.grad``)."""
+    with _DisableTorchFunction():
+        return func(*args, **kwargs)
+
+
+def _iter(tracker, func, args, kwargs):
+    """``for row in x``: the rows vary like ``x``."""
+    mask = tracker.mask_of(args[0])
+    rows = list(func(*args, **kwargs))
+    if mask:
+        tracker.tag_tree(rows, mask)
+    return iter(rows)
+
+
+_SPECIAL = {
+    torch.Tensor.__iter__: _iter,
+    torch.autograd.grad: _autograd_grad,
+    torch.Tensor.backward: _untracked,
+    torch.autograd.backward: _untracked,
+}
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.tracker.dispatch(func, args, kwargs or {})
+
+
+# -- activation --------------------------------------------------------------------------
+
+
+def current() -> Tracker | None:
+    """The tracker of the running ``shard_map`` body (``None``: not tracking, or inside a library op)."""
+    body = _context.current().shard_map
+    if body is None:
+        return None
+    t = body.tracker
+    if t is None or t.suspended:
+        return None
+    return t
+
+
+class tracking:
+    """Context manager: track variance with ``tracker`` (pushes its ``TorchFunctionMode``)."""
+
+    __slots__ = ("tracker",)
+
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+
+    def __enter__(self):
+        global ACTIVE
+        ACTIVE += 1
+        mode = _Mode(self.tracker)
+        self.tracker.mode = mode
+        try:
+            mode.__enter__()
+        except BaseException:
+            ACTIVE -= 1
+            raise
+        return self.tracker
+
+    def __exit__(self, *exc):
+        global ACTIVE
+        try:
+            self.tracker.mode.__exit__(*exc)
+        finally:
+            ACTIVE -= 1
+        return False
+
+
+class suspended:
+    """Run library internals untracked: no mode, and :func:`current` returns ``None``."""
+
+    __slots__ = ("tracker", "_disable")
+
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+
+    def __enter__(self):
+        self.tracker.suspended += 1
+        self._disable = _DisableTorchFunction()
+        self._disable.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            self._disable.__exit__(*exc)
+        finally:
+            self.tracker.suspended -= 1
+        return False
+
+
+def get_vma(x) -> frozenset | None:
+    """The mesh dimensions ``x`` varies over in the running ``shard_map`` body.
+
+    ``None`` when variance is not tracked here (outside ``shard_map``, or
+    ``check_vma=False``). Like JAX's ``jax.typeof(x).vma``.
+
+    >>> es.get_vma(x)   # doctest: +SKIP
+    frozenset({'dp'})
+    """
+    t = current()
+    if t is None or not isinstance(x, _Tensor):
+        return None
+    return t.vma(x)
+
+
+# -- library operations ------------------------------------------------------------------
+
+
+def library_call(tracker: Tracker, fn, args, kwargs, out_mask: int):
+    """Run ``fn(*args, **kwargs)`` untracked and tag its tensor outputs with ``out_mask``."""
+    with suspended(tracker):
+        out = fn(*args, **kwargs)
+    return tracker.tag_tree(out, out_mask)
+
+
+class _FormulaRule:
+    __slots__ = ("declared", "mentioned", "out", "texts")
+
+    def __init__(self, declared, mentioned, out, texts):
+        self.declared, self.mentioned, self.out, self.texts = declared, mentioned, out, texts
+
+
+def _spec_mask(info: _MeshInfo, spec) -> int:
+    m = 0
+    for a in spec.axes:
+        if a.mesh:
+            m |= info.mask(a.mesh)
+    for p in spec.partial:
+        m |= info.mask(p)
+    return m
+
+
+def _formula_rule(info: _MeshInfo, formula: str, families) -> _FormulaRule:
+    if families is None:
+        key = formula
+    else:
+        from .notation import freeze_families
+
+        key = (formula, families if isinstance(families, tuple) else freeze_families(families))
+    rule = info.formulas.get(key)
+    if rule is None:
+        from .notation import expand_specs
+
+        parsed = expand_specs(formula, None if families is None else key[1])
+        declared = tuple(_spec_mask(info, s) for s in parsed.inputs)
+        out_spec = parsed.output if parsed.output is not None else parsed.inputs[0]
+        out = _spec_mask(info, out_spec)
+        mentioned = out
+        for m in declared:
+            mentioned |= m
+        rule = _FormulaRule(declared, mentioned, out, tuple(str(s) for s in parsed.inputs))
+        if len(info.formulas) > 4096:
+            info.formulas.clear()
+        info.formulas[key] = rule
+    return rule
+
+
+def formula_op(fn, formula: str, tensors, **kwargs):
+    """Run a formula-based library op (``einshard``, ``einfft``, ``einhalo``, ...) with variance rules.
+
+    ``fn(formula, *tensors, **kwargs)`` runs untracked. The rules (JAX's
+    typing of collectives, on einshard layouts), with ``F`` every mesh
+    dimension the formula names and ``D_k`` those operand ``k``'s spec shards
+    or is partial over:
+
+    - an operand that varies over a dimension in ``F`` that its spec says it
+      is replicated over is a ``ValueError`` (the plan may read it as the same
+      value on every rank);
+    - an operand that is invariant over a dimension of ``D_k`` is pvary-ed
+      over it (it is used as per-rank data there);
+    - dimensions outside ``F`` pass through: the op is per-rank over them, so
+      every operand is pvary-ed to their union and the output varies over it;
+    - the output varies over the dimensions its spec shards or is partial over
+      (for a bare spec without ``->``: the input's), plus the pass-through ones.
+    """
+    tracker = current()
+    if tracker is None:
+        return fn(formula, *tensors, **kwargs)
+    info = tracker.info
+    mesh = kwargs.get("mesh")
+    if mesh is not None and getattr(mesh, "names", None) != info.names and getattr(
+        mesh, "mesh_dim_names", None
+    ) != info.names:
+        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    try:
+        rule = _formula_rule(info, formula, kwargs.get("families"))
+    except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
+        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    if len(rule.declared) != len(tensors):
+        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    with suspended(tracker):  # tensor attributes (requires_grad) would go through the mode otherwise
+        masks = [tracker.mask_of(t) if isinstance(t, _Tensor) else 0 for t in tensors]
+        passthrough = 0
+        for k, m in enumerate(masks):
+            bad = m & rule.mentioned & ~rule.declared[k]
+            if bad:
+                dim = info.dims(bad)[0]
+                raise ValueError(
+                    f"{formula!r}: operand {k} ('{rule.texts[k]}') varies over mesh dimension {dim!r}, but its "
+                    f"spec says it is replicated over {dim!r}. Declare it sharded or partial over {dim!r} "
+                    f"(e.g. '{rule.texts[k]} // {dim}'), or make it invariant first (es.psum / es.all_gather)"
+                )
+            passthrough |= m & ~rule.mentioned
+        xs = tensors
+        if _grad_enabled():
+            for k, t in enumerate(tensors):
+                missing = (rule.declared[k] | passthrough) & ~masks[k]
+                if missing and isinstance(t, _Tensor) and t.requires_grad:
+                    if xs is tensors:
+                        xs = list(tensors)
+                    xs[k] = tracker.pvary(t, masks[k], missing)
+        out = fn(formula, *xs, **kwargs)
+    return tracker.tag_tree(out, rule.out | passthrough)
+
+
+def _union_mask(tracker, tensors) -> int:
+    m = 0
+    for t in tensors:
+        if isinstance(t, _Tensor):
+            m |= tracker.mask_of(t)
+    return m
+
+
+def names_mask(tracker: Tracker, names: Iterable[str]) -> int:
+    return tracker.info.mask(names)
