@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
@@ -94,6 +95,9 @@ class FFTProblem:
 
     def layout(self, assign: tuple, done: frozenset) -> Layout:
         """The layout where mesh dimension ``k`` shards axis ``assign[k]`` (``-1``: none)."""
+        return _layout(self, assign, done)
+
+    def _layout(self, assign: tuple, done: frozenset) -> Layout:
         names = self.mesh.names
         shard, splits, sizes = [], [], []
         for i in range(len(self.names)):
@@ -105,6 +109,11 @@ class FFTProblem:
 
     def assignment(self, layout: Layout) -> tuple:
         return tuple(-1 if layout.owner(d) is None else layout.owner(d) for d in self.mesh.names)
+
+
+@lru_cache(maxsize=65536)
+def _layout(p: FFTProblem, assign: tuple, done: frozenset) -> Layout:
+    return p._layout(assign, done)
 
 
 # -- actions -------------------------------------------------------------------
@@ -186,17 +195,25 @@ class FFTPlan:
 
 
 @lru_cache(maxsize=65536)
+def _grid(layout: Layout, mesh: MeshShape) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's block: ``(starts, stops)`` of shape ``(ranks, axes)``, ranks in ``mesh.coords()`` order."""
+    coords = list(mesh.coords())
+    starts = np.zeros((len(coords), len(layout.axes)), dtype=np.int64)
+    stops = np.empty_like(starts)
+    for k, coord in enumerate(coords):
+        for i, (a, b) in enumerate(layout.box(coord, mesh)):
+            starts[k, i], stops[k, i] = a, b
+    return starts, stops
+
+
+@lru_cache(maxsize=65536)
 def _received(src: Layout, dst: Layout, mesh: MeshShape) -> int:
     """The most elements any rank must receive to turn ``src`` into ``dst``."""
-    worst = 0
-    for coord in mesh.coords():
-        need = 1
-        own = 1
-        for (a, b), (c, d) in zip(dst.box(coord, mesh), src.box(coord, mesh)):
-            need *= b - a
-            own *= max(0, min(b, d) - max(a, c))
-        worst = max(worst, need - own)
-    return worst
+    s0, s1 = _grid(src, mesh)
+    d0, d1 = _grid(dst, mesh)
+    need = np.prod(d1 - d0, axis=1)
+    own = np.prod(np.clip(np.minimum(s1, d1) - np.maximum(s0, d0), 0, None), axis=1)
+    return int(np.max(need - own)) if len(need) else 0
 
 
 def move_cost(src: Layout, dst: Layout, mesh: MeshShape, itemsize: int) -> tuple[int, int]:
@@ -223,11 +240,13 @@ def four_step_factors(n: int, p: int) -> list[tuple[int, int]]:
     >>> four_step_factors(7, 2)
     []
     """
-    out = []
-    for n2 in range(p, n // p + 1):
-        if n % n2 == 0 and n // n2 >= p:
-            out.append((n // n2, n2))
-    return out
+    divisors = set()
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            divisors.update((d, n // d))
+        d += 1
+    return [(n // n2, n2) for n2 in sorted(divisors) if n2 >= p and n // n2 >= p]
 
 
 def _split_axis(layout: Layout, i: int, names, sizes, shard_hi: bool, splits) -> Layout:
@@ -303,11 +322,14 @@ def _four_step_cost(p: FFTProblem, fs: FourStep, done_before: frozenset) -> tupl
     return cost
 
 
+@lru_cache(maxsize=4096)
 def _best_four_step(p: FFTProblem, pre: Layout, post: Layout, i: int, done_before: frozenset):
     dims = pre.shard[i]
     if not dims:
         return None
     g = p.mesh.size(dims)
+    if g == 1:  # a group of one rank: moving its (empty) shard elsewhere is free
+        return None
     real = None
     if p.real and i == p.half:
         real = "c2r" if p.inverse else "r2c"

@@ -1,0 +1,827 @@
+"""``es.einfft``: named-axis ``fftn``/``ifftn``/``rfftn``/``irfftn`` on local or sharded tensors (SPEC §6).
+
+One call: parse and validate the formula and ``axes`` (errors before any
+collective), resolve the input and output layouts for this rank, plan once
+(:mod:`einshard.plan.fft`: the cheapest sequence of all-to-all transposes,
+local ``torch.fft`` calls and four-step transforms), bind the plan to this
+rank and run it. Plans are cached per (formula, axes, mode, local shape,
+dtype, split shapes, mesh, ambient split shapes): steady-state calls only
+execute. Transposes are :mod:`einshard.execute` transitions (autograd
+Functions with exact adjoints) and the local transforms are ``torch.fft``
+calls, so backward needs no hand-written FFT gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .. import _context, checks
+from .. import vma as _vma
+from .._split import compute_split_shapes
+from ..layout import Layout, MeshShape
+from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
+from ..notation import _check_semantics, _expand_tensor, _parse_member, freeze_families, invalid
+from ..notation.grammar import parse_text
+from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
+from ..plan.transition import plan_transition
+from ..resolve import _Splits, freeze_shapes, resolve
+
+__all__ = ["einfft", "FFTExplanation", "FFTStep"]
+
+_NORMS = (None, "backward", "ortho", "forward")
+_PLANS: dict = {}
+
+
+# -- parsing and validation -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """A validated einfft request, rank- and tensor-independent."""
+
+    text: str
+    inp: TensorSpec
+    out: TensorSpec
+    pairs: tuple[tuple[str, str], ...]  # (input axis, output axis) in `axes` order
+    is_local: bool
+
+    @property
+    def in_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.inp.axes)
+
+    @property
+    def out_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.out.axes)
+
+    @property
+    def proxy(self) -> str:
+        """The same layouts as an einshard formula (frequency axes renamed back): for variance rules."""
+        back = {b: a for a, b in self.pairs}
+        out = " ".join(str(Axis(back.get(a.name, a.name), a.mesh)) for a in self.out.axes)
+        return f"{self.inp} -> {out}"
+
+
+def _family_table(text: str, families: tuple) -> dict[str, tuple[str, ...]]:
+    return {name: tuple(_parse_member(text, name, m).name for m in members) for name, members in families}
+
+
+def _check_spec(text: str, spec: TensorSpec, where: str) -> None:
+    if spec.annotations:
+        raise ValueError(f"{text!r}: einfft takes no annotations like [{spec.annotations[0]}] on the {where}")
+    if spec.partial:
+        dims = ", ".join(spec.partial)
+        raise ValueError(
+            f"{text!r}: the {where} '{spec}' is partial over {dims!r}; einfft needs a non-partial "
+            f"{where} (sum it first with es.einshard)"
+        )
+    for item in spec.items:
+        if isinstance(item, EllipsisItem):
+            raise ValueError(f"{text!r}: einfft does not accept '...' in the {where}; name every axis")
+        if isinstance(item, Group):
+            names = " ".join(a.name for a in item.axes)
+            raise ValueError(
+                f"{text!r}: factored axis '({names})' (axis {item.axes[0].name!r}) in the {where}: einfft needs "
+                f"plain axes; split the group first with es.einshard"
+            )
+
+
+def _expand_pairs(text, axes, in_names, table) -> tuple[tuple[str, str], ...]:
+    if not isinstance(axes, Mapping) or not axes:
+        raise ValueError(f"{text!r}: axes= must be a non-empty dict {{input axis: output axis}}, got {axes!r}")
+    pairs: list[tuple[str, str]] = []
+    for key, value in axes.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{text!r}: axes= keys must be axis or family names, got {key!r}")
+        if key not in in_names and key in table:
+            members = table[key]
+            if isinstance(value, str):
+                if value not in table:
+                    raise ValueError(
+                        f"{text!r}: axes[{key!r}] maps family {key!r} to {value!r}, which is not a family; "
+                        f"give a tuple of {len(members)} output axes"
+                    )
+                value = table[value]
+            value = tuple(value)
+            if len(value) != len(members):
+                raise ValueError(
+                    f"{text!r}: axes[{key!r}] has {len(value)} output axes but family {key!r} has "
+                    f"{len(members)} members"
+                )
+            pairs.extend(zip(members, value))
+        else:
+            if key not in in_names:
+                raise ValueError(
+                    f"{text!r}: axes= names axis {key!r}, which is not an input axis (input axes: "
+                    f"{list(in_names)})"
+                )
+            pairs.append((key, value))
+    seen_in, seen_out = set(), set()
+    for a, b in pairs:
+        if not isinstance(b, str) or not b.isidentifier():
+            raise ValueError(f"{text!r}: axes[{a!r}] must be an output axis name, got {b!r}")
+        if a in seen_in:
+            raise ValueError(f"{text!r}: axis {a!r} appears twice in axes=")
+        if b in seen_out:
+            raise ValueError(f"{text!r}: output axis {b!r} is the transform of two axes in axes=")
+        seen_in.add(a)
+        seen_out.add(b)
+    return tuple(pairs)
+
+
+def _parse(text: str, axes_key, families: tuple) -> _Spec:
+    inputs, output = parse_text(text)
+    if output is None:
+        raise ValueError(f"{text!r}: einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
+    if len(inputs) != 1:
+        raise ValueError(f"{text!r}: einfft takes one input tensor, the formula has {len(inputs)}")
+    table_axes = {name: tuple(_parse_member(text, name, m) for m in members) for name, members in families}
+    inp = _expand_tensor(text, inputs[0], table_axes)
+    out = _expand_tensor(text, output, table_axes)
+    _check_spec(text, inp, "input")
+    _check_spec(text, out, "output")
+    _check_semantics(Formula(text, (inp,), None))
+    in_names = tuple(a.name for a in inp.axes)
+    pairs = _expand_pairs(text, dict(axes_key), in_names, _family_table(text, families))
+    transformed = {a for a, _ in pairs}
+    untouched = [n for n in in_names if n not in transformed]
+    for _, b in pairs:
+        if b in untouched:
+            raise ValueError(
+                f"{text!r}: transform output axis {b!r} already exists among the untouched input axes; "
+                f"give the frequency axis a new name"
+            )
+    back = {b: a for a, b in pairs}
+    seen = set()
+    for ax in out.axes:
+        if ax.name in seen:
+            raise invalid(text, ax.pos, f"axis {ax.name!r} appears twice in the output")
+        seen.add(ax.name)
+        if ax.name not in back and ax.name not in untouched:
+            hint = " (it is transformed; use its output name)" if ax.name in transformed else ""
+            raise ValueError(
+                f"{text!r}: output axis {ax.name!r} is neither an untouched input axis nor an output of "
+                f"axes={hint}"
+            )
+    for name in untouched:
+        if name not in seen:
+            raise ValueError(f"{text!r}: input axis {name!r} is missing from the output; einfft keeps every axis")
+    for a, b in pairs:
+        if b not in seen:
+            raise ValueError(f"{text!r}: transform output axis {b!r} (of {a!r}) is missing from the output")
+    renamed = TensorSpec(tuple(Axis(back.get(x.name, x.name), x.mesh, x.pos) for x in out.axes), (), (), out.pos)
+    _check_semantics(Formula(text, (inp,), renamed))  # mesh dimensions of the output
+    is_local = inp.is_local and out.is_local
+    return _Spec(text, inp, out, pairs, is_local)
+
+
+_PARSED: dict = {}
+
+
+def _parse_cached(text, axes_key, families) -> _Spec:
+    key = (text, axes_key, families)
+    found = _PARSED.get(key)
+    if found is None:
+        found = _parse(text, axes_key, families)
+        if len(_PARSED) > 4096:
+            _PARSED.clear()
+        _PARSED[key] = found
+    return found
+
+
+def _freeze(value):
+    if isinstance(value, Mapping):
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+# -- sizes and dtypes ------------------------------------------------------------------
+
+
+def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype.is_complex:
+        return dtype
+    if not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    return {torch.float64: torch.complex128, torch.float16: torch.complex32}.get(dtype, torch.complex64)
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex128: torch.float64, torch.complex32: torch.float16}.get(_complex_dtype(dtype), torch.float32)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -> dict[str, int]:
+    """``signal_sizes`` keyed by input axis (family keys expanded, output names mapped back)."""
+    if signal_sizes is None:
+        return {}
+    text = spec.text
+    if not (real and inverse):
+        raise ValueError(f"{text!r}: signal_sizes= is for inverse real transforms (real=True, inverse=True)")
+    if not isinstance(signal_sizes, Mapping):
+        raise ValueError(f"{text!r}: signal_sizes= must be a dict {{axis: length}}, got {signal_sizes!r}")
+    back = {b: a for a, b in spec.pairs}
+    ins = {a for a, _ in spec.pairs}
+    out: dict[str, int] = {}
+    for key, value in signal_sizes.items():
+        if key not in ins and key not in back and key in table:
+            members = table[key]
+            if isinstance(value, int) or len(value) != len(members):
+                raise ValueError(f"{text!r}: signal_sizes[{key!r}] needs one length per member of family {key!r}")
+            items = list(zip(members, value))
+        else:
+            items = [(key, value)]
+        for name, n in items:
+            axis = name if name in ins else back.get(name)
+            if axis is None:
+                raise ValueError(f"{text!r}: signal_sizes names axis {name!r}, which is not a transformed axis")
+            if isinstance(n, bool) or int(n) != n or n < 1:
+                raise ValueError(f"{text!r}: signal_sizes[{name!r}] must be a positive length, got {n!r}")
+            out[axis] = int(n)
+    return out
+
+
+def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, int]:
+    text = spec.text
+    after = dict(before)
+    half = spec.pairs[-1][0] if real else None
+    for a, _ in spec.pairs:
+        n = before[a]
+        if n == 0:
+            raise ValueError(f"{text!r}: transform axis {a!r} is empty")
+        if a == half:
+            if inverse:
+                length = signal.get(a, 2 * (n - 1))
+                if length < 1 or length // 2 + 1 != n:
+                    raise ValueError(
+                        f"{text!r}: the inverse real transform of half-spectrum axis {a!r} (size {n}) needs an "
+                        f"output length L with L//2+1 == {n}; got {length}"
+                        + ("" if a in signal else " (pass signal_sizes=)")
+                    )
+                after[a] = length
+            else:
+                after[a] = n // 2 + 1
+        elif a in signal and signal[a] != n:
+            raise ValueError(
+                f"{text!r}: signal_sizes[{a!r}] = {signal[a]} but axis {a!r} has size {n}; only the half-spectrum "
+                f"axis (the last entry of axes=) can have a length of its own"
+            )
+    return after
+
+
+# -- resolution -----------------------------------------------------------------------
+
+
+def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> tuple[FFTProblem, str | None]:
+    text = spec.text
+    ambient = _context.current().shapes
+    labels = {mesh.label(mesh.dims(a.mesh)) for t in (spec.inp, spec.out) for a in t.axes if a.mesh}
+    if shapes is not None and not isinstance(shapes, Mapping) and len(labels) != 1:
+        raise ValueError(
+            f"{text!r}: shapes= as a list needs exactly one sharded mesh dimension, but the formula shards over "
+            f"{sorted(labels)}; use {{'dim': [...]}} instead"
+        )
+    resolved = resolve(Formula(text, (spec.inp,), spec.inp), [tuple(shape)], mesh, shapes=shapes, ambient=ambient)
+    src = resolved.operands[0]
+    before = dict(zip(src.axes, src.sizes))
+    after = _after_sizes(spec, before, real, inverse, signal)
+    lookup = _Splits(text, shapes, ambient, mesh, labels)
+    back = {b: a for a, b in spec.pairs}
+    shard, splits = {}, {}
+    for ax in spec.out.axes:
+        name = back.get(ax.name, ax.name)
+        dims = mesh.dims(ax.mesh) if ax.mesh else ()
+        shard[name] = dims
+        if not dims:
+            splits[name] = None
+            continue
+        found = lookup.explicit(dims, ax.name, missing_ok=True)
+        if found is not None and shapes is not None and not isinstance(shapes, Mapping) and sum(found) != after[name]:
+            found = None  # the list form gives the input's split; a resized frequency axis gets the default
+        if found is None and ax.name not in back and src.shard[src.axes.index(name)] == dims:
+            found = src.splits[src.axes.index(name)]
+        if found is None:
+            found = tuple(compute_split_shapes(after[name], mesh.size(dims)))
+        elif sum(found) != after[name]:
+            raise ValueError(
+                f"{text!r}: split shapes {list(found)} of output axis {ax.name!r} sum to {sum(found)} but the "
+                f"axis has size {after[name]}"
+            )
+        splits[name] = tuple(found)
+    names = src.axes
+    dst = Layout(names, tuple(after[n] for n in names), tuple(shard[n] for n in names), tuple(splits[n] for n in names))
+    index = {n: i for i, n in enumerate(names)}
+    renamed = dict(spec.pairs)
+    cdtype = _complex_dtype(dtype)
+    out_dtype = _real_dtype(dtype) if real and inverse else cdtype
+    problem = FFTProblem(
+        names=names,
+        out_names=tuple(renamed.get(n, n) for n in names),
+        before=src.sizes,
+        after=dst.sizes,
+        transform=tuple(index[a] for a, _ in spec.pairs),
+        real=real,
+        inverse=inverse,
+        src=src,
+        dst=dst,
+        mesh=MeshShape.of(mesh),
+        itemsize_in=_itemsize(dtype),
+        itemsize_complex=_itemsize(cdtype),
+        itemsize_out=_itemsize(out_dtype),
+    )
+    return problem, resolved.local_error
+
+
+def _local_plan(spec: _Spec, shape, dtype, real, inverse, signal) -> FFTPlan:
+    names = spec.in_names
+    before = dict(zip(names, shape))
+    after = _after_sizes(spec, before, real, inverse, signal)
+    index = {n: i for i, n in enumerate(names)}
+    transform = tuple(index[a] for a, _ in spec.pairs)
+    sizes_b = tuple(shape)
+    sizes_a = tuple(after[n] for n in names)
+    none = tuple(() for _ in names)
+    nosplit = tuple(None for _ in names)
+    src = Layout(names, sizes_b, none, nosplit)
+    dst = Layout(names, sizes_a, none, nosplit)
+    renamed = dict(spec.pairs)
+    cdtype = _complex_dtype(dtype)
+    problem = FFTProblem(
+        names, tuple(renamed.get(n, n) for n in names), sizes_b, sizes_a, transform, real, inverse, src, dst,
+        MeshShape((), ()), _itemsize(dtype), _itemsize(cdtype), _itemsize(_real_dtype(dtype) if real and inverse else cdtype),
+    )
+    if real:
+        dims = tuple(sorted(transform[:-1])) + (transform[-1],)
+        kind = "c2r" if inverse else "r2c"
+    else:
+        dims, kind = tuple(sorted(transform)), "c2c"
+    return FFTPlan(problem, (LocalFFT(dims, kind, tuple(sizes_a[i] for i in dims), src, dst),), (0, 0), ())
+
+
+# -- running -------------------------------------------------------------------------
+
+
+def _safe_fft(x, fn, out_shape, out_dtype):
+    """``fn(x)``, or an empty result wired into autograd when there is nothing to transform."""
+    if x.numel() == 0:
+        z = x.sum() * 0
+        if z.is_complex() and not out_dtype.is_complex:
+            z = z.real
+        return torch.zeros(out_shape, dtype=out_dtype, device=x.device) + z
+    return fn(x)
+
+
+def _compile_local_fft(act: LocalFFT, inverse: bool, norm, dtypes):
+    dims, sizes, kind = list(act.dims), list(act.sizes), act.kind
+    cdtype, rdtype = dtypes
+    if kind == "c2c":
+        torch_fn = torch.fft.ifftn if inverse else torch.fft.fftn
+
+        def fn(x):
+            return torch_fn(x, dim=dims, norm=norm)
+
+        out_dtype = cdtype
+    elif kind == "r2c":
+
+        def fn(x):
+            return torch.fft.rfftn(x, dim=dims, norm=norm)
+
+        out_dtype = cdtype
+    else:
+
+        def fn(x):
+            return torch.fft.irfftn(x, s=sizes, dim=dims, norm=norm)
+
+        out_dtype = rdtype
+
+    def run(x):
+        shape = list(x.shape)
+        for d, s in zip(dims, sizes):
+            shape[d] = s
+        return _safe_fft(x, fn, shape, out_dtype)
+
+    return run
+
+
+def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes):
+    from ..execute import transition
+
+    shape = MeshShape.of(mesh)
+    coord = mesh.coordinate
+    i = fs.axis
+    cdtype, rdtype = dtypes
+    fft1 = torch.fft.ifft if inverse else torch.fft.fft
+    steps = []
+    if fs.real == "c2r":
+        lo, hi = fs.pre.interval(i, coord, shape)
+        k = torch.arange(lo, hi, dtype=torch.float64)
+        weight = torch.where((k == 0) | (2 * k == fs.n), 1.0, 2.0).to(rdtype)
+        view = [1] * len(fs.pre.axes)
+        view[i] = hi - lo
+        weight = weight.view(view)
+        pad = fs.padded.local_shape(coord, shape)[i] - (hi - lo)
+
+        def weigh_and_pad(x, weight=weight, pad=pad):
+            x = x * weight
+            if pad:
+                zshape = list(x.shape)
+                zshape[i] = pad
+                x = torch.cat([x, x.new_zeros(zshape)], dim=i)
+            return x
+
+        steps.append(weigh_and_pad)
+    start = fs.padded if fs.padded is not None else fs.pre
+    steps.append(transition(start, fs.flat_a, mesh))
+    a_shape = fs.a.local_shape(coord, shape)
+    steps.append(lambda x: x.reshape(a_shape))
+    steps.append(transition(fs.a, fs.b, mesh))
+    b_shape = list(fs.b.local_shape(coord, shape))
+    q0, q1 = fs.b.interval(i + 1, coord, shape)
+    sign = 1.0 if inverse else -1.0
+    k_hi = torch.arange(fs.n1, dtype=torch.float64).view(-1, 1)
+    lo_idx = torch.arange(q0, q1, dtype=torch.float64).view(1, -1)
+    angle = sign * 2 * math.pi * torch.remainder(k_hi * lo_idx, fs.n) / fs.n
+    twiddle = torch.polar(torch.ones_like(angle), angle).to(cdtype)
+    tview = [1] * len(fs.a.axes)
+    tview[i], tview[i + 1] = fs.n1, q1 - q0
+    twiddle = twiddle.view(tview)
+    b_out = list(b_shape)
+
+    def first(x, twiddle=twiddle):
+        y = _safe_fft(x, lambda t: fft1(t, dim=i, norm=norm), b_out, cdtype)
+        return y * twiddle
+
+    steps.append(first)
+    steps.append(transition(fs.b, fs.c, mesh))
+    c_shape = list(fs.c.local_shape(coord, shape))
+    steps.append(lambda x: _safe_fft(x, lambda t: fft1(t, dim=i + 1, norm=norm), c_shape, cdtype))
+    steps.append(transition(fs.c, fs.d, mesh))
+    flat_shape = fs.flat_d.local_shape(coord, shape)
+    steps.append(lambda x: x.transpose(i, i + 1).reshape(flat_shape))
+    if fs.real == "r2c":
+        keep = fs.cropped.local_shape(coord, shape)[i]
+        steps.append(lambda x: x.narrow(i, 0, keep))
+        end = fs.cropped
+    elif fs.real == "c2r":
+        steps.append(lambda x: x.real)
+        end = fs.flat_d
+    else:
+        end = fs.flat_d
+    steps.append(transition(end, fs.post, mesh))
+    steps = [s for s in steps if not getattr(s, "trivial", False)]
+
+    def run(x):
+        for s in steps:
+            x = s(x)
+        return x
+
+    return run
+
+
+class _Bound:
+    """A plan bound to this rank: call it with the local tensor."""
+
+    __slots__ = ("plan", "steps", "local_error", "warning", "mesh", "fingerprint")
+
+    def __init__(self, plan: FFTPlan, mesh, norm, dtype, order, local_error=None, warning=None):
+        from ..execute import transition
+
+        self.plan = plan
+        self.local_error = local_error
+        self.warning = warning
+        self.mesh = mesh
+        # equal on every rank when they agree on the global sizes and split shapes (checked with checks on)
+        self.fingerprint = zlib.crc32(repr((plan.problem.src, plan.problem.dst)).encode())
+        p = plan.problem
+        dtypes = (_complex_dtype(dtype), _real_dtype(dtype))
+        steps = []
+        for act in plan.actions:
+            if isinstance(act, Move):
+                t = transition(act.src, act.dst, mesh)
+                if not t.trivial:
+                    steps.append(t)
+            elif isinstance(act, LocalFFT):
+                steps.append(_compile_local_fft(act, p.inverse, norm, dtypes))
+            else:
+                steps.append(_compile_four_step(act, mesh, p.inverse, norm, dtypes))
+        if order != tuple(range(len(order))):
+            steps.append(lambda x: x.permute(order))
+        self.steps = tuple(steps)
+
+    def __call__(self, x):
+        for step in self.steps:
+            x = step(x)
+        return x
+
+
+# -- explain ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FFTStep:
+    """One step of an FFT plan: a transpose (transition), a local FFT or a four-step stage."""
+
+    kind: str  # "transpose", "fft", "four-step", "local"
+    what: str
+    layout: str  # the layout after the step (frequency axes under their output names)
+    mesh_dims: str  # "" for local steps
+    forward_bytes: float  # bytes each rank sends, averaged over the ranks
+    backward_bytes: float
+
+
+@dataclass(frozen=True)
+class FFTExplanation:
+    """The plan ``einfft`` runs for one call; ``str()`` is a readable table.
+
+    ``steps`` in execution order; ``gathered`` lists transform axes the plan
+    gathers whole on every rank (the warning path; normally empty).
+    """
+
+    formula: str
+    mode: str
+    input_layout: str
+    output_layout: str
+    steps: tuple[FFTStep, ...]
+    gathered: tuple[str, ...]
+
+    @property
+    def forward_bytes(self) -> float:
+        return sum(s.forward_bytes for s in self.steps)
+
+    @property
+    def backward_bytes(self) -> float:
+        return sum(s.backward_bytes for s in self.steps)
+
+    @property
+    def collectives(self) -> int:
+        return sum(1 for s in self.steps if s.mesh_dims)
+
+    def __str__(self) -> str:
+        lines = [f"einfft plan for {self.formula!r} ({self.mode}): {self.input_layout} -> {self.output_layout}"]
+        header = ("#", "step", "what", "layout after", "mesh dim", "fwd B/rank", "bwd B/rank")
+        table = [header]
+        for n, s in enumerate(self.steps):
+            table.append(
+                (
+                    str(n + 1),
+                    s.kind,
+                    s.what,
+                    s.layout,
+                    s.mesh_dims or "-",
+                    f"{s.forward_bytes:,.0f}",
+                    f"{s.backward_bytes:,.0f}",
+                )
+            )
+        widths = [max(len(row[k]) for row in table) for k in range(len(header))]
+        for n, row in enumerate(table):
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            if n == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines.append(
+            f"  total: forward {self.forward_bytes:,.0f} B, backward {self.backward_bytes:,.0f} B, "
+            f"{self.collectives} collective(s)"
+        )
+        if self.gathered:
+            lines.append(
+                f"  warning: gathers transform axis {', '.join(self.gathered)} whole on every rank "
+                f"(no all-to-all or four-step plan exists for this layout)"
+            )
+        return "\n".join(lines)
+
+
+def _show(layout: Layout, p: FFTProblem, done) -> str:
+    parts = []
+    for name, dims in zip(layout.axes, layout.shard):
+        if name in p.names:
+            i = p.names.index(name)
+            name = p.out_names[i] if i in done else name
+        parts.append(f"{name}/{'-'.join(dims)}" if dims else name)
+    return " ".join(parts)
+
+
+def _transition_step(src, dst, p: FFTProblem, itemsize, done, prefix="") -> FFTStep | None:
+    mesh = p.mesh
+    fwd = plan_transition(src, dst, mesh)
+    bwd = plan_transition(dst, src, mesh)
+    if not fwd and not bwd:
+        return None
+    what = "; ".join(f"{s.describe()} ({'-'.join(s.dims)})" if s.is_collective else s.describe() for s in fwd)
+    what = what or "nothing forward"
+    dims = mesh.sort({d for s in fwd + bwd if s.is_collective for d in s.dims})
+    return FFTStep(
+        "transpose",
+        prefix + what,
+        _show(dst, p, done),
+        "-".join(dims),
+        sum(s.bytes_per_rank(mesh, itemsize) for s in fwd),
+        sum(s.bytes_per_rank(mesh, itemsize) for s in bwd),
+    )
+
+
+def _explain(plan: FFTPlan, text: str, mode: str, out_spec: TensorSpec) -> FFTExplanation:
+    p = plan.problem
+    rows = []
+    done = frozenset()
+    names = {True: "ifft", False: "fft"}[p.inverse]
+    for act in plan.actions:
+        if isinstance(act, Move):
+            row = _transition_step(act.src, act.dst, p, p.itemsize(done), done)
+            if row is not None:
+                rows.append(row)
+        elif isinstance(act, LocalFFT):
+            done = done | frozenset(act.dims)
+            fn = {"c2c": names + "n", "r2c": "rfftn", "c2r": "irfftn"}[act.kind]
+            over = ", ".join(p.names[i] for i in act.dims)
+            rows.append(FFTStep("fft", f"local {fn} over {over}", _show(act.dst, p, done), "", 0.0, 0.0))
+        else:
+            fs = act
+            name = p.names[fs.axis]
+            prefix = f"four-step {name} ({fs.n} = {fs.n1}x{fs.n2}): "
+            isz = (p.itemsize(done), p.itemsize_complex, p.itemsize_out if fs.real == "c2r" else p.itemsize_complex)
+            moves = fs.moves()
+            labels = [None, None, f"local {names} over {name}.hi, twiddle", f"local {names} over {name}.lo", None]
+            if fs.real == "c2r":
+                rows.append(FFTStep("four-step", prefix + "weight and zero-pad the half spectrum", "", "", 0.0, 0.0))
+            for k, (src, dst, stage) in enumerate(moves):
+                if labels[k] is not None:
+                    rows.append(FFTStep("four-step", prefix + labels[k], "", "", 0.0, 0.0))
+                row = _transition_step(src, dst, p, isz[stage], done if k < 4 else done | {fs.axis}, prefix)
+                if row is not None:
+                    rows.append(FFTStep("four-step", row.what, row.layout, row.mesh_dims, row.forward_bytes,
+                                        row.backward_bytes))
+                if k == 3:
+                    tail = {"r2c": "local transpose, crop to the half spectrum", "c2r": "local transpose, real part"}
+                    rows.append(FFTStep("four-step", prefix + tail.get(fs.real, "local transpose"), "", "", 0.0, 0.0))
+            done = done | {fs.axis}
+    return FFTExplanation(
+        text, mode, _show(p.src, p, frozenset()), str(out_spec), tuple(rows), plan.gathered
+    )
+
+
+def _mode(real: bool, inverse: bool, norm) -> str:
+    fn = ("irfftn" if inverse else "rfftn") if real else ("ifftn" if inverse else "fftn")
+    return f"{fn}, norm={norm or 'backward'}"
+
+
+# -- the public function ----------------------------------------------------------------
+
+
+def einfft(
+    formula: str,
+    x,
+    axes,
+    *,
+    inverse: bool = False,
+    norm: str | None = None,
+    mesh=None,
+    shapes=None,
+    families=None,
+    real: bool = False,
+    signal_sizes=None,
+    explain: bool = False,
+):
+    """Named-axis ``fftn``/``ifftn``/``rfftn``/``irfftn`` on a local or sharded tensor.
+
+    ``axes`` maps each transformed input axis to its frequency axis in the
+    output (``{"x": "kx"}``; a family name maps to a tuple or to another
+    family). Other axes keep their names; the output spec may permute them.
+    ``inverse=True`` runs the inverse transform; ``real=True`` the real one,
+    whose half-spectrum axis is the *last* entry of ``axes``
+    (``signal_sizes={"ky": n}`` gives an inverse real length that
+    ``2 * (m - 1)`` would get wrong, e.g. odd ``n``). ``norm`` as in
+    ``torch.fft``. Sharded layouts (any, uneven included) move data with
+    all-to-all transposes so that every transform runs locally;
+    ``explain=True`` returns the plan (:class:`FFTExplanation`) instead of
+    running it (``x`` may then be a local shape, with float32 /
+    complex64 for inverse real transforms).
+
+    >>> import torch, einshard as es
+    >>> from einshard.ops.fft import einfft   # also es.einfft where exported
+    >>> x = torch.randn(2, 8, 6)
+    >>> y = einfft("b x y -> b kx ky", x, axes={"x": "kx", "y": "ky"})
+    >>> torch.allclose(y, torch.fft.fftn(x, dim=(1, 2)))
+    True
+    >>> einfft("b x y -> ky b kx", x, axes={"x": "kx", "y": "ky"}, real=True).shape
+    torch.Size([4, 2, 8])
+    >>> einfft("b kx ky -> b x y", torch.fft.rfftn(x, dim=(1, 2)), axes={"kx": "x", "ky": "y"},
+    ...        real=True, inverse=True, signal_sizes={"y": 6}).shape
+    torch.Size([2, 8, 6])
+    >>> mesh = es.Mesh.virtual((2, 4), ("dp", "tp"))       # plan only: no process group needed
+    >>> plan = einfft("x/dp y/tp z -> kx ky/dp kz/tp", (16, 8, 32), {"x": "kx", "y": "ky", "z": "kz"},
+    ...               mesh=mesh, explain=True)
+    >>> plan.collectives, plan.forward_bytes
+    (2, 40960.0)
+    """
+    if norm not in _NORMS:
+        raise ValueError(f"einfft: norm must be None, 'backward', 'ortho' or 'forward', got {norm!r}")
+    if isinstance(x, torch.Tensor):
+        shape, dtype = tuple(x.shape), x.dtype
+    elif explain and isinstance(x, (tuple, list, torch.Size)):
+        shape = tuple(int(s) for s in x)
+        dtype = torch.complex64 if (real and inverse) else torch.float32
+    else:
+        raise ValueError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
+    axes_key = _freeze(axes) if isinstance(axes, Mapping) else axes
+    fam_key = freeze_families(families)
+    if _vma.ACTIVE and not explain and _vma.current() is not None:  # in shard_map(check_vma=True)
+        if not isinstance(axes, Mapping):
+            raise ValueError(f"{formula!r}: axes= must be a dict {{input axis: output axis}}, got {axes!r}")
+        proxy = _parse_cached(formula, axes_key, fam_key).proxy
+
+        def untracked(_proxy, t, mesh=None):
+            return einfft(formula, t, axes, inverse=inverse, norm=norm, mesh=mesh, shapes=shapes, families=families,
+                          real=real, signal_sizes=signal_sizes)
+
+        return _vma.formula_op(untracked, proxy, (x,), mesh=mesh)
+    ambient = _context.current()
+    mesh_key = mesh if mesh is not None else ambient.mesh
+    key = (
+        formula, axes_key, bool(inverse), norm, bool(real), _freeze(signal_sizes), fam_key, shape, dtype,
+        freeze_shapes(shapes) if not isinstance(shapes, Mapping) else _freeze(shapes), id(mesh_key),
+        mesh_key, getattr(ambient, "shapes_key", None) or tuple(sorted(ambient.shapes.items())),
+    )
+    bound = _PLANS.get(key)
+    if bound is None:
+        bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
+                             mesh, shapes)
+        if explain:
+            if bound.local_error is not None:
+                raise ValueError(bound.local_error)
+            return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
+        if bound.mesh is None and bound.plan.problem.mesh.names:
+            raise ValueError(f"{formula!r}: a virtual mesh has no process groups; use it with explain=True")
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[key] = bound
+    elif explain:
+        if bound.local_error is not None:
+            raise ValueError(bound.local_error)
+        spec = _parse_cached(formula, axes_key, fam_key)
+        return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
+    if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
+        checks.agree(
+            bound.mesh.group(tuple(bound.mesh.names)),
+            None if bound.local_error is None else ValueError(bound.local_error),
+            fingerprint=bound.fingerprint,
+            what=f"the layouts of {formula!r}",
+        )
+    if bound.warning is not None:
+        warnings.warn(bound.warning, RuntimeWarning, stacklevel=2)
+    return bound(x)
+
+
+def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes):
+    """Parse, validate, resolve and plan one call; returns ``(bound plan, spec)``."""
+    if not isinstance(axes, Mapping):
+        raise ValueError(f"{formula!r}: axes= must be a dict {{input axis: output axis}}, got {axes!r}")
+    spec = _parse_cached(formula, axes_key, fam_key)
+    if real and not inverse and dtype.is_complex:
+        raise ValueError(f"{formula!r}: real=True (rfftn) needs a real input, got {dtype}")
+    table = _family_table(formula, fam_key)
+    signal = _signal_sizes(spec, signal_sizes, real, inverse, table)
+    order_names = spec.in_names
+    out_index = {}
+    back = {b: a for a, b in spec.pairs}
+    for ax in spec.out.axes:
+        out_index[ax.name] = order_names.index(back.get(ax.name, ax.name))
+    order = tuple(out_index[a.name] for a in spec.out.axes)
+    if len(shape) != len(order_names):
+        raise ValueError(
+            f"{formula!r}: the input '{spec.inp}' names {len(order_names)} dimensions but the tensor has {len(shape)}"
+        )
+    if spec.is_local:
+        plan = _local_plan(spec, shape, dtype, real, inverse, signal)
+        return _Bound(plan, None, norm, dtype, order), spec
+    from ..mesh import resolve_mesh
+
+    m = resolve_mesh(mesh)
+    try:
+        problem, local_error = _problem(spec, shape, dtype, m, shapes, real, inverse, signal)
+        plan = plan_fft(problem)
+    except ValueError as err:
+        if checks.checks_enabled() and m.device_mesh is not None:
+            checks.agree(m.group(tuple(m.names)), err)
+        raise
+    warning = None
+    if plan.gathered:
+        warning = (
+            f"{formula!r}: no all-to-all or four-step plan exists for this layout; einfft gathers transform "
+            f"axis {', '.join(repr(a) for a in plan.gathered)} whole on every rank (see docs/fft.md, "
+            f"'When einfft gathers')"
+        )
+    if m.device_mesh is None:  # a virtual mesh: plan only (explain)
+        bound = _Bound.__new__(_Bound)
+        bound.plan, bound.steps, bound.local_error, bound.warning = plan, (), local_error, warning
+        bound.mesh, bound.fingerprint = None, 0
+        return bound, spec
+    return _Bound(plan, m, norm, dtype, order, local_error, warning), spec
