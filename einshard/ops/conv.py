@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from .. import vma as _vma
 from .. import mappings
 from ..layout import MeshShape
 from ..notation import expand, freeze_families
@@ -303,6 +304,12 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
         y = es.einconv("b h/sp w c, o c kh kw -> b h/sp w o", x_block, w, {"h": "kh", "w": "kw"},
                        bias=b, boundary="periodic", mesh=mesh)
     """
+    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+        return _vma.formula_op(
+            lambda f, t, w, **kw: einconv(f, t, w, windows, **kw), formula, (x, weight), bias=bias,
+            padding=padding, stride=stride, dilation=dilation, groups=groups, boundary=boundary, fill=fill,
+            mesh=mesh, shapes=shapes, families=families, checkpoint=checkpoint, use_reentrant=use_reentrant,
+        )
     check_boundary(boundary, "einconv")
     _check_stride(stride)
     if checkpoint not in _CHECKPOINT_MODES:

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import vma as _vma
 from .. import _context, checks
 from .. import collectives as C
 from ..layout import Layout, MeshShape
@@ -492,6 +493,9 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
 
         y = es.einhalo("b h/sp w c", x_block, {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
+    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+        return _vma.formula_op(lambda s, t, **kw: einhalo(s, t, halos, **kw), spec, (x,), boundary=boundary,
+                               fill=fill, mesh=mesh, shapes=shapes, families=families)
     try:
         fast = (spec, freeze(halos), boundary, freeze(families), freeze_shapes(shapes), mesh,
                 _context.current().mesh, ambient_key(), x.shape, x.dtype, x.device)

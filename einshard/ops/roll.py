@@ -17,6 +17,7 @@ import operator
 
 import torch
 
+from .. import vma as _vma
 from .. import _context
 from ..layout import Layout, MeshShape
 from ..notation import freeze_families
@@ -100,6 +101,9 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
 
         y = es.einroll("b h/sp w", x_block, {"h": 3, "w": -1}, mesh=mesh, shapes={"sp": [5, 5, 6]})
     """
+    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+        return _vma.formula_op(lambda s, t, **kw: einroll(s, t, shifts, **kw), spec, (x,), mesh=mesh,
+                               shapes=shapes, families=families)
     try:
         fast = (spec, freeze(shifts), freeze(families), freeze_shapes(shapes), mesh, _context.current().mesh,
                 ambient_key(), x.shape, x.dtype, x.device)

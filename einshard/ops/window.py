@@ -10,6 +10,7 @@ a permutation to the output order.
 
 from __future__ import annotations
 
+from .. import vma as _vma
 from ..notation import expand, freeze_families
 from .halo import check_boundary, check_spec, family_table, halo_plan, per_axis, pick_mesh, width_pair
 
@@ -106,6 +107,9 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
         y = es.einwindow("b h/sp w c -> b h/sp w kh kw c", x_block, {"h": "kh", "w": "kw"},
                          {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
+    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+        return _vma.formula_op(lambda f, t, **kw: einwindow(f, t, windows, radius, **kw), formula, (x,),
+                               boundary=boundary, fill=fill, mesh=mesh, shapes=shapes, families=families)
     what = "einwindow"
     check_boundary(boundary, what)
     ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families, what)
