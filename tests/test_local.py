@@ -434,6 +434,10 @@ import einshard.mappings
 assert mapping is einshard.mappings.allreduce_forward_identity_backward
 assert sys.modules["torch_einshard.mappings"] is einshard.mappings
 assert sys.modules["torch_einshard"] is einshard
+# submodules named like a public function must not replace it on the package
+import torch_einshard.shard_map, torch_einshard.visualize, torch_einshard.explain, torch_einshard.ops.einshard
+assert callable(einshard.shard_map) and callable(einshard.visualize) and callable(einshard.explain)
+assert callable(einshard.ops.einshard)
 try:
     import torch_einshard.no_such_module
 except ModuleNotFoundError:

@@ -61,3 +61,12 @@ if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
 
 # The alias *is* the package: the same object, attributes and submodules.
 sys.modules[_ALIAS] = _einshard
+
+# Register the alias names of the submodules einshard has already imported. Importing a
+# name that is not in sys.modules makes the import system set it as an attribute of the
+# parent package, and the parent *is* einshard: `import torch_einshard.shard_map` would
+# replace the function `es.shard_map` by its module. Pre-registered names are found in
+# sys.modules, so nothing is rebound.
+for _name, _module in list(sys.modules.items()):
+    if _name.startswith(_TARGET + "."):
+        sys.modules.setdefault(_ALIAS + _name[len(_TARGET) :], _module)
