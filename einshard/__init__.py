@@ -12,9 +12,25 @@ from .comm_stats import CommStats, count_communication
 from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
 from .notation import parse_sharding
 from .explain import explain, Explanation
-from .ops import einconv, einhalo, einroll, einshard, einwindow
+from .ops import einconv, einfft, einhalo, einroll, einshard, einwindow
 from .policy import PlanPolicy, optimize, set_default_policy
 from .visualize import visualize
+from .shard_map import shard_map
+from .named import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+    pvary,
+)
+from .tree import tree_gather, tree_shard
+from .vma import get_vma
 
 __all__ = [
     "__version__",
@@ -33,6 +49,7 @@ __all__ = [
     "explain",
     "Explanation",
     "einshard",
+    "einfft",
     "einhalo",
     "einwindow",
     "einconv",
@@ -41,4 +58,19 @@ __all__ = [
     "optimize",
     "set_default_policy",
     "visualize",
+    "shard_map",
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "pvary",
+    "axis_index",
+    "axis_size",
+    "tree_shard",
+    "tree_gather",
+    "get_vma",
 ]

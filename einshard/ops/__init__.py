@@ -2,8 +2,9 @@
 
 from .conv import einconv
 from .einshard import einshard
+from .fft import einfft
 from .halo import einhalo
 from .roll import einroll
 from .window import einwindow
 
-__all__ = ["einshard", "einhalo", "einwindow", "einconv", "einroll"]
+__all__ = ["einshard", "einfft", "einhalo", "einwindow", "einconv", "einroll"]
