@@ -32,8 +32,6 @@ import torch
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.shard_map import shard_map
-from einshard.tree import tree_gather, tree_shard
 
 B, N, C = 8, 6, 16  # batch, sequence length, model width
 H, D, FF = 4, 4, 32  # heads, head width, MLP hidden units
@@ -111,7 +109,7 @@ def block(p, x):
     return x + es.einshard("b/dp n f/tp, c f/tp -> b/dp n c", u, p["w2"]) + p["b2"]
 
 
-@shard_map(
+@es.shard_map(
     in_specs=(PARAM_SPECS, "b n c -> b/dp n c", "b n c -> b/dp n c"),  # the batch arrives whole: split it
     out_specs=(PARAM_SPECS, "// dp -> "),  # new parameters; the loss summed over dp on exit
     check_vma=True,
@@ -163,14 +161,14 @@ def run(device_mesh) -> list[str]:
     mesh = es.wrap_mesh(device_mesh)
     start = time.perf_counter()
     with es.use_mesh(mesh):
-        params = tree_shard(init_params(), PARAM_SPECS)  # this rank's blocks of the initial parameters
+        params = es.tree_shard(init_params(), PARAM_SPECS)  # this rank's blocks of the initial parameters
         params = {k: v.requires_grad_() for k, v in params.items()}
         losses = []
         for step in range(STEPS):
             x, target = batch(step)
             params, loss = train_step(params, x, target)
             losses.append(loss.item())
-        trained = tree_gather(params, PARAM_SPECS)  # whole parameters again, on every rank
+        trained = es.tree_gather(params, PARAM_SPECS)  # whole parameters again, on every rank
     elapsed = time.perf_counter() - start
     ref_params, ref_losses = reference_training()
     lines = [f"mesh {dict(zip(mesh.names, mesh.shape))}, {STEPS} SGD steps of a transformer block, float64"]
