@@ -12,8 +12,8 @@ import torch
 
 from . import checks as _checks
 from . import collectives as C
-from ._autograd import fast_apply
 from .layout import Layout, MeshShape
+from .mappings import make_mapping
 
 __all__ = ["Transition", "compile_step", "transition"]
 
@@ -165,19 +165,10 @@ def transition(src: Layout, dst: Layout, mesh) -> Transition:
     return found
 
 
-class _TransitionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ex):
-        y = ex.run_raw(x)
-        return x.view_as(x) if y is x else y
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ex = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.ex.reverse()(grad), None
+def _run_transition(x: torch.Tensor, ex: Transition) -> torch.Tensor:
+    y = ex.run_raw(x)
+    return x.view_as(x) if y is x else y
 
 
-_apply_transition = fast_apply(_TransitionFn)
+# backward: the reverse transition (itself a Transition, so double backward works)
+_apply_transition = make_mapping("Transition", _run_transition, lambda grad, ex: ex.reverse()(grad))

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from . import collectives as C
+from ._autograd import fast_apply
 from ._split import compute_split_shapes
 
 __all__ = [
@@ -67,49 +68,43 @@ def _split_shapes(x: torch.Tensor, dim: int, size: int, shapes) -> tuple[int, ..
     return tuple(compute_split_shapes(x.shape[d], size))
 
 
+def make_mapping(name: str, forward, adjoint):
+    """An autograd Function: ``forward(x, *args)`` (raw collectives); backward ``adjoint(grad, *args)``.
+
+    ``adjoint`` is itself a mapping, so double backward works. Returned as a
+    fast ``apply`` (every argument positional).
+    """
+
+    class Mapping(torch.autograd.Function):
+        @staticmethod
+        def forward(x, *args):
+            return forward(x, *args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.args = inputs[1:]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return (adjoint(grad, *ctx.args),) + (None,) * len(ctx.args)
+
+    Mapping.__name__ = Mapping.__qualname__ = name
+    return fast_apply(Mapping)
+
+
+def _identity(x, *args):
+    return x.view_as(x)
+
+
 # -- all-reduce / identity / broadcast -----------------------------------------------
 
-
-class _AllReduceIdentity(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group):
-        return C.all_reduce(x, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _IdentityAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return allreduce_forward_identity_backward(grad, ctx.group), None
-
-
-class _BroadcastAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, src):
-        return C.broadcast(x, group, src)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return allreduce_forward_identity_backward(grad, ctx.group), None, None
+_allreduce_identity = make_mapping("AllReduceIdentity", lambda x, g: C.all_reduce(x, g), lambda d, g: d.view_as(d))
+_identity_allreduce = make_mapping(
+    "IdentityAllReduce", _identity, lambda d, g: allreduce_forward_identity_backward(d, g)
+)
+_broadcast_allreduce = make_mapping(
+    "BroadcastAllReduce", C.broadcast, lambda d, g, src: allreduce_forward_identity_backward(d, g)
+)
 
 
 def allreduce_forward_identity_backward(x: torch.Tensor, group) -> torch.Tensor:
@@ -119,7 +114,7 @@ def allreduce_forward_identity_backward(x: torch.Tensor, group) -> torch.Tensor:
 
     >>> y = allreduce_forward_identity_backward(partial_out, tp_group)  # doctest: +SKIP
     """
-    return _AllReduceIdentity.apply(x, group)
+    return _allreduce_identity(x, group)
 
 
 def identity_forward_allreduce_backward(x: torch.Tensor, group) -> torch.Tensor:
@@ -130,7 +125,7 @@ def identity_forward_allreduce_backward(x: torch.Tensor, group) -> torch.Tensor:
 
     >>> h = identity_forward_allreduce_backward(x, tp_group) @ w_shard  # doctest: +SKIP
     """
-    return _IdentityAllReduce.apply(x, group)
+    return _identity_allreduce(x, group)
 
 
 def broadcast_forward_allreduce_backward(x: torch.Tensor, group, src: int = 0) -> torch.Tensor:
@@ -143,66 +138,29 @@ def broadcast_forward_allreduce_backward(x: torch.Tensor, group, src: int = 0) -
 
     >>> w = broadcast_forward_allreduce_backward(w, dp_group, src=0)  # doctest: +SKIP
     """
-    return _BroadcastAllReduce.apply(x, group, src)
+    return _broadcast_allreduce(x, group, src)
 
 
 # -- all-gather / split / reduce-scatter ------------------------------------------------
 
-
-class _AllGatherSplit(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, dim, shapes):
-        return C.all_gather(x, group, dim, shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim, ctx.shapes = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_forward_allgather_backward(grad, ctx.group, ctx.dim, ctx.shapes), None, None, None
-
-
-class _SplitAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, dim, shapes):
-        return C.split(x, group, dim, shapes).contiguous()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim, ctx.shapes = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return allgather_forward_split_backward(grad, ctx.group, ctx.dim, ctx.shapes), None, None, None
-
-
-class _ReduceScatterAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, dim, shapes):
-        return C.reduce_scatter(x, group, dim, shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim, ctx.shapes = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return allgather_forward_reducescatter_backward(grad, ctx.group, ctx.dim, ctx.shapes), None, None, None
-
-
-class _AllGatherReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, dim, shapes):
-        return C.all_gather(x, group, dim, shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim, ctx.shapes = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reducescatter_forward_allgather_backward(grad, ctx.group, ctx.dim, ctx.shapes), None, None, None
+_allgather_split = make_mapping(
+    "AllGatherSplit", C.all_gather, lambda d, g, dim, shapes: split_forward_allgather_backward(d, g, dim, shapes)
+)
+_split_allgather = make_mapping(
+    "SplitAllGather",
+    lambda x, g, dim, shapes: C.split(x, g, dim, shapes).contiguous(),
+    lambda d, g, dim, shapes: allgather_forward_split_backward(d, g, dim, shapes),
+)
+_reducescatter_allgather = make_mapping(
+    "ReduceScatterAllGather",
+    C.reduce_scatter,
+    lambda d, g, dim, shapes: allgather_forward_reducescatter_backward(d, g, dim, shapes),
+)
+_allgather_reducescatter = make_mapping(
+    "AllGatherReduceScatter",
+    C.all_gather,
+    lambda d, g, dim, shapes: reducescatter_forward_allgather_backward(d, g, dim, shapes),
+)
 
 
 def allgather_forward_split_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
@@ -213,7 +171,7 @@ def allgather_forward_split_backward(x: torch.Tensor, group, dim: int, shapes: S
     >>> full = allgather_forward_split_backward(x_shard, tp_group, 0, [3, 3, 3, 1])  # doctest: +SKIP
     """
     shapes = tuple(shapes) if shapes is not None else _even(x, dim, C.group_size(group))
-    return _AllGatherSplit.apply(x, group, dim, shapes)
+    return _allgather_split(x, group, dim, shapes)
 
 
 def split_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
@@ -225,7 +183,7 @@ def split_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: S
     >>> x_shard = split_forward_allgather_backward(x, tp_group, 0, None)  # doctest: +SKIP
     """
     shapes = _split_shapes(x, dim, C.group_size(group), shapes)
-    return _SplitAllGather.apply(x, group, dim, shapes)
+    return _split_allgather(x, group, dim, shapes)
 
 
 def reducescatter_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
@@ -236,7 +194,7 @@ def reducescatter_forward_allgather_backward(x: torch.Tensor, group, dim: int, s
     >>> out_shard = reducescatter_forward_allgather_backward(partial, tp_group, 0, None)  # doctest: +SKIP
     """
     shapes = _split_shapes(x, dim, C.group_size(group), shapes)
-    return _ReduceScatterAllGather.apply(x, group, dim, shapes)
+    return _reducescatter_allgather(x, group, dim, shapes)
 
 
 def allgather_forward_reducescatter_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
@@ -247,25 +205,19 @@ def allgather_forward_reducescatter_backward(x: torch.Tensor, group, dim: int, s
     >>> full = allgather_forward_reducescatter_backward(x_shard, tp_group, 1, None)  # doctest: +SKIP
     """
     shapes = tuple(shapes) if shapes is not None else _even(x, dim, C.group_size(group))
-    return _AllGatherReduceScatter.apply(x, group, dim, shapes)
+    return _allgather_reducescatter(x, group, dim, shapes)
 
 
 # -- all-to-all / ppermute -----------------------------------------------------------------
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, src_dim, dst_dim, src_shapes, dst_shapes):
-        return C.all_to_all(x, group, src_dim, dst_dim, src_shapes, dst_shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.src_dim, ctx.dst_dim, ctx.src_shapes, ctx.dst_shapes = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = alltoall_repartition(grad, ctx.group, ctx.dst_dim, ctx.src_dim, ctx.dst_shapes, ctx.src_shapes)
-        return g, None, None, None, None, None
+_alltoall = make_mapping(
+    "AllToAll",
+    C.all_to_all,
+    lambda d, g, src_dim, dst_dim, src_shapes, dst_shapes: alltoall_repartition(
+        d, g, dst_dim, src_dim, dst_shapes, src_shapes
+    ),
+)
 
 
 def alltoall_repartition(
@@ -289,23 +241,14 @@ def alltoall_repartition(
     elif -x.dim() <= src_dim < x.dim():
         src_shapes = _even(x, src_dim, size)
     dst_shapes = _split_shapes(x, dst_dim, size, dst_shapes)
-    return _AllToAll.apply(x, group, src_dim, dst_dim, src_shapes, dst_shapes)
+    return _alltoall(x, group, src_dim, dst_dim, src_shapes, dst_shapes)
 
 
-class _PPermute(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, perm, recv_shape):
-        return C.ppermute(x, group, perm, recv_shape)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.group, ctx.perm, _ = inputs
-        ctx.in_shape = tuple(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse = [(d, s) for s, d in ctx.perm]
-        return ppermute(grad, ctx.group, inverse, recv_shape=ctx.in_shape), None, None, None
+_ppermute = make_mapping(
+    "PPermute",
+    lambda x, g, perm, recv_shape, in_shape: C.ppermute(x, g, perm, recv_shape),
+    lambda d, g, perm, recv_shape, in_shape: ppermute(d, g, [(dst, src) for src, dst in perm], recv_shape=in_shape),
+)
 
 
 def ppermute(x: torch.Tensor, group, perm, *, recv_shape=None) -> torch.Tensor:
@@ -318,4 +261,4 @@ def ppermute(x: torch.Tensor, group, perm, *, recv_shape=None) -> torch.Tensor:
     """
     perm = tuple((int(s), int(d)) for s, d in C._check_perm(perm, C.group_size(group)))
     recv_shape = tuple(recv_shape) if recv_shape is not None else None
-    return _PPermute.apply(x, group, perm, recv_shape)
+    return _ppermute(x, group, perm, recv_shape, tuple(x.shape))

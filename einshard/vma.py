@@ -46,7 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _context
-from ._autograd import fast_apply
+from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
 
 __all__ = [
     "ACTIVE",
@@ -125,52 +125,14 @@ def mesh_info(mesh) -> _MeshInfo:
 # -- pvary ---------------------------------------------------------------------------
 
 
-class _PVary(torch.autograd.Function):
-    """JAX's ``pvary``: identity forward, the gradient summed over ``group`` in backward."""
-
-    @staticmethod
-    def forward(x, group):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _psum_apply(grad, ctx.group), None
-
-
-class _PSum(torch.autograd.Function):
-    """JAX's ``psum`` (the adjoint of ``pvary``): all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(x, group):
-        from .collectives import all_reduce
-
-        return all_reduce(x, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-_pvary_apply = fast_apply(_PVary)
-_psum_apply = fast_apply(_PSum)
-
-
 def pvary_tensor(x: torch.Tensor, group) -> torch.Tensor:
-    """Identity forward; the gradient is summed over ``group`` in backward (double backward too)."""
-    return _pvary_apply(x, group)
+    """JAX's ``pvary``: identity forward; the gradient is summed over ``group`` in backward."""
+    return identity_forward_allreduce_backward(x, group)
 
 
 def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
-    """All-reduce (sum) forward; the gradient passes through (double backward too)."""
-    return _psum_apply(x, group)
+    """JAX's ``psum`` (the adjoint of ``pvary``): all-reduce forward, identity backward."""
+    return allreduce_forward_identity_backward(x, group)
 
 
 # -- the tracker -----------------------------------------------------------------------

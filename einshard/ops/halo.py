@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .. import vma as _vma
 from .. import _context, checks
 from .. import collectives as C
+from ..mappings import make_mapping
 from ..layout import Layout, MeshShape
 from ..mesh import resolve_mesh
 from ..notation import Formula, Group, TensorSpec, expand, freeze_families
@@ -306,35 +307,12 @@ class BoxExchange:
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _Exchange.apply(x, self)
+        return _exchange(x, self)
 
 
-class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ex):
-        return ex.forward_raw(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ex = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _ExchangeAdjoint.apply(grad, ctx.ex), None
-
-
-class _ExchangeAdjoint(torch.autograd.Function):
-    @staticmethod
-    def forward(g, ex):
-        return ex.adjoint_raw(g)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ex = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _Exchange.apply(grad, ctx.ex), None
+# the exchange and its adjoint (scatter-add back to the owners), each the other's backward
+_exchange = make_mapping("HaloExchange", lambda x, ex: ex.forward_raw(x), lambda g, ex: _exchange_adjoint(g, ex))
+_exchange_adjoint = make_mapping("HaloExchangeAdjoint", lambda g, ex: ex.adjoint_raw(g), lambda d, ex: _exchange(d, ex))
 
 
 def exchange_group(layout: Layout, axes: Sequence[int], mesh):
