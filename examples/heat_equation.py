@@ -22,12 +22,15 @@ or under torchrun on 8 processes::
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import einshard as es
+from einshard.testing import launch, local_block
 
 N_X, N_Y = 50, 61  # deliberately not multiples of the mesh: uneven blocks
 STEPS = 300
@@ -59,22 +62,15 @@ def step_local(u: torch.Tensor, r: float) -> torch.Tensor:
 
 def step_sharded(u: torch.Tensor, r: float, mesh, shapes) -> torch.Tensor:
     """One step on this rank's block: halo exchange, then the same stencil."""
-    from einshard.ops.halo import einhalo
-
-    p = einhalo(SPEC, u, {"x": 1, "y": 1}, boundary="constant", fill=0.0, mesh=mesh, shapes=shapes)
+    p = es.einhalo(SPEC, u, {"x": 1, "y": 1}, boundary="constant", fill=0.0, mesh=mesh, shapes=shapes)
     lap = p[2:, 1:-1] + p[:-2, 1:-1] + p[1:-1, 2:] + p[1:-1, :-2] - 4 * u
     return u + r * lap
 
 
 def simulate() -> dict:
     """Runs on every rank: the sharded simulation, then the comparison with one process."""
-    import einshard as es
-    from einshard._split import compute_split_shapes
-    from einshard.testing import local_block
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = es.wrap_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
-    shapes = {"dp": compute_split_shapes(N_X, 2), "tp": compute_split_shapes(N_Y, 4)}
+    shapes = {"dp": es.helpers.compute_split_shapes(N_X, 2), "tp": es.helpers.compute_split_shapes(N_Y, 4)}
     dt, r = time_step()
     u0 = initial_condition()
 
@@ -118,21 +114,10 @@ def report(results: list[dict]) -> None:
 
 
 def main() -> None:
-    if "RANK" in os.environ:  # torchrun / srun: this process is one rank
-        from einshard.helpers import init_process_group
-
-        init_process_group("gloo")
-        res = simulate()
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, res)
-        if dist.get_rank() == 0:
-            report(gathered)
-        dist.barrier()
-        dist.destroy_process_group()
-        return
-    from einshard.testing import spawn
-
-    report(spawn(simulate, 8, timeout=120))
+    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
+    results = launch(simulate, 8, timeout=120)
+    if results is not None:
+        report(results)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,15 @@ or under torchrun on 8 processes::
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import einshard as es
+from einshard.helpers import compute_split_shapes as split
+from einshard.testing import launch
 
 N = (34, 30, 27)  # grid points along x, y, z: uneven over the 2x4 mesh, odd along z
 GRID = "x/px y/py z"
@@ -44,8 +48,6 @@ AXES = {"x": "kx", "y": "ky", "z": "kz"}  # the last entry, z, is the half-spect
 
 def split_shapes() -> dict:
     """The blocks of every sharded axis (uneven ones must be given: each rank only sees its own)."""
-    from einshard.helpers import compute_split_shapes as split
-
     return {
         "px": {"x": split(N[0], 2), "ky": split(N[1], 2)},
         "py": {"y": split(N[1], 4), "kz": split(N[2] // 2 + 1, 4)},
@@ -66,10 +68,6 @@ def source(x, y, z):
 
 def solve() -> dict:
     """Runs on every rank: build this rank's block of f, solve, compare with the analytic u."""
-    import einshard as es
-    from einshard.ops.fft import einfft
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = es.wrap_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("px", "py")))
     shapes = split_shapes()
 
@@ -84,7 +82,7 @@ def solve() -> dict:
     f = source(x, y, z)
 
     def poisson(f):
-        f_hat = einfft(f"{GRID} -> {SPECTRUM}", f, AXES, real=True, mesh=mesh, shapes=shapes)
+        f_hat = es.einfft(f"{GRID} -> {SPECTRUM}", f, AXES, real=True, mesh=mesh, shapes=shapes)
 
         # wavenumbers of this rank's block of the spectrum (integers: the box has length 2π)
         def wavenumbers(n, spec, half=False):
@@ -97,7 +95,7 @@ def solve() -> dict:
         kz = wavenumbers(N[2], "kz/py", half=True)[None, None, :]
         k2 = kx**2 + ky**2 + kz**2
         u_hat = torch.where(k2 > 0, f_hat / torch.where(k2 > 0, k2, 1.0), 0)  # mean(u) = 0
-        u = einfft(f"{SPECTRUM} -> {GRID}", u_hat, {v: k for k, v in AXES.items()}, real=True, inverse=True,
+        u = es.einfft(f"{SPECTRUM} -> {GRID}", u_hat, {v: k for k, v in AXES.items()}, real=True, inverse=True,
                    mesh=mesh, shapes=shapes, signal_sizes={"z": N[2]})
         return u, f_hat
 
@@ -109,7 +107,7 @@ def solve() -> dict:
 
     error = torch.tensor([(u - solution(x, y, z)).abs().max().item()], dtype=torch.float64)
     dist.all_reduce(error, op=dist.ReduceOp.MAX)
-    plan = einfft(f"{GRID} -> {SPECTRUM}", f, AXES, real=True, mesh=mesh, shapes=shapes, explain=True)
+    plan = es.einfft(f"{GRID} -> {SPECTRUM}", f, AXES, real=True, mesh=mesh, shapes=shapes, explain=True)
     return {
         "rank": dist.get_rank(),
         "block": tuple(f.shape),
@@ -135,21 +133,10 @@ def report(results: list[dict]) -> None:
 
 
 def main() -> None:
-    if "RANK" in os.environ:  # torchrun / srun: this process is one rank
-        from einshard.helpers import init_process_group
-
-        init_process_group("gloo")
-        res = solve()
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, res)
-        if dist.get_rank() == 0:
-            report(gathered)
-        dist.barrier()
-        dist.destroy_process_group()
-        return
-    from einshard.testing import spawn
-
-    report(spawn(solve, 8, timeout=120))
+    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
+    results = launch(solve, 8, timeout=120)
+    if results is not None:
+        report(results)
 
 
 if __name__ == "__main__":

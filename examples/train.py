@@ -24,14 +24,15 @@ Run it from the repository root::
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
+from einshard.testing import launch
 
 B, N, C = 8, 6, 16  # batch, sequence length, model width
 H, D, FF = 4, 4, 32  # heads, head width, MLP hidden units
@@ -181,32 +182,16 @@ def run(device_mesh) -> list[str]:
     return lines
 
 
-def spawned_main():
-    """Entry point of each rank started by ``einshard.testing.spawn`` (process group ready)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def on_rank() -> list[str]:
+    """What every rank runs: build the 2 x 4 mesh, train, compare."""
     return run(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
 
 
 def main() -> int:
-    if "RANK" in os.environ:  # launched by torchrun (or SLURM): one process per rank
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from einshard.helpers import init_process_group
-
-        _, rank, world = init_process_group("gloo", use_cuda=False)
-        if world != 8:
-            raise SystemExit(f"examples/train.py needs 8 ranks (a 2 x 4 mesh), got {world}")
-        lines = run(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
-        if rank == 0:
-            print("\n".join(lines), flush=True)
-        dist.destroy_process_group()
-        return 0
-    from einshard.testing import spawn
-
-    results = spawn(spawned_main, 8, timeout=240)
-    print("\n".join(results[0]), flush=True)
+    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
+    results = launch(on_rank, 8, timeout=240)
+    if results is not None:
+        print("\n".join(results[0]), flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ from ._errors import RankError, RankTimeout
 from ._mesh import MeshSpec, make_mesh
 from ._pool import RankPool, close_all_pools, get_pool, run_on_ranks, spawn
 from .reference import local_block
+from ._launch import launch
 
 __all__ = [
     "spawn",
@@ -34,4 +35,5 @@ __all__ = [
     "MeshSpec",
     "make_mesh",
     "local_block",
+    "launch",
 ]

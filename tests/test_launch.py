@@ -1,0 +1,53 @@
+"""einshard.testing.launch: one script, started by itself or under torchrun."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from einshard.testing import launch
+
+    def on_rank(scale):
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return scale * t.item()
+
+    if __name__ == "__main__":
+        results = launch(on_rank, 2, args=(10,))
+        if results is not None:
+            print("results", results)
+    """
+)
+
+
+def _clean_env():
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_starts_its_own_ranks(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_clean_env(), timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == ["results [10.0, 10.0]"]
+
+
+def test_launch_under_torchrun_prints_once(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert [line for line in out.stdout.splitlines() if line.startswith("results")] == ["results [10.0, 10.0]"]
