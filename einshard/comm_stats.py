@@ -35,6 +35,8 @@ Groups of one rank communicate nothing and are not recorded.
 
 from __future__ import annotations
 
+from ._table import text_table
+
 import contextlib
 import threading
 import weakref
@@ -173,13 +175,7 @@ class CommStats:
             for (k, l, d), r in sorted(self.records.items(), key=lambda kv: (order.get(kv[0][2], 2), kv[0]))
         ]
         rows.append(("total", "", "", str(self.calls), str(self.sent_bytes), str(self.received_bytes)))
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-        def fmt(row):
-            cells = [row[i].ljust(widths[i]) if i < 3 else row[i].rjust(widths[i]) for i in range(len(row))]
-            return "  ".join(cells).rstrip()
-
-        return "\n".join([fmt(header), *(fmt(r) for r in rows)])
+        return "\n".join(text_table(header, rows, rule=False, right=(3, 4, 5)))
 
     def __repr__(self) -> str:
         return f"CommStats(calls={self.calls}, sent_bytes={self.sent_bytes}, received_bytes={self.received_bytes})"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._table import text_table
 from .layout import MeshShape
 from .mesh import resolve_mesh
 from .notation import expand, freeze_families
@@ -59,16 +60,8 @@ class Explanation:
             lines.append("  local formula: one torch call, no communication")
             return "\n".join(lines)
         header = ("phase", "tensor", "move", "mesh dim", "bytes/rank")
-        table = [header] + [
-            (r.phase, r.tensor, r.move, r.mesh_dims or "-", f"{r.bytes_per_rank:,.0f}") for r in self.rows
-        ]
-        if len(table) == 1:
-            table.append(("-", "-", "no communication", "-", "0"))
-        widths = [max(len(row[k]) for row in table) for k in range(len(header))]
-        for n, row in enumerate(table):
-            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-            if n == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        rows = [(r.phase, r.tensor, r.move, r.mesh_dims or "-", f"{r.bytes_per_rank:,.0f}") for r in self.rows]
+        lines += text_table(header, rows or [("-", "-", "no communication", "-", "0")], indent="  ", right=(4,))
         lines.append(
             f"  total: forward {self.forward_bytes:,.0f} B, backward {self.backward_bytes:,.0f} B, "
             f"{self.collectives} collective(s)"

@@ -23,6 +23,7 @@ import torch
 
 from .. import _context, checks
 from .. import vma as _vma
+from .._table import text_table
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
 from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
@@ -569,24 +570,12 @@ class FFTExplanation:
     def __str__(self) -> str:
         lines = [f"einfft plan for {self.formula!r} ({self.mode}): {self.input_layout} -> {self.output_layout}"]
         header = ("#", "step", "what", "layout after", "mesh dim", "fwd B/rank", "bwd B/rank")
-        table = [header]
-        for n, s in enumerate(self.steps):
-            table.append(
-                (
-                    str(n + 1),
-                    s.kind,
-                    s.what,
-                    s.layout,
-                    s.mesh_dims or "-",
-                    f"{s.forward_bytes:,.0f}",
-                    f"{s.backward_bytes:,.0f}",
-                )
-            )
-        widths = [max(len(row[k]) for row in table) for k in range(len(header))]
-        for n, row in enumerate(table):
-            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-            if n == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        rows = [
+            (str(n + 1), s.kind, s.what, s.layout, s.mesh_dims or "-", f"{s.forward_bytes:,.0f}",
+             f"{s.backward_bytes:,.0f}")
+            for n, s in enumerate(self.steps)
+        ]
+        lines += text_table(header, rows, indent="  ", right=(5, 6))
         lines.append(
             f"  total: forward {self.forward_bytes:,.0f} B, backward {self.backward_bytes:,.0f} B, "
             f"{self.collectives} collective(s)"
