@@ -35,8 +35,6 @@ Groups of one rank communicate nothing and are not recorded.
 
 from __future__ import annotations
 
-from ._table import text_table
-
 import contextlib
 import threading
 import weakref
@@ -44,6 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from ._table import text_table
 
 __all__ = [
     "CommRecord",
