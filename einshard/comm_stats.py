@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
 from ._table import text_table
 
 __all__ = [
