@@ -124,6 +124,17 @@ def _dim(dim, ndim: int, fn: str, what: str = "dim"):
     return d % ndim, None
 
 
+def _whole_split(shapes, length: int, size: int, what: str, dim_text: str):
+    """``(shapes, error)`` for splitting a whole axis of ``length``: the default split, or a check of ``shapes``."""
+    if shapes is None:
+        return compute_split_shapes(length, size), None
+    if sum(shapes) != length:
+        return shapes, ValueError(
+            f"{what} {shapes} sum to {sum(shapes)} but the tensor has size {length} along {dim_text}"
+        )
+    return shapes, None
+
+
 def _offsets(shapes: Sequence[int]) -> list[int]:
     out, acc = [], 0
     for s in shapes:
@@ -234,12 +245,7 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
         shapes = _sizes(shapes, "split: shapes", size)
     d, err = _dim(dim, x.dim(), "split")
     if err is None:
-        if shapes is None:
-            shapes = compute_split_shapes(x.shape[d], size)
-        elif sum(shapes) != x.shape[d]:
-            err = ValueError(
-                f"split: shapes {shapes} sum to {sum(shapes)} but the tensor has size {x.shape[d]} along dim {dim}"
-            )
+        shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
     _agree(group, err)
     rank = dist.get_rank(group) if size > 1 else 0
     return x.detach().narrow(d, sum(shapes[:rank]), shapes[rank])
@@ -306,13 +312,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
         shapes = _sizes(shapes, "reduce_scatter: shapes", size)
     d, err = _dim(dim, x.dim(), "reduce_scatter")
     if err is None:
-        if shapes is None:
-            shapes = compute_split_shapes(x.shape[d], size)
-        elif sum(shapes) != x.shape[d]:
-            err = ValueError(
-                f"reduce_scatter: shapes {shapes} sum to {sum(shapes)} but the tensor has size "
-                f"{x.shape[d]} along dim {dim}"
-            )
+        shapes, err = _whole_split(shapes, x.shape[d], size, "reduce_scatter: shapes", f"dim {dim}")
     _agree(group, err)
     x = x.detach()
     if size == 1:
@@ -381,13 +381,7 @@ def all_to_all(
                 f"{src_dim} but src_shapes[{rank}] = {src_shapes[rank]} (src_shapes {src_shapes})"
             )
     if err is None:
-        if dst_shapes is None:
-            dst_shapes = compute_split_shapes(x.shape[dd], size)
-        elif sum(dst_shapes) != x.shape[dd]:
-            err = ValueError(
-                f"all_to_all: dst_shapes {dst_shapes} sum to {sum(dst_shapes)} but the tensor has size "
-                f"{x.shape[dd]} along dst_dim {dst_dim}"
-            )
+        dst_shapes, err = _whole_split(dst_shapes, x.shape[dd], size, "all_to_all: dst_shapes", f"dst_dim {dst_dim}")
     _agree(group, err)
     x = x.detach()
     if size == 1:
