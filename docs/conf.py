@@ -21,6 +21,7 @@ version = ".".join(__version__.split(".")[:2])
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
