@@ -161,6 +161,8 @@ def transition(src: Layout, dst: Layout, mesh) -> Transition:
     found = _TRANSITIONS.get(key)
     if found is None or found.mesh is not mesh:
         found = Transition(src, dst, mesh)
+        if len(_TRANSITIONS) > 16384:
+            _TRANSITIONS.clear()
         _TRANSITIONS[key] = found
     return found
 
