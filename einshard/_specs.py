@@ -97,9 +97,13 @@ def format_path(path) -> str:
 
 
 def leaf_path(tree, index: int) -> str:
-    """The key path of leaf ``index`` of ``tree`` (for error messages)."""
-    paths = optree.tree_paths(tree, none_is_leaf=True)
-    return format_path(paths[index]) if index < len(paths) else f"[leaf {index}]"
+    """The key path of leaf ``index`` of ``tree`` (for error messages): ``[0]['w']``, ``[1].first``."""
+    try:
+        accessors = optree.tree_accessors(tree, none_is_leaf=True)
+        return accessors[index].codify("") if index < len(accessors) else f"[leaf {index}]"
+    except Exception:  # an optree without accessors, or a node type it cannot describe
+        paths = optree.tree_paths(tree, none_is_leaf=True)
+        return format_path(paths[index]) if index < len(paths) else f"[leaf {index}]"
 
 
 def match(spec_leaves, spec_def, tree, spec_name: str, tree_name: str, specs_obj):

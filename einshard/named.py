@@ -61,12 +61,9 @@ class _Axes:
 
     def __init__(self, names, mesh, what):
         tracker = _vma.current()
-        if mesh is None and tracker is not None:
-            m = tracker.info.mesh
-        else:
-            m = resolve_mesh(mesh)
-            if tracker is not None and (m.names != tracker.info.names or m.device_mesh is not tracker.info.mesh.device_mesh):
-                tracker = None  # another mesh: not tracked
+        m = resolve_mesh(mesh)  # None: the ambient mesh (the body's, or a nested es.use_mesh's)
+        if tracker is not None and not _vma.same_mesh(tracker.info, m):
+            tracker = None  # another mesh: not tracked
         dims = _atomic(m, names, what)
         self.mesh = m
         self.dims = dims
@@ -206,7 +203,9 @@ class _PExtreme(torch.autograd.Function):
         (hit,) = ctx.saved_tensors
         hit = hit.to(grad.dtype)
         count = C.all_reduce(hit, ctx.group).clamp_min(1)
-        return grad * (hit / count), None, None
+        # the cotangent of the invariant result becomes per-rank: pvary it (identity here), so that
+        # double backward sums over the ranks
+        return _vma.pvary_tensor(grad, ctx.group) * (hit / count), None, None
 
 
 def _extreme(name, op, x, dims, mesh):

@@ -70,11 +70,12 @@ class _InPlan:
 
 
 class _OutPlan:
-    __slots__ = ("checks", "actions")
+    __slots__ = ("checks", "actions", "converted")
 
     def __init__(self, checks, actions):
         self.checks = checks  # ((leaf index, declared mask, Spec), ...)
         self.actions = actions  # ((leaf index, fn), ...)
+        self.converted = frozenset(i for i, _ in actions)
 
 
 def _leaf_key(x):
@@ -144,6 +145,8 @@ class ShardMap:
         plan = self._in_plans.get(key)
         if plan is None:
             plan = self._plan_inputs(key, args, leaves, mesh)
+        elif checks._ENABLED:  # ranks may miss the cache on different calls: agree on every call
+            _raise_agreed(mesh, ())
         body_args = args
         body_leaves = leaves
         if plan.actions:
@@ -165,10 +168,14 @@ class ShardMap:
             try:
                 with _vma.tracking(tracker):
                     out = self.f(*body_args, **kwargs)
-                return self._finish(out, mesh, plan, tracker)
+                return self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
             finally:
                 for x in tagged:
                     x.__dict__.pop(_vma._ATTR, None)
+                if tracker.inplace:  # an in-place op may have tagged any argument the body received
+                    for x in body_leaves:
+                        if isinstance(x, _Tensor):
+                            x.__dict__.pop(_vma._ATTR, None)
                 tracker.memo.clear()
         finally:
             _context.pop(token)
@@ -179,6 +186,8 @@ class ShardMap:
         oplan = self._out_plans.get(key)
         if oplan is None:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
+        elif checks._ENABLED:
+            _raise_agreed(mesh, ())
         changed = False
         if tracker is not None:
             for i, declared, spec in oplan.checks:
@@ -198,7 +207,12 @@ class ShardMap:
                     if not changed:
                         leaves = list(leaves)
                         changed = True
-                    leaves[i] = tracker.pvary(x, m, missing)
+                    y = tracker.pvary(x, m, missing)
+                    if i not in oplan.converted:
+                        # returned as is: not a view made by an autograd Function, so the caller may
+                        # modify it in place
+                        y = y.clone()
+                    leaves[i] = y
             tracker.suspended += 1  # the body is over: exit conversions are not tracked
         if oplan.actions:
             if not changed:
@@ -341,9 +355,12 @@ def _raise_agreed(mesh, errors) -> None:
 
     Errors about local shapes can be seen by some ranks only; without checks
     those ranks raise while the others go on (SPEC §4: checks make them agree).
+    With checks on this is one collective, so it runs on every call (planned
+    or not): a rank's plan cache can miss where another's hits (its local
+    shapes changed).
     """
     error = ValueError(errors[0]) if errors else None
-    if checks.checks_enabled():
+    if checks.checks_enabled() and mesh.device_mesh is not None:
         checks.agree(mesh.group(tuple(mesh.names)), error)
     elif error is not None:
         raise error

@@ -23,15 +23,16 @@ tensors, as in a ``state_dict``). ``DTensor`` leaves are accepted too.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import optree
 import torch
 
 from . import collectives as C
-from ._specs import match, maybe_dtensor as is_dtensor, sizes_subset, spec_tree, strip_spec as _strip
+from ._specs import _sizes_for, match, maybe_dtensor as is_dtensor, sizes_subset, spec_tree, strip_spec as _strip
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
-from .notation import Group
+from .notation import EllipsisItem, Group
 
 __all__ = ["tree_shard", "tree_gather"]
 
@@ -67,21 +68,24 @@ def tree_shard(tree, specs, *, mesh=None, shapes=None, sizes=None, families=None
             if spec is None or not isinstance(x, torch.Tensor):
                 out.append(x)
                 continue
-            if is_dtensor(x):
-                from .dtensor import from_dtensor
-
-                local, _ = from_dtensor(x, spec.inner, mesh, shapes=shapes, sizes=sizes, families=families)
-                out.append(local.detach().clone())
-                continue
             parsed = spec.inner_spec
             target = dataclasses.replace(parsed, partial=())
-            formula = f"{_strip(parsed)} -> {target}"
-            y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes,
-                         sizes=sizes_subset(_parsed(formula, families), sizes, families), families=families)
             pdims = []
             for p in parsed.partial:
                 pdims.extend(mesh.dims(p))
-            if pdims and mesh.index(_sorted(mesh, pdims)) != 0:
+            zero = bool(pdims) and mesh.index(_sorted(mesh, pdims)) != 0
+            if is_dtensor(x):
+                from .dtensor import from_dtensor
+
+                # whole over the partial dimensions first (a Partial DTensor is summed), then the value on
+                # their first rank and zeros on the others, as for plain tensors
+                local, _ = from_dtensor(x, str(target), mesh, shapes=shapes, sizes=sizes, families=families)
+                out.append(torch.zeros_like(local) if zero else local.detach().clone())
+                continue
+            formula = f"{_strip(parsed)} -> {target}"
+            y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes,
+                         sizes=sizes_subset(_parsed(formula, families), sizes, families), families=families)
+            if zero:
                 y = torch.zeros_like(y)
             out.append(y.clone(memory_format=torch.contiguous_format))
     return treedef.unflatten(out)
@@ -105,7 +109,7 @@ def tree_gather(tree, specs, *, mesh=None, shapes=None, sizes=None, families=Non
     """
     mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_gather")
     einshard = _einshard()
-    found = None if shapes is not None else _discover(mesh, leaves, per_leaf)
+    found = None if shapes is not None else _discover(mesh, leaves, per_leaf, sizes, families)
     out = []
     with torch.no_grad():
         for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
@@ -126,19 +130,40 @@ def tree_gather(tree, specs, *, mesh=None, shapes=None, sizes=None, families=Non
     return treedef.unflatten(out)
 
 
-def _discover(mesh, leaves, per_leaf):
-    """Per leaf ``{label: {axis: split shapes}}`` of its sharded axes, from one all-gather of local sizes."""
+def _discover(mesh, leaves, per_leaf, sizes=None, families=None):
+    """Per leaf ``{label: {axis: split shapes}}`` of its sharded axes, from one all-gather of local sizes.
+
+    Sharded axes after a ``...`` are found by counting from the end; a sharded
+    factor of a group ``(h/tp p)`` when the other factors' sizes are known
+    (``sizes=``).
+    """
     wanted = []  # (leaf index, axis name, dims, local size)
     for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
         if spec is None or not isinstance(x, torch.Tensor) or is_dtensor(x):
             continue
-        items = [i for i in spec.inner_spec.items]
-        if spec.inner_spec.has_ellipsis or len(items) != x.dim():
-            continue  # the op reports rank mismatches; '...' dims are never sharded
-        for dim, item in enumerate(items):
-            if isinstance(item, Group) or not getattr(item, "mesh", None):
+        items = spec.inner_spec.items
+        named = sum(not isinstance(item, EllipsisItem) for item in items)
+        n_ell = x.dim() - named
+        if n_ell < 0 or (n_ell and not spec.inner_spec.has_ellipsis):
+            continue  # the op reports rank mismatches
+        known = None
+        dim = 0
+        for item in items:
+            if isinstance(item, EllipsisItem):
+                dim += n_ell  # '...' dims are never sharded
                 continue
-            wanted.append((k, item.name, mesh.dims(item.mesh), x.shape[dim]))
+            if isinstance(item, Group):
+                sharded = [a for a in item.axes if a.mesh]
+                if len(sharded) == 1:
+                    if known is None:
+                        known = _known_sizes(spec, sizes, families)
+                    rest = [known.get(a.name) for a in item.axes if not a.mesh]
+                    if None not in rest:  # decided from the spec and sizes=: the same columns on every rank
+                        a = sharded[0]
+                        wanted.append((k, a.name, mesh.dims(a.mesh), x.shape[dim] // max(math.prod(rest), 1)))
+            elif getattr(item, "mesh", None):
+                wanted.append((k, item.name, mesh.dims(item.mesh), x.shape[dim]))
+            dim += 1
     if not wanted:
         return {}
     shape = MeshShape.of(mesh)
@@ -155,3 +180,13 @@ def _discover(mesh, leaves, per_leaf):
             splits.append(int(table[flat][j]))
         found.setdefault(k, {}).setdefault(mesh.label(dims), {})[axis] = splits
     return found
+
+
+def _known_sizes(spec, sizes, families) -> dict:
+    """``sizes=`` (family keys expanded) for the axes of one spec; ``{}`` when it cannot be read."""
+    if not sizes:
+        return {}
+    try:
+        return dict(_sizes_for(_parsed(spec.inner, families), sizes, families))
+    except ValueError:
+        return {}

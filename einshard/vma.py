@@ -16,7 +16,8 @@ automatically:
 - plain torch operations (seen through a ``TorchFunctionMode``): the output
   varies over the union of the inputs' vmas, and every input that requires
   grad and lacks some of those dimensions is ``pvary``-ed over the missing
-  ones first;
+  ones first; an in-place op makes the tensor it writes (and the tensor that
+  is a view of) vary like the union, pvary-ing its old value in place;
 - library operations (``es.einshard``, the named collectives, and later
   ``einfft``/``einhalo``) run with tracking suspended and set their outputs'
   vma from their semantics (:func:`formula_op`, :func:`library_call`);
@@ -46,6 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _context
+from . import collectives as C
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
 
 __all__ = [
@@ -112,6 +114,25 @@ class _MeshInfo:
 _INFOS: dict = {}
 
 
+def same_mesh(info: _MeshInfo, mesh) -> bool:
+    """Whether ``mesh`` (a Mesh, a DeviceMesh, or ``None``: the tracker's own) is the tracked body's mesh."""
+    mine = info.mesh
+    if mesh is None or mesh is mine:
+        return True
+    if hasattr(mesh, "names"):  # a Mesh (es.wrap_mesh)
+        names, shape, dm = tuple(mesh.names), tuple(mesh.shape), mesh.device_mesh
+    else:  # a DeviceMesh
+        names, shape, dm = tuple(getattr(mesh, "mesh_dim_names", None) or ()), tuple(mesh.mesh.shape), mesh
+    if names != info.names or shape != tuple(mine.shape):
+        return False
+    if dm is mine.device_mesh:
+        return True
+    if dm is None or mine.device_mesh is None:
+        return False
+    with _DisableTorchFunction():
+        return torch.equal(dm.mesh, mine.device_mesh.mesh)
+
+
 def mesh_info(mesh) -> _MeshInfo:
     info = _INFOS.get(mesh)
     if info is None or info.mesh is not mesh:
@@ -131,8 +152,26 @@ def pvary_tensor(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
-    """JAX's ``psum`` (the adjoint of ``pvary``): all-reduce forward, identity backward."""
+    """JAX's ``psum`` (the adjoint of ``pvary``): all-reduce forward, identity backward.
+
+    The backward is ``pvary`` (an identity whose own backward all-reduces), so
+    double backward through ``psum`` is right too.
+    """
     return allreduce_forward_identity_backward(x, group)
+
+
+class _PVaryInPlace(torch.autograd.Function):
+    """``pvary`` applied in place (``t`` keeps its identity): identity forward, gradient summed backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return psum_tensor(grad, ctx.group), None
 
 
 # -- the tracker -----------------------------------------------------------------------
@@ -141,14 +180,15 @@ def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
 class Tracker:
     """Variance state of one ``shard_map`` call (see the module docstring)."""
 
-    __slots__ = ("info", "serial", "suspended", "memo", "mode")
+    __slots__ = ("info", "serial", "suspended", "memo", "mode", "inplace")
 
     def __init__(self, mesh):
         self.info = mesh_info(mesh)
         self.serial = next(_SERIALS) << 32
         self.suspended = 0
-        self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, pvaried)
+        self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
         self.mode = None
+        self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
 
     # tags ---------------------------------------------------------------
     def mask_of(self, t) -> int:
@@ -176,14 +216,26 @@ class Tracker:
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
         """``t`` (with vma ``mask``) marked varying over ``missing`` too (memoised per call)."""
         key = (id(t), missing, _grad_enabled())
-        hit = self.memo.get(key)
-        if hit is not None and hit[0] is t:
-            return hit[1]
         with _DisableTorchFunction():
+            version = -1 if t.is_inference() else t._version  # inference tensors have no version counter
+            hit = self.memo.get(key)
+            if hit is not None and hit[0] is t and hit[1] == version:  # not modified in place since
+                return hit[2]
             y = pvary_tensor(t, self.info.group(missing))
         y.__dict__[_ATTR] = self.serial | mask | missing
-        self.memo[key] = (t, y)
+        self.memo[key] = (t, version, y)
         return y
+
+    def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
+        """Mark ``t`` itself varying over ``missing`` in autograd: its old value's gradient is summed.
+
+        For an in-place op that writes varying data into an invariant ``t``
+        (``h[i] = x``, ``h += x``): ``t`` keeps its identity, and the gradient
+        of the value it held before is summed over ``missing``, as for
+        :meth:`pvary`.
+        """
+        with _DisableTorchFunction():
+            _PVaryInPlace.apply(t, self.info.group(missing))
 
     # torch functions ---------------------------------------------------------
     def dispatch(self, func, args, kwargs):
@@ -229,6 +281,18 @@ class Tracker:
                     elif m != first:
                         mixed = True
                     union |= m
+                elif type(a) in _SEQ:  # torch.cat(tensors=[...])
+                    for b in a:
+                        if isinstance(b, _Tensor):
+                            tag = b.__dict__.get(_ATTR, 0)
+                            m = tag & _MASK
+                            if tag - m != serial:
+                                m = 0
+                            if first < 0:
+                                first = m
+                            elif m != first:
+                                mixed = True
+                            union |= m
         if not union:
             return func(*args, **kwargs)
         if mixed and _grad_enabled():
@@ -241,6 +305,16 @@ class Tracker:
             for o in out:
                 if isinstance(o, _Tensor):
                     o.__dict__[_ATTR] = tag
+        if mixed and _is_inplace(func):
+            # the tensor written in place now holds data that varies like the union (x[i] = v returns None,
+            # so tagging ``out`` is not enough), and so does the tensor it is a view of
+            target = args[0] if args else None
+            if isinstance(target, _Tensor):
+                self.inplace = True
+                target.__dict__[_ATTR] = tag
+                base = target._base
+                if base is not None:
+                    base.__dict__[_ATTR] = tag | self.mask_of(base)
         return out
 
     def _widen_args(self, func, args, kwargs, union):
@@ -259,7 +333,16 @@ class Tracker:
         new_args = list(args)
         for i, a in enumerate(args):
             if i == 0 and inplace:
-                continue  # the tensor written in place keeps its identity
+                # the tensor written in place keeps its identity; when it is invariant and carries a
+                # gradient, its old value is pvary-ed in place (all of it when it is a view: the whole
+                # base varies afterwards, as with JAX's x.at[i].set(v))
+                if isinstance(a, _Tensor) and a.requires_grad:
+                    base = a._base
+                    t = a if base is None else base
+                    missing = union & ~self.mask_of(t)
+                    if missing:
+                        self.pvary_inplace(t, missing)
+                continue
             new_args[i] = fix(a)
         if kwargs:
             kwargs = {k: (v if k == "out" else fix(v)) for k, v in kwargs.items()}
@@ -481,9 +564,9 @@ def formula_op(fn, formula: str, tensors, **kwargs):
         return fn(formula, *tensors, **kwargs)
     info = tracker.info
     mesh = kwargs.get("mesh")
-    if mesh is not None and getattr(mesh, "names", None) != info.names and getattr(
-        mesh, "mesh_dim_names", None
-    ) != info.names:
+    if mesh is None:
+        mesh = _context.current().mesh  # a nested es.use_mesh(other) in the body
+    if not same_mesh(info, mesh):  # another mesh: its dimensions are not the body's
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
     try:
         rule = _formula_rule(info, formula, kwargs.get("families"))

@@ -11,6 +11,7 @@ import einshard as es
 from einshard.dtensor import chunk_splits, from_dtensor, to_dtensor
 from einshard.shard_map import shard_map
 from einshard.testing import local_block
+from einshard.tree import tree_gather, tree_shard
 
 DT = torch.float64
 
@@ -110,4 +111,15 @@ def test_dtensor_helpers_and_mixed_arguments(mesh_2x4):
     other = distribute_tensor(whole, mesh.device_mesh["tp"], [Shard(0)])
     with pytest.raises(ValueError, match="DTensor lives on mesh"):
         add(other, torch.ones(3, dtype=DT))
+
+    # DTensor leaves under partial specs: the value on the first rank of dp, as for plain tensors (before:
+    # a replicated DTensor was kept on every dp rank, and gathering doubled it)
+    w = torch.arange(12, dtype=DT).reshape(4, 3)
+    dts = {"r": distribute_tensor(w, mesh.device_mesh, [Replicate(), Replicate()]),
+           "s": distribute_tensor(w, mesh.device_mesh, [Replicate(), Shard(0)])}
+    specs = {"r": "a b // dp", "s": "a/tp b // dp"}
+    local = tree_shard(dts, specs, mesh=mesh)
+    whole = tree_gather(local, specs, mesh=mesh)
+    assert torch.equal(local["r"], w if mesh.coordinate[0] == 0 else torch.zeros_like(w))
+    assert torch.equal(whole["r"], w) and torch.equal(whole["s"], w)
     dist.barrier()

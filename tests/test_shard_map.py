@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import einshard as es
 from einshard import _context
 from einshard.mesh import Mesh
+from einshard import named
 from einshard.named import pvary
 from einshard.shard_map import ShardMap, shard_map
 from einshard.testing import local_block
@@ -366,6 +367,8 @@ def test_pytree_mismatches_name_both_paths():
         shard_map(ident, (3,), None, mesh=mesh)
     with pytest.raises(ValueError, match=r"args\[0\]\['w'\] \(spec 'a b/tp'\).*names 2 dimensions but the tensor has 1"):
         shard_map(ident, ({"w": "a b/tp"},), None, mesh=mesh)({"w": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"args\[0\]\.first\['w'\] \(spec 'a b/tp'\)"):  # namedtuple fields by name
+        shard_map(ident, (Pair({"w": "a b/tp"}, None),), None, mesh=mesh)(Pair({"w": torch.ones(3)}, 1))
 
 
 def test_decorator_forms_and_ambient_mesh():
@@ -398,3 +401,44 @@ def test_check_vma_false_tracks_nothing():
         return x + 1
 
     assert f(torch.ones(2)).shape == (2,)
+
+
+# -- plan caching, and checks that agree on every call --------------------------------------------
+
+
+@pytest.mark.ranks(8, timeout=30)
+def test_plan_cache_and_checks_on_every_call(mesh_2x4):
+    mesh = es.wrap_mesh(mesh_2x4)
+    planned = []
+    w = torch.nn.Parameter(torch.arange(24, dtype=DT).reshape(8, 3))
+
+    class Counting(ShardMap):
+        def _plan_inputs(self, *a):
+            planned.append("in")
+            return super()._plan_inputs(*a)
+
+        def _plan_outputs(self, *a):
+            planned.append("out")
+            return super()._plan_outputs(*a)
+
+    def body(wb, xb):
+        return es.einshard("h/tp c, b/dp c -> b/dp h/tp", wb, xb)
+
+    sm = Counting(body, ("h c -> h/tp c", "b/dp c"), "b/dp h/tp -> b h", mesh=mesh)
+    x = torch.ones(2, 3, dtype=DT)
+    for _ in range(3):  # planned once, replayed; the gradient lands on the parameter every time
+        sm(w, x).sum().backward()
+    assert planned == ["in", "out"] and torch.equal(w.grad, torch.full((8, 3), 3 * 4.0, dtype=DT))
+    sm(w, torch.ones(3, 3, dtype=DT))  # other local shapes: planned again
+    assert planned == ["in", "out"] * 2 and len(sm._in_plans) == 2
+
+    # checks on: a rank whose local shape changed misses its plan cache while the others hit it; the
+    # agreement must not be a collective of the planning ranks only (it mismatched the body's psum)
+    f = shard_map(lambda xb: named.psum(xb.sum(), ("dp", "tp")), "b/tp c", "", mesh=mesh)
+    es.set_checks(True)
+    try:
+        assert f(torch.ones(2, 3)).item() == 48
+        rows = 1 if dist.get_rank() == 3 else 2
+        assert f(torch.ones(rows, 3)).item() == 45
+    finally:
+        es.set_checks(False)

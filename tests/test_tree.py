@@ -99,3 +99,23 @@ def test_tree_errors():
     # on a virtual mesh (no communication) sharding is plain slicing
     out = tree_shard({"w": torch.arange(8.0), "n": None}, {"w": "a/tp", "n": None}, mesh=mesh)
     assert torch.equal(out["w"], torch.arange(2.0)) and out["n"] is None
+
+
+@pytest.mark.ranks(8, timeout=30)
+def test_tree_gather_finds_uneven_blocks_after_ellipsis_and_in_groups(mesh_2x4):
+    """Sharded axes after '...' and in factored groups: discovered too (before: an even split was assumed)."""
+    mesh = es.wrap_mesh(mesh_2x4)
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "w": torch.randn(2, 3, 10, generator=g, dtype=DT),  # c = 10 over tp: [3, 3, 3, 1]
+        "g": torch.randn(3, 20, generator=g, dtype=DT),  # (c p) with p = 2
+        "h": torch.randn(10, 3, generator=g, dtype=DT),  # a one-factor group, partial over dp
+        "f": torch.randn(7, 3, 2, generator=g, dtype=DT),  # 7 over 8 ranks, then '...'
+    }
+    specs = {"w": "... c/tp", "g": "a (c/tp p)", "h": "(c/tp) b // dp", "f": "(v/dp-tp) ..."}
+    for shapes in (None, {"tp": {"c": [4, 0, 5, 1]}}):
+        local = tree_shard(state, specs, mesh=mesh, shapes=shapes, sizes={"p": 2})
+        whole = tree_gather(local, specs, mesh=mesh, sizes={"p": 2})  # no shapes=: discovered
+        for k in state:
+            assert torch.equal(whole[k], state[k]), k
+

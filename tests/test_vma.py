@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import einshard as es
 from einshard import named, vma
@@ -163,6 +164,7 @@ def test_partial_out_spec_on_invariant_value_and_tags_cleaned(mesh_2x4):
         return (wb * 2).sum()  # invariant, declared partial: the logical value is the sum over dp ranks
 
     loss = body(w)
+    loss *= 1.0  # the caller may modify an output in place (it is not a view made by the pvary Function)
     loss.backward()
     assert loss.item() == 6.0 and w.grad.tolist() == [4.0] * 3  # pvary-ed on exit: 2 ranks x 2
     assert "_es_vma" not in w.__dict__ and "_es_vma" not in loss.__dict__
@@ -189,3 +191,107 @@ def test_tracking_is_scoped():
     with pytest.raises(RuntimeError, match="boom"):
         bad(torch.ones(2))
     assert vma.ACTIVE == 0 and vma.current() is None
+
+    @shard_map(("b/dp", "b"), "b/dp", mesh=mesh)
+    def write(x, buf):
+        buf[:] = x  # varying data written into an invariant argument: it varies now
+        assert get_vma(buf) == {"dp"}
+        return buf
+
+    buf = torch.zeros(2)
+    assert write(torch.ones(2), buf) is buf and "_es_vma" not in buf.__dict__  # no tag left on the caller's tensor
+
+
+# -- plain torch bodies: gradients of replicated and sharded inputs against one process ------------
+
+
+def _buffer_setitem(x, w):
+    buf = torch.zeros(x.shape, dtype=DT)
+    buf[:] = x  # __setitem__ returns None: the buffer itself must become varying
+    return buf * w
+
+
+def _cat_keywords(x, w):
+    z = torch.cat(tensors=[x, w.expand(x.shape[0], 5)], dim=1)  # tensors passed by keyword
+    return z * torch.cat([x, x], 1)
+
+
+def _inplace_into_invariant(x, w):
+    h = w * torch.ones(x.shape, dtype=DT)
+    h += x  # varying data written into an invariant tensor that carries w's gradient
+    return h * h
+
+
+def _inplace_through_views(x, w):
+    h = w.unsqueeze(0).repeat(x.shape[0], 1)
+    h[:, 3:] *= x[:, 3:]  # a view of the invariant h becomes varying: so does h
+    h.narrow(1, 0, 1).add_(x[:, :1])
+    return h.sin()
+
+
+def _inplace_after_pvary(x, w):
+    h = w * 3.0
+    a = h + x  # h is pvary-ed here (memoised; `+` saves nothing for backward)
+    h.add_(1.0)  # h changes in place: the memoised pvary must not be reused
+    return a * (h + x)
+
+
+def _mixed_ops(x, w):
+    i = (x[:, 0] > 0).long()  # a varying index into an invariant table
+    y = F.layer_norm(x, (5,), weight=w, bias=w * 0.5) + w[i].unsqueeze(1) + F.embedding(i, w.reshape(5, 1))
+    y = y + torch.stack([x, w.expand_as(x)], -1).prod(-1) + torch.where(x > 0, x, w) + F.linear(x, w.reshape(1, 5))
+    return y.mul(w).addcmul(x, w, value=0.5)
+
+
+PLAIN_TORCH_CASES = {
+    "buffer setitem": (_buffer_setitem, _buffer_setitem),
+    "cat keywords": (_cat_keywords, _cat_keywords),
+    "in-place into invariant": (_inplace_into_invariant, _inplace_into_invariant),
+    "in-place through views": (_inplace_through_views, _inplace_through_views),
+    "in-place after pvary": (_inplace_after_pvary, _inplace_after_pvary),
+    "mixed ops": (_mixed_ops, _mixed_ops),
+}
+
+
+def _plain_torch_case(mesh, fn):
+    """``fn`` on x (8 x 5, sharded over dp-tp) and w (5, replicated): loss, x.grad and w.grad vs one process."""
+    x0 = torch.randn(8, 5, generator=torch.Generator().manual_seed(3), dtype=DT)
+    w0 = torch.randn(5, generator=torch.Generator().manual_seed(4), dtype=DT)
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = fn(xr, wr).sum()
+    ref.backward()
+    w = torch.nn.Parameter(w0.clone())
+    x = local_block(x0, "b/dp-tp c", mesh).requires_grad_()
+    seen = {}
+
+    @shard_map(("b/dp-tp c", "c"), "// (dp, tp) -> ", mesh=mesh)
+    def body(xb, wb):
+        y = fn(xb, wb)
+        seen["vma"] = get_vma(y)
+        return y.sum()
+
+    loss = body(x, w)
+    loss.backward()
+    return {
+        "loss": abs(loss.item() - ref.item()),
+        "x": (x.grad - local_block(xr.grad, "b/dp-tp c", mesh)).abs().max().item(),
+        "w": (w.grad - wr.grad).abs().max().item(),
+        "vma": 0.0 if seen["vma"] == {"dp", "tp"} else 1.0,
+    }
+
+
+@pytest.mark.ranks(8)
+def test_plain_torch_bodies_in_place_and_keyword_tensors(mesh_2x4):
+    mesh = es.wrap_mesh(mesh_2x4)
+    errs = {}
+    for name, (fn, _) in PLAIN_TORCH_CASES.items():
+        try:
+            for k, v in _plain_torch_case(mesh, fn).items():
+                errs[f"{name}/{k}"] = v
+        except RuntimeError as e:  # record it, so every rank reaches the all-reduce below
+            errs[f"{name}/raised {type(e).__name__}: {str(e)[:80]}"] = float("inf")
+    names = sorted(errs)
+    t = torch.tensor([errs[n] for n in names], dtype=DT)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    bad = {n: v for n, v in zip(names, t.tolist()) if not v <= 1e-10}
+    assert not bad, bad
