@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 @dataclass(frozen=True)
 class Ambient:
     mesh: object = None
-    # {mesh-dim label: {axis: tuple(split shapes)}} known from shard_map specs
+    # {(mesh dims in mesh order, axis): split shapes} known from shard_map's specs, for ``mesh``
     shapes: dict = field(default_factory=dict)
     # extra per-scope state (shard_map's variance tracking, policy scope)
     policy: object = None
@@ -40,3 +40,16 @@ def push(**changes) -> contextvars.Token:
 
 def pop(token: contextvars.Token) -> None:
     _AMBIENT.reset(token)
+
+
+def shapes_for(mesh) -> dict:
+    """The ambient split shapes, if they belong to ``mesh`` (the ambient mesh); else none.
+
+    ``shard_map`` records split shapes for its own mesh; an op inside the body
+    that runs on another mesh (``mesh=other`` or ``es.use_mesh(other)``) must
+    not read them.
+    """
+    amb = _AMBIENT.get()
+    if amb.shapes and (mesh is amb.mesh or (amb.mesh is not None and mesh == amb.mesh)):
+        return amb.shapes
+    return {}

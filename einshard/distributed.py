@@ -88,7 +88,7 @@ def _itemsize(tensors) -> int:
 
 def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=()):
     """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled)."""
-    ambient = _context.current().shapes
+    ambient = _context.shapes_for(mesh)
     sizes = expand_sizes(parsed, sizes, families)
     resolved = resolve(parsed, local_shapes, mesh, shapes=shapes, sizes=sizes, ambient=ambient)
     problem = Problem(

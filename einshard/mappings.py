@@ -98,7 +98,9 @@ def _identity(x, *args):
 
 # -- all-reduce / identity / broadcast -----------------------------------------------
 
-_allreduce_identity = make_mapping("AllReduceIdentity", lambda x, g: C.all_reduce(x, g), lambda d, g: d.view_as(d))
+_allreduce_identity = make_mapping(
+    "AllReduceIdentity", lambda x, g: C.all_reduce(x, g), lambda d, g: identity_forward_allreduce_backward(d, g)
+)
 _identity_allreduce = make_mapping(
     "IdentityAllReduce", _identity, lambda d, g: allreduce_forward_identity_backward(d, g)
 )

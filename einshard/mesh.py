@@ -255,9 +255,10 @@ def use_mesh(mesh):
     >>> with es.use_mesh(mesh):  # doctest: +SKIP
     ...     y = es.einshard("a/tp b -> a b", x)
     """
-    token = _context.push(mesh=_as_mesh(mesh))
+    mesh = _as_mesh(mesh)
+    token = _context.push(mesh=mesh)
     try:
-        yield _as_mesh(mesh)
+        yield mesh
     finally:
         _context.pop(token)
 

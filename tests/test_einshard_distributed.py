@@ -353,3 +353,24 @@ def _one_agreement_per_call(mesh):
 @pytest.mark.ranks(8)
 def test_checks_agree_once_per_call_not_per_collective(mesh_2x4):
     assert _one_agreement_per_call(mesh_2x4) == {"check": 1, "all_to_all": 2}
+
+
+def _ambient_shapes_stay_with_their_mesh(mesh_2x4, mesh_8):
+    m24, m8 = es.wrap_mesh(mesh_2x4), es.wrap_mesh(mesh_8)
+
+    @es.shard_map(in_specs="b n -> b/tp n", out_specs="b/tp n -> b n", mesh=m24, shapes={"tp": [3, 3, 3, 1]})
+    def body(x):
+        # another mesh inside the body: the body's split shapes (4 entries for its tp) do not apply
+        y = es.einshard("b n -> b/tp n", torch.ones(10, 2), mesh=m8)
+        with es.use_mesh(m8):
+            z = es.einshard("b n -> b/tp n", torch.ones(10, 2))
+        assert y.shape == z.shape == (es.helpers.compute_split_shapes(10, 8)[m8.index("tp")], 2)
+        return x * 2
+
+    out = body(torch.arange(20.0).reshape(10, 2))
+    return torch.equal(out, 2 * torch.arange(20.0).reshape(10, 2))
+
+
+@pytest.mark.ranks(8)
+def test_ambient_split_shapes_apply_only_to_their_own_mesh(mesh_2x4, mesh_8):
+    assert _ambient_shapes_stay_with_their_mesh(mesh_2x4, mesh_8)

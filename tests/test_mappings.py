@@ -230,6 +230,8 @@ def test_double_backward(mesh_2x4, mesh_2x2x2):
              lambda t: M.allgather_forward_reducescatter_backward(t, group, 1, shapes), (2, shapes[r]), (2, T)),
             ("identity_forward_allreduce_backward", lambda t: M.identity_forward_allreduce_backward(t, group),
              (2, 3), (2, 3)),
+            ("allreduce_forward_identity_backward", lambda t: M.allreduce_forward_identity_backward(t, group),
+             (2, 3), (2, 3)),
             ("alltoall_repartition", lambda t: M.alltoall_repartition(t, group, 0, 1, shapes, None),
              (shapes[r], 2 * P), (T, 2)),
             ("ppermute", lambda t: M.ppermute(t, group, [(i, (i + 1) % P) for i in range(P)]), (2, 3), (2, 3)),

@@ -285,7 +285,7 @@ def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, 
 
 def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> tuple[FFTProblem, str | None]:
     text = spec.text
-    ambient = _context.current().shapes
+    ambient = _context.shapes_for(mesh)
     labels = {mesh.label(mesh.dims(a.mesh)) for t in (spec.inp, spec.out) for a in t.axes if a.mesh}
     if shapes is not None and not isinstance(shapes, Mapping) and len(labels) != 1:
         raise ValueError(

@@ -186,7 +186,7 @@ def spec_layout(spec: TensorSpec, text: str, shape: tuple, mesh, shapes, what: s
         n = len(names)
         return Layout(tuple(names), tuple(int(s) for s in shape), ((),) * n, (None,) * n), None
     formula = Formula(text, (spec,), spec)
-    res = resolve(formula, [tuple(shape)], mesh, shapes=shapes, ambient=_context.current().shapes)
+    res = resolve(formula, [tuple(shape)], mesh, shapes=shapes, ambient=_context.shapes_for(mesh))
     return res.operands[0], res.local_error
 
 
