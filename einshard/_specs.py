@@ -242,11 +242,31 @@ def sizes_subset(parsed, sizes, families):
     return picked or None
 
 
+def shapes_subset(parsed, shapes):
+    """``shapes=`` without the per-axis entries for axes ``parsed`` does not name.
+
+    ``shard_map`` and the tree helpers share one ``shapes=`` across many specs;
+    each formula gets only its own entries (einshard rejects per-axis entries
+    for axes its formula lacks, to catch typos).
+    """
+    if not isinstance(shapes, Mapping):
+        return shapes
+    names = {a.name for t in parsed.tensors for a in t.axes}
+    out = {}
+    for key, value in shapes.items():
+        if isinstance(value, Mapping):
+            value = {a: v for a, v in value.items() if a in names}
+            if not value:
+                continue
+        out[key] = value
+    return out or None
+
+
 def resolve_spec(formula_text: str, local_shape, mesh, shapes, sizes, families, ambient=None):
     """``resolve`` a unary formula (``"S -> S"`` or a conversion) for one local shape."""
     parsed = expand(formula_text, families)
     return resolve(parsed, [tuple(local_shape)], mesh, shapes=shapes, sizes=_sizes_for(parsed, sizes, families),
-                   ambient=ambient)
+                   ambient=ambient, axes=None)
 
 
 def layout_entries(layout):

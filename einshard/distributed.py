@@ -119,8 +119,11 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
-    full_key = (key, mesh, None if shapes is None else freeze_shapes(shapes), pol, ambient.shapes_key,
-                *[t.dtype for t in tensors])
+    try:
+        frozen_shapes = None if shapes is None else freeze_shapes(shapes)
+    except ValueError as err:
+        raise ValueError(f"{key[0]!r}: {err}") from None
+    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *[t.dtype for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
         plan = _new_plan(full_key, key, tensors, mesh, shapes, pol)

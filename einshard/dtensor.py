@@ -126,7 +126,8 @@ def plan_from_dtensor(dt, spec: str, mesh, *, shapes=None, sizes=None, families=
     from ._specs import _sizes_for
 
     formula = expand(f"{_strip(parsed_spec)} -> {spec}", families)
-    resolved = resolve(formula, [tuple(dt.shape)], mesh, shapes=shapes, sizes=_sizes_for(formula, sizes, families))
+    resolved = resolve(formula, [tuple(dt.shape)], mesh, shapes=shapes, sizes=_sizes_for(formula, sizes, families),
+                       axes=None)
     whole, target = resolved.operands[0], resolved.output
     return dtensor_layout(dt, whole, mesh, where), target
 

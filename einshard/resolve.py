@@ -11,7 +11,7 @@ caller can agree on it across ranks before the first collective.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ._split import compute_split_shapes
@@ -24,12 +24,25 @@ ELLIPSIS_PREFIX = "\u2026"  # names of the unnamed '...' dimensions: '…0' is t
 
 
 def freeze_shapes(shapes):
-    """A hashable form of ``shapes=`` (lists become tuples, dicts sorted tuples)."""
+    """A hashable form of ``shapes=`` (lists become tuples, dicts sorted tuples); no value is changed.
+
+    Malformed values (not a list or a dict of lists) are a ``ValueError``;
+    :func:`resolve` checks the sizes themselves.
+    """
     if shapes is None:
         return None
     if isinstance(shapes, Mapping):
         return ("dict",) + tuple(sorted((str(k), freeze_shapes(v)) for k, v in shapes.items()))
-    return tuple(int(s) for s in shapes)
+    if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
+        raise ValueError(
+            f"shapes= must be a list of per-rank sizes or a dict of them (per mesh dimension, optionally per "
+            f"axis), got {shapes!r}"
+        )
+    frozen = tuple(shapes)
+    for v in frozen:
+        if isinstance(v, (Mapping, list, tuple, str, bytes)) or not isinstance(v, Hashable):
+            raise ValueError(f"shapes= lists must hold integer sizes, got {list(frozen)!r}")
+    return frozen
 
 
 @dataclass(frozen=True)
@@ -67,9 +80,32 @@ def _items_per_dim(spec: TensorSpec, ndim: int, text: str, where: str):
 class _Splits:
     """Looks up split shapes from ``shapes=`` and the ambient context."""
 
-    def __init__(self, text, shapes, ambient, mesh, labels):
+    def __init__(self, text, shapes, ambient, mesh, labels, axes=None):
         self.text, self.shapes, self.ambient, self.mesh = text, shapes, ambient, mesh
         self.labels = labels  # every sharded label of the formula (for the list form)
+        if isinstance(shapes, Mapping):
+            self._check_keys(shapes, None if axes is None else set(axes))
+        elif shapes is not None:
+            self._sizes(shapes, "shapes")
+
+    def _check_keys(self, shapes: Mapping, axes: set | None) -> None:
+        """Every key names mesh dimensions of the mesh, every per-axis key an axis of the formula."""
+        for key, value in shapes.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{self.text!r}: shapes= keys are mesh dimension names, got {key!r}")
+            try:
+                self.mesh.dims(key)
+            except ValueError as err:
+                raise ValueError(f"{self.text!r}: shapes[{key!r}]: {err}") from None
+            if isinstance(value, Mapping):
+                for axis, sizes in value.items():
+                    if axes is not None and axis not in axes:
+                        raise ValueError(
+                            f"{self.text!r}: shapes[{key!r}] names axis {axis!r}, which is not in the formula"
+                        )
+                    self._sizes(sizes, f"shapes[{key!r}][{axis!r}]")
+            else:
+                self._sizes(value, f"shapes[{key!r}]")
 
     def explicit(self, dims: tuple, axis: str, missing_ok: bool = False):
         """The split shapes ``shapes=`` (or the ambient context) gives, or ``None``.
@@ -122,14 +158,21 @@ class _Splits:
             raise ValueError(f"{self.text!r}: {what} must be a list of per-rank sizes, got {value!r}")
         out = []
         for v in value:
-            if isinstance(v, bool) or int(v) != v or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 0:
                 raise ValueError(f"{self.text!r}: {what} must hold non-negative integers, got {list(value)!r}")
             out.append(int(v))
         return tuple(out)
 
 
-def resolve(formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, sizes=None, ambient=None) -> Resolved:
-    """Layouts of the operands and output of ``formula`` for this rank's tensors."""
+def resolve(
+    formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, sizes=None, ambient=None, axes=()
+) -> Resolved:
+    """Layouts of the operands and output of ``formula`` for this rank's tensors.
+
+    ``axes``: the axis names ``shapes=`` may name per axis besides the
+    formula's (an op whose output has new axes passes them); ``None`` when
+    ``shapes=`` is shared by several formulas and may name others.
+    """
     text = formula.text
     if formula.output is None:
         raise ValueError(f"{text!r}: einshard needs a formula 'inputs -> output'")
@@ -154,7 +197,8 @@ def resolve(formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, 
             if a.mesh:
                 labels.add(mesh.label(dims_of(a)))
         partial_of(spec)  # validates the names
-    lookup = _Splits(text, shapes, ambient, mesh, labels)
+    known = None if axes is None else {a.name for t in formula.tensors for a in t.axes} | set(axes)
+    lookup = _Splits(text, shapes, ambient, mesh, labels, known)
 
     occurrences: list[_Occurrence] = []
     per_operand = []  # per operand: list of (kind, payload) per tensor dim
@@ -194,18 +238,24 @@ def resolve(formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, 
         if old is None:
             global_size[axis] = size
         elif old != size:
+            if axis in ones and 1 in (old, size):  # a size-1 occurrence broadcasts
+                broadcast.add(axis)
+                global_size[axis] = max(old, size)
+                return
             raise ValueError(f"{text!r}: axis {axis!r} has global size {size} in {where} but {old} elsewhere")
 
-    # plain unsharded occurrences fix global sizes
+    # plain unsharded occurrences fix global sizes; size-1 ones may broadcast (like torch.einsum)
     broadcast: set = set()
+    ones: set = set()
     for occ in occurrences:
         if not occ.in_group and not occ.dims:
-            old = global_size.get(occ.axis)
-            if old is not None and old != occ.local and 1 in (old, occ.local) and occ.axis not in sizes:
-                broadcast.add(occ.axis)
-                global_size[occ.axis] = max(old, occ.local)
-            else:
-                set_global(occ.axis, occ.local, f"operand {occ.operand}")
+            if occ.local == 1 and occ.axis not in sizes:
+                ones.add(occ.axis)
+                continue
+            set_global(occ.axis, occ.local, f"operand {occ.operand}")
+    for axis in ones:
+        if axis in global_size and global_size[axis] != 1:
+            broadcast.add(axis)
     # explicit split shapes
     splits: dict[tuple, tuple] = {}
     for occ in occurrences:
@@ -232,6 +282,11 @@ def resolve(formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, 
     for occ in occurrences:
         if not occ.in_group and occ.dims:
             split_of(occ.axis, occ.dims, occ.local)
+    for axis in ones:
+        if axis not in global_size:
+            global_size[axis] = 1
+        elif global_size[axis] != 1:
+            broadcast.add(axis)
 
     local_error = None
 
@@ -256,12 +311,18 @@ def resolve(formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, 
             product = math.prod(s for s in locals_ if s is not None)
             if unknown:
                 occ = unknown[0]
-                if product == 0 or dim_size % product:
-                    raise ValueError(
-                        f"{text!r}: dimension of size {dim_size} in operand {occ.operand} cannot be factored "
-                        f"as '({' '.join(o.axis for o in occs)})' with known factors of product {product}"
+                group_text = f"'({' '.join(o.axis for o in occs)})'"
+                if product == 0 and local_error is None:
+                    local_error = (
+                        f"{text!r}: cannot infer the size of {occ.axis!r} in {group_text} of operand {occ.operand}: "
+                        f"this rank's block of it is empty; pass sizes={{{occ.axis!r}: ...}}"
                     )
-                inferred = dim_size // product
+                elif product and dim_size % product and local_error is None:
+                    local_error = (
+                        f"{text!r}: dimension of size {dim_size} in operand {occ.operand} on this rank cannot be "
+                        f"factored as {group_text} with known factors of product {product}"
+                    )
+                inferred = dim_size // product if product else 0
                 occ.local = inferred
                 if occ.dims:
                     split_of(occ.axis, occ.dims, inferred)
@@ -315,7 +376,8 @@ def resolve(formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, 
                 if occ.axis.startswith(ELLIPSIS_PREFIX):
                     fixed.add(occ.axis)
                 axes.append(occ.axis)
-                gsizes.append(occ.local if occ.axis in broadcast else global_size[occ.axis])
+                plain_one = occ.axis in broadcast and not occ.dims and not occ.in_group and occ.local == 1
+                gsizes.append(1 if plain_one else global_size[occ.axis])
                 shard.append(occ.dims)
                 spl.append(split_of(occ.axis, occ.dims, None) if occ.dims else None)
                 local.append(occ.local if occ.local is not None else local_size(occ))

@@ -37,6 +37,7 @@ from ._specs import (
     match,
     maybe_dtensor,
     resolve_spec,
+    shapes_subset,
     sizes_subset,
     spec_tree,
 )
@@ -228,8 +229,8 @@ class ShardMap:
 
     # -- planning (once per argument structure and local shapes) ---------------------
     def _opts(self, parsed_formula):
-        return dict(shapes=self.shapes, sizes=sizes_subset(parsed_formula, self.sizes, self.families),
-                    families=self.families)
+        return dict(shapes=shapes_subset(parsed_formula, self.shapes),
+                    sizes=sizes_subset(parsed_formula, self.sizes, self.families), families=self.families)
 
     def _plan_inputs(self, key, args, leaves, mesh) -> _InPlan:
         per_leaf = match(self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)

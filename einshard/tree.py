@@ -29,7 +29,8 @@ import optree
 import torch
 
 from . import collectives as C
-from ._specs import _sizes_for, match, maybe_dtensor as is_dtensor, sizes_subset, spec_tree, strip_spec as _strip
+from ._specs import _sizes_for, match, maybe_dtensor as is_dtensor, shapes_subset, sizes_subset, spec_tree
+from ._specs import strip_spec as _strip
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import EllipsisItem, Group
@@ -83,8 +84,9 @@ def tree_shard(tree, specs, *, mesh=None, shapes=None, sizes=None, families=None
                 out.append(torch.zeros_like(local) if zero else local.detach().clone())
                 continue
             formula = f"{_strip(parsed)} -> {target}"
-            y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes,
-                         sizes=sizes_subset(_parsed(formula, families), sizes, families), families=families)
+            parsed_formula = _parsed(formula, families)
+            y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes_subset(parsed_formula, shapes),
+                         sizes=sizes_subset(parsed_formula, sizes, families), families=families)
             if zero:
                 y = torch.zeros_like(y)
             out.append(y.clone(memory_format=torch.contiguous_format))
@@ -121,9 +123,10 @@ def tree_gather(tree, specs, *, mesh=None, shapes=None, sizes=None, families=Non
                 continue
             parsed = spec.inner_spec
             formula = f"{spec.inner} -> {_strip(parsed)}"
-            leaf_shapes = shapes if found is None else (found.get(k) or None)
+            parsed_formula = _parsed(formula, families)
+            leaf_shapes = shapes_subset(parsed_formula, shapes) if found is None else (found.get(k) or None)
             y = einshard(formula, x.detach(), mesh=mesh, shapes=leaf_shapes,
-                         sizes=sizes_subset(_parsed(formula, families), sizes, families), families=families)
+                         sizes=sizes_subset(parsed_formula, sizes, families), families=families)
             if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
                 y = y.clone()  # replicated: a copy, not a view of the caller's tensor
             out.append(y)

@@ -292,7 +292,9 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
             f"{text!r}: shapes= as a list needs exactly one sharded mesh dimension, but the formula shards over "
             f"{sorted(labels)}; use {{'dim': [...]}} instead"
         )
-    resolved = resolve(Formula(text, (spec.inp,), spec.inp), [tuple(shape)], mesh, shapes=shapes, ambient=ambient)
+    known = [a.name for t in (spec.inp, spec.out) for a in t.axes]
+    resolved = resolve(Formula(text, (spec.inp,), spec.inp), [tuple(shape)], mesh, shapes=shapes, ambient=ambient,
+                       axes=known)
     src = resolved.operands[0]
     before = dict(zip(src.axes, src.sizes))
     after = _after_sizes(spec, before, real, inverse, signal)
