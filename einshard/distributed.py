@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 
 from . import _context, checks
-from .execute import transition
+from .execute import Embedding, transition
 from .layout import MeshShape
 from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
 from .notation import expand
@@ -54,8 +54,11 @@ class DistributedPlan:
                 chain = [transition(a, b, mesh) for a, b in zip(steps, steps[1:])]
                 chains.append(tuple(t for t in chain if not t.trivial))
             core = Contraction([t.axes for t in cand.targets], cand.result.axes).run
+            if cand.embedded is not None and cand.embedded != cand.result:
+                root = tuple(d for d, r in zip(mesh.names, cand.roles) if r == ("E", None))
+                core = _then(core, Embedding(cand.result, cand.embedded, root, mesh))
             compiled.append((tuple(indices), tuple(chains), core))
-            layouts = [op for j, op in enumerate(layouts) if j not in indices] + [cand.result]
+            layouts = [op for j, op in enumerate(layouts) if j not in indices] + [cand.embedded or cand.result]
         finish = transition(layouts[-1], self.problem.output, mesh)
         finish = None if finish.trivial else finish
         in_shapes = self.resolved.in_shapes
@@ -80,6 +83,10 @@ class DistributedPlan:
 
         self.run = run
         return self
+
+
+def _then(core, embedding):
+    return lambda tensors: embedding(core(tensors))
 
 
 def _itemsize(tensors) -> int:

@@ -174,3 +174,40 @@ def _run_transition(x: torch.Tensor, ex: Transition) -> torch.Tensor:
 
 # backward: the reverse transition (itself a Transition, so double backward works)
 _apply_transition = make_mapping("Transition", _run_transition, lambda grad, ex: ex.reverse()(grad))
+
+
+class Embedding:
+    """The local result turned into per-rank contributions over ``dims`` (this rank's part).
+
+    Forward: the block zero-padded to the contribution's extent, and zeros
+    on every rank but group rank 0 of the dimensions the result was
+    replicated over (``root_dims``). Backward (the exact adjoint): the
+    cotangent's block, broadcast from group rank 0 over ``root_dims``.
+    """
+
+    __slots__ = ("out_shape", "rel", "keep", "group")
+
+    def __init__(self, result: Layout, embedded: Layout, root_dims: tuple, mesh):
+        shape = MeshShape.of(mesh)
+        coord = mesh.coordinate
+        self.rel = _rel_slices(result.box(coord, shape), embedded.box(coord, shape))
+        self.out_shape = embedded.local_shape(coord, shape)
+        self.keep = not root_dims or shape.index(root_dims, coord) == 0
+        self.group = mesh.group(root_dims) if root_dims else None
+
+    def forward_raw(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(self.out_shape)
+        if self.keep:
+            _narrow(out, self.rel).copy_(x)
+        return out
+
+    def adjoint_raw(self, g: torch.Tensor) -> torch.Tensor:
+        block = _narrow(g, self.rel).contiguous()
+        return block if self.group is None else C.broadcast(block, self.group, 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _embed(x, self)
+
+
+_embed = make_mapping("Embed", lambda x, e: e.forward_raw(x), lambda g, e: _embed_adjoint(g, e))
+_embed_adjoint = make_mapping("EmbedAdjoint", lambda g, e: e.adjoint_raw(g), lambda d, e: _embed(d, e))

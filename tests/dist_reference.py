@@ -115,7 +115,9 @@ def check_formula(mesh, formula, global_shapes, shapes="auto", sizes=None, famil
     in_axes = {a.name for t in parsed.inputs for a in t.axes}
     # documented rule: `// d` on the output carries contributions when the formula sums over an
     # axis or an input is partial over d; otherwise it marks the full value varying (pvary)
-    sums = bool(in_axes - {a.name for a in out.axes})
+    sums = bool(in_axes - {a.name for a in out.axes}) or (
+        any(t.has_ellipsis for t in parsed.inputs) and not out.has_ellipsis  # '...' summed away
+    )
     summed = [d for d in pdims if sums or any(d in _partial_dims(mesh, t) for t in parsed.inputs)]
     varying = [d for d in pdims if d not in summed]
     value = got.detach().clone(memory_format=torch.contiguous_format)

@@ -160,9 +160,17 @@ def dims_of(spec: TensorSpec, ndim: int, formula: Formula, index: int):
 
 
 def freeze_sizes(sizes: Mapping | None) -> tuple:
+    """A hashable form of ``sizes=`` (values unchanged: :func:`expand_sizes` checks them)."""
     if not sizes:
         return ()
-    return tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in sizes.items()))
+    return tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in sizes.items()))
+
+
+def _size_value(formula: Formula, key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not (isinstance(value, float) and value.is_integer() and value >= 0):
+            raise ValueError(f"{formula.text!r}: sizes[{key!r}] must be a non-negative integer, got {value!r}")
+    return int(value)
 
 
 def expand_sizes(formula: Formula, sizes: tuple, families: tuple) -> dict[str, int]:
@@ -181,11 +189,11 @@ def expand_sizes(formula: Formula, sizes: tuple, families: tuple) -> dict[str, i
                     f"has {len(members)} members"
                 )
             for member, v in zip(members, value):
-                out[member.split("/")[0].strip()] = int(v)
+                out[member.split("/")[0].strip()] = _size_value(formula, key, v)
         elif key in table and key not in names:
             raise ValueError(f"{formula.text!r}: sizes[{key!r}] for a family needs one size per member")
         else:
-            out[key] = int(value)
+            out[key] = _size_value(formula, key, value)
     unknown = sorted(set(out) - names)
     if unknown:
         raise ValueError(f"{formula.text!r}: sizes names axis {unknown[0]!r}, which is not in the formula")

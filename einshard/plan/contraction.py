@@ -94,6 +94,7 @@ class Candidate:
     result: Layout  # the local einsum's result
     moves: tuple[Move, ...]
     cost: Cost
+    embedded: Layout | None = None  # the result after embedding it as contributions (E roles)
 
     def describe_roles(self, mesh: MeshShape, operands: int) -> str:
         parts = []
@@ -102,6 +103,10 @@ class Candidate:
                 parts.append(f"{name}: replicated")
             elif role[0] == "S":
                 parts.append(f"{name}: shard {role[1]}")
+            elif role == ("E", None):
+                parts.append(f"{name}: replicated, kept on rank 0 as the contribution")
+            elif role[0] == "E":
+                parts.append(f"{name}: shard {role[1]}, zero-padded into contributions")
             else:
                 parts.append(f"{name}: partial operand {role[1]}")
         return ", ".join(parts)
@@ -125,6 +130,10 @@ def _axis_roles(problem: Problem, dim: str) -> list:
                     summed_axes.append(x)
         contributing = [r for r in roles if (r[0] == "S" and r[1] not in out_axes) or r[0] == "P"]
         contributing += [("S", x) for x in summed_axes if ("S", x) not in contributing]
+        # embeddings: compute sharded on an output axis (or replicated) and embed the result as
+        # contributions (zero-padded blocks, or the value on group rank 0 and zeros elsewhere)
+        shardable_out = [x for x in problem.output.axes if x not in problem.fixed]
+        contributing += [("E", x) for x in shardable_out] + [("E", None)]
         roles = contributing
     return roles
 
@@ -141,7 +150,7 @@ def _splits_for(problem: Problem, axis: str, dims: tuple[str, ...], size: int):
 def _layout_for(base: Layout, roles, names, problem: Problem, partial_dims) -> Layout:
     shard, splits = [], []
     for axis, size in zip(base.axes, base.sizes):
-        dims = tuple(d for d, r in zip(names, roles) if r == ("S", axis))
+        dims = tuple(d for d, r in zip(names, roles) if r in (("S", axis), ("E", axis)))
         shard.append(dims)
         splits.append(_splits_for(problem, axis, dims, size) if dims else None)
     return Layout(base.axes, base.sizes, tuple(shard), tuple(splits), frozenset(partial_dims))
@@ -155,9 +164,17 @@ def _move(what: str, src: Layout, dst: Layout, mesh: MeshShape, itemsize: int) -
     return Move(what, src, dst, fwd, bwd), Cost(fb, bb, fc, bc, max(fp, bp) * itemsize)
 
 
-def _candidate(problem: Problem, roles) -> Candidate:
+def _sharding_role(role) -> bool:
+    """The role shards an axis in the local einsum (``S x`` or the embedding ``E x``)."""
+    return role[0] in ("S", "E") and role[1] is not None
+
+
+def _candidate(problem: Problem, roles) -> Candidate | None:
     mesh = problem.mesh
     names = mesh.names
+    embedded_axes = {r[1] for r in roles if r[0] == "E" and r[1] is not None}
+    if any(r[0] == "S" and r[1] in embedded_axes for r in roles):
+        return None  # an embedded axis is sharded only over the dimensions it is embedded over
     moves: list[Move] = []
     cost = Cost()
     targets = []
@@ -169,7 +186,7 @@ def _candidate(problem: Problem, roles) -> Candidate:
         varying = {
             d
             for d, r in zip(names, roles)
-            if r != ("R",) and r != ("P", k) and not (r[0] == "S" and r[1] in op.axes)
+            if r not in (("R",), ("P", k), ("E", None)) and not (_sharding_role(r) and r[1] in op.axes)
         }
         marked = target.with_partial(target.partial | varying)
         # one transition straight to the marked layout (so its reverse can reduce-scatter),
@@ -188,14 +205,40 @@ def _candidate(problem: Problem, roles) -> Candidate:
         d for d, r in zip(names, roles) if r[0] == "P" or (r[0] == "S" and r[1] not in out_axes)
     ]
     result = _layout_for(problem.output, roles, names, problem, result_partial)
+    embedded = result
+    embed_dims = tuple(d for d, r in zip(names, roles) if r[0] == "E")
+    if embed_dims:
+        embedded = _embedded(result, embed_dims)
+        move, c = _embed_move(result, embedded, embed_dims, tuple(d for d, r in zip(names, roles) if r == ("E", None)),
+                              mesh, problem.itemsize)
+        moves.append(move)
+        cost += c
     if not problem.free_output:
-        move, c = _move("result", result, problem.output, mesh, problem.itemsize)
+        move, c = _move("result", embedded, problem.output, mesh, problem.itemsize)
         if move.forward or move.backward:
             moves.append(move)
         cost += c
-    live_bytes += result.mean_numel(mesh) * problem.itemsize
+    live_bytes += max(result.mean_numel(mesh), embedded.mean_numel(mesh)) * problem.itemsize
     cost = Cost(cost.fwd_bytes, cost.bwd_bytes, cost.fwd_calls, cost.bwd_calls, max(cost.peak_bytes, live_bytes))
-    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost)
+    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost, embedded)
+
+
+def _embedded(result: Layout, dims: tuple[str, ...]) -> Layout:
+    """``result`` with the embedded dimensions turned into contributions (partial)."""
+    out = result
+    for i, shard in enumerate(result.shard):
+        if any(d in dims for d in shard):
+            out = out.with_shard(i, (), None)  # an embedded axis is sharded only over embedded dims
+    return out.with_partial(result.partial | set(dims))
+
+
+def _embed_move(result, embedded, dims, at_root, mesh: MeshShape, itemsize: int) -> tuple[Move, Cost]:
+    """Embedding into contributions: zero-padding forward, a slice back (and a broadcast from
+    group rank 0 for a replicated result kept on that rank only)."""
+    forward = (Step("embed", result, embedded, dims),)
+    backward = (Step("embed_adjoint", embedded, result, at_root),)
+    bb = backward[0].bytes_per_rank(mesh, itemsize)
+    return Move("embed", result, embedded, forward, backward), Cost(0.0, bb, 0, 1 if at_root else 0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -232,16 +275,34 @@ def _sizes_of(operands, axes):
     return tuple(table[a] for a in axes)
 
 
-_BEAM = 4
+_BEAM = 4  # intermediate layouts kept per pair
+_EXHAUSTIVE = 4  # up to this many operands every pair order is searched; beyond, greedily
+
+
+def _pair_problem(problem: Problem, i: int, j: int) -> tuple[Problem, tuple[str, ...]]:
+    """Contracting operands ``i`` and ``j`` alone, keeping whatever layout results."""
+    axes = _needed_axes(problem.operands, problem.output.axes, i, j)
+    free = Layout(axes, _sizes_of(problem.operands, axes), ((),) * len(axes), (None,) * len(axes))
+    pair = Problem(
+        (problem.operands[i], problem.operands[j]), free, problem.mesh, problem.itemsize,
+        fixed=problem.fixed, free_output=True,
+    )
+    return pair, axes
+
+
+def _shares_axis(problem: Problem, i: int, j: int) -> bool:
+    return bool(set(problem.operands[i].axes) & set(problem.operands[j].axes))
 
 
 @lru_cache(maxsize=1024)
 def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
     """Schedules best first: one einsum over every operand, or pairwise contractions.
 
-    With three or more operands every pair is tried first (its best
-    ``_BEAM`` intermediate layouts), then the rest recursively; the cost
-    model ranks the results together with the single einsum.
+    With three or more operands, pairwise orders compete with the single
+    einsum. Up to ``_EXHAUSTIVE`` operands every pair is tried (its best
+    ``_BEAM`` intermediate layouts), then the rest recursively; with more,
+    the cheapest pair that shares an axis is contracted first (greedy, like
+    ``opt_einsum``'s greedy path), so planning stays polynomial.
     """
     everything = tuple(range(len(problem.operands)))
     schedules = [
@@ -249,33 +310,30 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
     ]
     n = len(problem.operands)
     if n >= 3:
-        for i in range(n):
-            for j in range(i + 1, n):
-                axes = _needed_axes(problem.operands, problem.output.axes, i, j)
-                sizes = _sizes_of(problem.operands, axes)
-                free = Layout(axes, sizes, ((),) * len(axes), (None,) * len(axes))
-                pair = Problem(
-                    (problem.operands[i], problem.operands[j]),
-                    free,
-                    problem.mesh,
-                    problem.itemsize,
-                    fixed=problem.fixed,
-                    free_output=True,
-                )
-                seen = set()
-                for cand in plan_contraction(pair, policy):
-                    if cand.result in seen:
-                        continue
-                    seen.add(cand.result)
-                    rest = tuple(op for k, op in enumerate(problem.operands) if k not in (i, j)) + (cand.result,)
-                    sub = Problem(rest, problem.output, problem.mesh, problem.itemsize, problem.summed, problem.fixed)
-                    try:
-                        best = plan_schedule(sub, policy)[0]
-                    except ValueError:  # this intermediate cannot give the output's contributions
-                        continue
-                    schedules.append(Schedule(((( i, j), axes, cand),) + best.steps, cand.cost + best.cost))
-                    if len(seen) == _BEAM:
-                        break
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+        beam = _BEAM
+        if n > _EXHAUSTIVE:
+            sharing = [(i, j) for i, j in pairs if _shares_axis(problem, i, j)] or pairs
+            best_pair = min(
+                sharing, key=lambda ij: (plan_contraction(_pair_problem(problem, *ij)[0], policy)[0].cost.key(policy), ij)
+            )
+            pairs, beam = [best_pair], 1
+        for i, j in pairs:
+            pair, axes = _pair_problem(problem, i, j)
+            seen = set()
+            for cand in plan_contraction(pair, policy):
+                if cand.result in seen:
+                    continue
+                seen.add(cand.result)
+                rest = tuple(op for k, op in enumerate(problem.operands) if k not in (i, j)) + (cand.result,)
+                sub = Problem(rest, problem.output, problem.mesh, problem.itemsize, problem.summed, problem.fixed)
+                try:
+                    best = plan_schedule(sub, policy)[0]
+                except ValueError:  # this intermediate cannot give the output's contributions
+                    continue
+                schedules.append(Schedule((((i, j), axes, cand),) + best.steps, cand.cost + best.cost))
+                if len(seen) == beam:
+                    break
     order = sorted(range(len(schedules)), key=lambda k: (schedules[k].cost.key(policy), k))
     return tuple(schedules[k] for k in order)
 
@@ -290,6 +348,6 @@ def plan_contraction(problem: Problem, policy: PlanPolicy) -> tuple[Candidate, .
             f"the output is partial over {dim!r} but nothing can be summed over it "
             "(no contracted axis can be sharded there and no input is partial over it)"
         )
-    candidates = [_candidate(problem, roles) for roles in itertools.product(*options)]
+    candidates = [c for roles in itertools.product(*options) if (c := _candidate(problem, roles)) is not None]
     order = sorted(range(len(candidates)), key=lambda k: (candidates[k].cost.key(policy), k))
     return tuple(candidates[k] for k in order)

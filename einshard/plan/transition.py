@@ -51,18 +51,23 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind != "slice"
+        if self.kind in ("slice", "embed"):
+            return False
+        return self.kind != "embed_adjoint" or bool(self.dims)
 
     def bytes_per_rank(self, mesh: MeshShape, itemsize: int) -> float:
         """Bytes each rank sends, averaged over the ranks."""
-        if self.kind == "slice":
+        if self.kind in ("slice", "embed"):
             return 0.0
+        if self.kind == "embed_adjoint":  # a broadcast from group rank 0 over ``dims``
+            return self.dst.mean_numel(mesh) * itemsize / mesh.size(self.dims) if self.dims else 0.0
         if self.kind == "all_reduce":
             p = mesh.size(self.dims)
             return 2.0 * (p - 1) / p * self.src.mean_numel(mesh) * itemsize
-        if self.kind == "reduce_scatter":
-            p = mesh.size(self.dims)
-            return (p - 1) / p * self.src.mean_numel(mesh) * itemsize
+        if self.kind == "reduce_scatter":  # blocks padded to the group's largest
+            return (mesh.size(self.dims) - 1) * _padded_block(self.dst, self.dims, mesh) * itemsize
+        if self.kind == "all_gather":
+            return (mesh.size(self.dims) - 1) * _padded_block(self.src, self.dims, mesh) * itemsize
         return _moved_numel(self.src, self.dst, mesh) * itemsize
 
     def peak_numel(self, mesh: MeshShape) -> float:
@@ -79,6 +84,8 @@ class Step:
                 f"all-to-all {names[self.axis]} -> {names[self.to_axis]}" if self.axis >= 0 else "all-to-all"
             ),
             "exchange": "exchange (all-to-all, per-rank sizes)",
+            "embed": "embed as contributions (zero-padded)",
+            "embed_adjoint": "broadcast from group rank 0" if self.dims else "local slice",
         }[self.kind]
         return what
 
@@ -86,6 +93,17 @@ class Step:
         from ..execute import compile_step
 
         return compile_step(self, mesh)
+
+
+def _block_numel(layout: Layout, mesh: MeshShape) -> np.ndarray:
+    """Every rank's block size (elements), shaped like the mesh."""
+    lo, hi = interval_grid(layout, mesh)
+    return np.prod(hi - lo, axis=0)
+
+
+def _padded_block(layout: Layout, dims, mesh: MeshShape) -> float:
+    """The largest block of each group over ``dims`` (what padded collectives send), averaged."""
+    return float(np.mean(grouped(_block_numel(layout, mesh), mesh, dims).max(axis=1)))
 
 
 def _moved_numel(src: Layout, dst: Layout, mesh: MeshShape) -> float:
@@ -243,7 +261,11 @@ def _exchange_step(cur: Layout, target: Layout, mesh: MeshShape) -> Step:
         return Step("slice", cur, target)
     axis = _gather_axis(cur, target, dims, mesh)
     if axis is not None:
-        return Step("all_gather", cur, target, dims, axis=axis)
+        gather = Step("all_gather", cur, target, dims, axis=axis)
+        # uneven blocks are padded to the largest; past a quarter more bytes, exchange exact sizes instead
+        if gather.bytes_per_rank(mesh, 1) <= 1.25 * _moved_numel(cur, target, mesh):
+            return gather
+        return Step("exchange", cur, target, dims)
     pair = _all_to_all_axes(cur, target, dims, mesh)
     if pair is not None:
         return Step("all_to_all", cur, target, dims, axis=pair[0], to_axis=pair[1])
