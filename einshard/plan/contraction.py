@@ -327,10 +327,7 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
                 seen.add(cand.result)
                 rest = tuple(op for k, op in enumerate(problem.operands) if k not in (i, j)) + (cand.result,)
                 sub = Problem(rest, problem.output, problem.mesh, problem.itemsize, problem.summed, problem.fixed)
-                try:
-                    best = plan_schedule(sub, policy)[0]
-                except ValueError:  # this intermediate cannot give the output's contributions
-                    continue
+                best = plan_schedule(sub, policy)[0]
                 schedules.append(Schedule((((i, j), axes, cand),) + best.steps, cand.cost + best.cost))
                 if len(seen) == beam:
                     break
@@ -341,13 +338,7 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
 @lru_cache(maxsize=4096)
 def plan_contraction(problem: Problem, policy: PlanPolicy) -> tuple[Candidate, ...]:
     """Every candidate, best first under ``policy`` (deterministic on every rank)."""
-    options = [_axis_roles(problem, d) for d in problem.mesh.names]
-    if any(not o for o in options):
-        dim = problem.mesh.names[[not o for o in options].index(True)]
-        raise ValueError(
-            f"the output is partial over {dim!r} but nothing can be summed over it "
-            "(no contracted axis can be sharded there and no input is partial over it)"
-        )
+    options = [_axis_roles(problem, d) for d in problem.mesh.names]  # never empty: ("R",) or ("E", None)
     candidates = [c for roles in itertools.product(*options) if (c := _candidate(problem, roles)) is not None]
     order = sorted(range(len(candidates)), key=lambda k: (candidates[k].cost.key(policy), k))
     return tuple(candidates[k] for k in order)
