@@ -151,6 +151,9 @@ def _new_plan(full_key, key, tensors, mesh, shapes, pol):
     parsed = expand(formula, families)
     try:
         _check_tensors(parsed, tensors)
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        if len(dtypes) > 1:  # torch.einsum would fail after the operands' collectives
+            raise ValueError(f"{formula!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
         plan = plan_distributed(
             parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families
         ).compile()

@@ -374,3 +374,9 @@ def _ambient_shapes_stay_with_their_mesh(mesh_2x4, mesh_8):
 @pytest.mark.ranks(8)
 def test_ambient_split_shapes_apply_only_to_their_own_mesh(mesh_2x4, mesh_8):
     assert _ambient_shapes_stay_with_their_mesh(mesh_2x4, mesh_8)
+
+
+def test_mixed_dtypes_are_rejected_before_communicating():
+    mesh = es.Mesh.virtual((4,), ("tp",))
+    with pytest.raises(ValueError, match="different dtypes"):
+        es.einshard("a b, b c -> a c/tp", torch.ones(2, 3), torch.ones(3, 4, dtype=torch.float64), mesh=mesh)
