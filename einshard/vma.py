@@ -177,6 +177,17 @@ class _PVaryInPlace(torch.autograd.Function):
 # -- the tracker -----------------------------------------------------------------------
 
 
+def _tensor_args(args, kwargs) -> list:
+    """The tensors among a torch function's arguments, also inside lists (``torch.cat(tensors=[...])``)."""
+    out = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, _Tensor):
+            out.append(a)
+        elif type(a) in _SEQ:
+            out.extend(b for b in a if isinstance(b, _Tensor))
+    return out
+
+
 class Tracker:
     """Variance state of one ``shard_map`` call (see the module docstring)."""
 
@@ -246,53 +257,16 @@ class Tracker:
         union = 0
         mixed = False
         first = -1
-        for a in args:
-            if isinstance(a, _Tensor):
-                tag = a.__dict__.get(_ATTR, 0)
-                m = tag & _MASK
-                if tag - m != serial:
-                    m = 0
-                if first < 0:
-                    first = m
-                elif m != first:
-                    mixed = True
-                union |= m
-            elif type(a) in _SEQ:
-                for b in a:
-                    if isinstance(b, _Tensor):
-                        tag = b.__dict__.get(_ATTR, 0)
-                        m = tag & _MASK
-                        if tag - m != serial:
-                            m = 0
-                        if first < 0:
-                            first = m
-                        elif m != first:
-                            mixed = True
-                        union |= m
-        if kwargs:
-            for a in kwargs.values():
-                if isinstance(a, _Tensor):
-                    tag = a.__dict__.get(_ATTR, 0)
-                    m = tag & _MASK
-                    if tag - m != serial:
-                        m = 0
-                    if first < 0:
-                        first = m
-                    elif m != first:
-                        mixed = True
-                    union |= m
-                elif type(a) in _SEQ:  # torch.cat(tensors=[...])
-                    for b in a:
-                        if isinstance(b, _Tensor):
-                            tag = b.__dict__.get(_ATTR, 0)
-                            m = tag & _MASK
-                            if tag - m != serial:
-                                m = 0
-                            if first < 0:
-                                first = m
-                            elif m != first:
-                                mixed = True
-                            union |= m
+        for a in _tensor_args(args, kwargs):
+            tag = a.__dict__.get(_ATTR, 0)
+            m = tag & _MASK
+            if tag - m != serial:
+                m = 0
+            if first < 0:
+                first = m
+            elif m != first:
+                mixed = True
+            union |= m
         if not union:
             return func(*args, **kwargs)
         if mixed and _grad_enabled():
