@@ -15,6 +15,8 @@ from . import collectives as C
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 
+_transforms_active = torch._C._are_functorch_transforms_active
+
 __all__ = ["Transition", "compile_step", "transition"]
 
 
@@ -147,8 +149,10 @@ class Transition:
         return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.trivial or (not self.steps and not (x.requires_grad and torch.is_grad_enabled())):
-            return x  # nothing to do forward, and no backward will run
+        if self.trivial:
+            return x
+        if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
+            return self.run_raw(x)  # no backward will run: skip the autograd Function
         return _apply_transition(x, self)
 
 

@@ -34,6 +34,14 @@ class PlanPolicy:
     collective_weight: float = 65536.0
     memory_weight: float = 0.0
 
+    def __hash__(self) -> int:  # policies key every plan cache lookup: hash once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.forward, self.backward, self.bytes_weight, self.collective_weight,
+                           self.memory_weight))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @classmethod
     def from_mode(cls, mode: str) -> "PlanPolicy":
         """The policy of a named mode: training, inference, memory, communication, latency."""
