@@ -105,7 +105,7 @@ def _schedule_rows(plan) -> tuple[Row, ...]:
 def _describe_schedule(schedule, mesh: MeshShape) -> str:
     parts = []
     for indices, _axes, cand in schedule.steps:
-        roles = cand.describe_roles(mesh, len(indices))
+        roles = cand.describe_roles(mesh)
         if len(schedule.steps) > 1:
             parts.append(f"contract {tuple(indices)} [{roles}]")
         else:

@@ -106,9 +106,6 @@ class Layout:
             return ("S", self.axes[i])
         return ("P",) if dim in self.partial else ("R",)
 
-    def used_dims(self) -> frozenset:
-        return frozenset(d for dims in self.shard for d in dims) | self.partial
-
     def interval(self, i: int, coord: Sequence[int], mesh: MeshShape) -> tuple[int, int]:
         dims = self.shard[i]
         if not dims:
@@ -131,12 +128,6 @@ class Layout:
             total *= size / mesh.size(self.shard[i]) if self.shard[i] else size
         return total
 
-    def max_numel(self, mesh: MeshShape) -> int:
-        total = 1
-        for i, size in enumerate(self.sizes):
-            total *= max(self.splits[i]) if self.shard[i] else size
-        return total
-
     # -- edits --------------------------------------------------------------
     def with_shard(self, i: int, dims: tuple[str, ...], splits) -> "Layout":
         shard = list(self.shard)
@@ -147,16 +138,6 @@ class Layout:
 
     def with_partial(self, partial: Iterable[str]) -> "Layout":
         return replace(self, partial=frozenset(partial))
-
-    def permuted(self, axes: Sequence[str]) -> "Layout":
-        order = [self.axes.index(a) for a in axes]
-        return Layout(
-            tuple(axes),
-            tuple(self.sizes[i] for i in order),
-            tuple(self.shard[i] for i in order),
-            tuple(self.splits[i] for i in order),
-            self.partial,
-        )
 
     def data_equal(self, other: "Layout") -> bool:
         """Same blocks on every rank (partial and replicated both hold whole data)."""

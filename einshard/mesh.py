@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from . import _context
 
@@ -95,15 +95,7 @@ class Mesh:
             raise ValueError("virtual mesh: shape, names and coordinate must have the same length")
         return cls(None, names=names, shape=shape, coordinate=coordinate)
 
-    def at(self, coordinate: Sequence[int]) -> "Mesh":
-        """The same mesh seen from another coordinate (no process groups)."""
-        return Mesh(None, names=self.names, shape=self.shape, coordinate=coordinate)
-
     # -- dimensions -------------------------------------------------------
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
     def dims(self, name: str) -> tuple[str, ...]:
         """The atomic dimensions of ``name`` (``"sp-dp"`` → ``("dp", "sp")``), in mesh order."""
         cached = self._dims_cache.get(name)
@@ -144,12 +136,6 @@ class Mesh:
             i = self.names.index(d)
             index = index * self.shape[i] + coordinate[i]
         return index
-
-    def coordinates(self) -> Iterator[tuple[int, ...]]:
-        """Every coordinate of the mesh, in row-major order."""
-        import itertools
-
-        return itertools.product(*(range(s) for s in self.shape))
 
     def rank_of(self, coordinate: Sequence[int]) -> int:
         """The global rank at ``coordinate``."""

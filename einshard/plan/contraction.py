@@ -96,7 +96,7 @@ class Candidate:
     cost: Cost
     embedded: Layout | None = None  # the result after embedding it as contributions (E roles)
 
-    def describe_roles(self, mesh: MeshShape, operands: int) -> str:
+    def describe_roles(self, mesh: MeshShape) -> str:
         parts = []
         for name, role in zip(mesh.names, self.roles):
             if role[0] == "R":
