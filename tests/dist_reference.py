@@ -181,3 +181,20 @@ def composition(draw_int, total, parts):
     cuts = sorted(draw_int(0, total) for _ in range(parts - 1))
     bounds = [0] + cuts + [total]
     return [bounds[k + 1] - bounds[k] for k in range(parts)]
+
+
+def mesh_groups(mesh_8, mesh_2x4, mesh_2x2x2):
+    """(name, process group) pairs of sizes 1, 2, 4 and 8, atomic and compound (inside the ranks)."""
+    from einshard.testing import make_mesh
+
+    one = es.wrap_mesh(make_mesh((8, 1), ("dp", "one")))
+    m24, m222 = es.wrap_mesh(mesh_2x4), es.wrap_mesh(mesh_2x2x2)
+    return [
+        ("8x1:one (size 1)", one.group("one")),
+        ("2x4:dp (size 2)", m24.group("dp")),
+        ("2x4:tp (size 4)", m24.group("tp")),
+        ("8:tp (size 8)", es.wrap_mesh(mesh_8).group("tp")),
+        ("2x4:dp-tp (size 8)", m24.group("dp-tp")),
+        ("2x2x2:tp-dp (size 4)", m222.group("tp-dp")),
+        ("2x2x2:sp-tp (size 4)", m222.group("sp-tp")),
+    ]

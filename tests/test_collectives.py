@@ -16,20 +16,7 @@ from einshard import collectives as C
 from einshard import comm_stats
 from einshard._split import compute_split_shapes
 from einshard.mesh import wrap_mesh
-from einshard.testing import make_mesh
-
-
-def _groups(mesh_8, mesh_2x4, mesh_2x2x2):
-    """(name, group) pairs: sizes 1, 2, 4, 8, and compound groups."""
-    one = wrap_mesh(make_mesh((8, 1), ("dp", "one")))
-    m24, m222 = wrap_mesh(mesh_2x4), wrap_mesh(mesh_2x2x2)
-    return [
-        ("8x1:one (size 1)", one.group("one")),
-        ("2x4:dp (size 2)", m24.group("dp")),
-        ("2x4:tp (size 4)", m24.group("tp")),
-        ("8:tp (size 8)", wrap_mesh(mesh_8).group("tp")),
-        ("2x2x2:tp-dp (size 4)", m222.group("tp-dp")),
-    ]
+from dist_reference import mesh_groups
 
 
 def _shape_cases(P: int) -> dict[str, list[int]]:
@@ -81,7 +68,7 @@ class _Checker:
 @pytest.mark.ranks(8)
 def test_gather_scatter_split(mesh_8, mesh_2x4, mesh_2x2x2):
     ck = _Checker()
-    for gname, group in _groups(mesh_8, mesh_2x4, mesh_2x2x2):
+    for gname, group in mesh_groups(mesh_8, mesh_2x4, mesh_2x2x2):
         P, r = C.group_size(group), C.group_rank(group)
         for cname, shapes in _shape_cases(P).items():
             T = sum(shapes)
@@ -129,7 +116,7 @@ def test_gather_scatter_split(mesh_8, mesh_2x4, mesh_2x2x2):
 @pytest.mark.ranks(8)
 def test_all_to_all(mesh_8, mesh_2x4, mesh_2x2x2):
     ck = _Checker()
-    for gname, group in _groups(mesh_8, mesh_2x4, mesh_2x2x2):
+    for gname, group in mesh_groups(mesh_8, mesh_2x4, mesh_2x2x2):
         P, r = C.group_size(group), C.group_rank(group)
         cases = list(_shape_cases(P).items())
         # (src_dim, dst_dim, src case, dst case)
@@ -163,7 +150,7 @@ def test_all_to_all(mesh_8, mesh_2x4, mesh_2x2x2):
 @pytest.mark.ranks(8)
 def test_reduce_broadcast_exchange(mesh_8, mesh_2x4, mesh_2x2x2):
     ck = _Checker()
-    for gname, group in _groups(mesh_8, mesh_2x4, mesh_2x2x2):
+    for gname, group in mesh_groups(mesh_8, mesh_2x4, mesh_2x2x2):
         P, r = C.group_size(group), C.group_rank(group)
         xs = [_randn((3, 2), seed=10 + q) for q in range(P)]
         x = xs[r].t()  # non-contiguous

@@ -22,23 +22,9 @@ from einshard import collectives as C
 from einshard import mappings as M
 from einshard._split import compute_split_shapes
 from einshard.mesh import wrap_mesh
-from einshard.testing import make_mesh
+from dist_reference import mesh_groups
 
 REPL, RANK, SHARD, SRC = "replicated", "per-rank", "sharded", "src"
-
-
-def _groups(mesh_8, mesh_2x4, mesh_2x2x2):
-    one = wrap_mesh(make_mesh((8, 1), ("dp", "one")))
-    m24, m222 = wrap_mesh(mesh_2x4), wrap_mesh(mesh_2x2x2)
-    return [
-        ("8x1:one (size 1)", one.group("one")),
-        ("2x4:dp (size 2)", m24.group("dp")),
-        ("2x4:tp (size 4)", m24.group("tp")),
-        ("8:tp (size 8)", wrap_mesh(mesh_8).group("tp")),
-        ("2x4:dp-tp (size 8)", m24.group("dp-tp")),
-        ("2x2x2:tp-dp (size 4)", m222.group("tp-dp")),
-        ("2x2x2:sp-tp (size 4)", m222.group("sp-tp")),
-    ]
 
 
 def _shape_cases(P: int):
@@ -203,7 +189,7 @@ def _adjoint_cases(adj: _Adjoint):
 @pytest.mark.ranks(8)
 def test_adjoint_every_mapping(mesh_8, mesh_2x4, mesh_2x2x2):
     failures = []
-    for gname, group in _groups(mesh_8, mesh_2x4, mesh_2x2x2):
+    for gname, group in mesh_groups(mesh_8, mesh_2x4, mesh_2x2x2):
         adj = _Adjoint(gname, group)
         _adjoint_cases(adj)
         failures += adj.finish()
