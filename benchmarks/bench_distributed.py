@@ -12,7 +12,12 @@ versions is the library's overhead above the collectives themselves::
 
     python benchmarks/bench_distributed.py [--ranks 2] [--calls 2000]
 
-Prints one JSON line per case (medians in microseconds, on rank 0).
+Prints one JSON line per case (medians in microseconds, on rank 0). The
+cases above run with checks off; then, for a planned formula and for
+``es.psum``, the whole per-call wall time (collectives included: the check
+*is* a collective) with ``es.set_checks(True)`` against ``False``,
+interleaved, and their difference: what checks cost per call
+(``"bench": "checks"`` lines).
 """
 
 from __future__ import annotations
@@ -100,6 +105,40 @@ def _cases(mesh, n):
     ]
 
 
+def _wall(fn, calls):
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _checks_cases(mesh, n):
+    a_shard = torch.randn(n // mesh.size("tp"), n)
+    x = torch.randn(8, n)
+    return [
+        ("planned formula 'a/tp b -> a b' (all-gather)", lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh)),
+        ("es.psum over tp", lambda: es.psum(x, "tp", mesh=mesh)),
+    ]
+
+
+def _run_checks(mesh, calls, repeats, n):
+    """Per-call wall time with checks on and off, interleaved (medians, µs)."""
+    results = []
+    for name, fn in _checks_cases(mesh, n):
+        on, off = [], []
+        for flag in (True, False):  # warm up both (plans, groups)
+            es.set_checks(flag)
+            fn()
+        for _ in range(repeats):
+            es.set_checks(True)
+            on.append(_wall(fn, calls))
+            es.set_checks(False)
+            off.append(_wall(fn, calls))
+        results.append((name, statistics.median(on), statistics.median(off)))
+    return results
+
+
 def _run(ranks, calls, repeats, n):
     _instrument()
     mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
@@ -111,7 +150,7 @@ def _run(ranks, calls, repeats, n):
             t_lib += _time(lib, calls, 1)
             t_direct += _time(direct, calls, 1)
         results.append((name, statistics.median(t_lib), statistics.median(t_direct)))
-    return results
+    return results, _run_checks(mesh, max(1, calls // 4), repeats, n)
 
 
 def main():
@@ -121,7 +160,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--size", type=int, default=64)
     args = parser.parse_args()
-    results = spawn(_run, args.ranks, args=(args.ranks, args.calls, args.repeats, args.size), timeout=900)[0]
+    results, checks = spawn(_run, args.ranks, args=(args.ranks, args.calls, args.repeats, args.size), timeout=900,
+                            checks=False)[0]
     for name, lib, direct in results:
         print(
             json.dumps(
@@ -133,6 +173,20 @@ def main():
                     "direct_us_outside_collectives": round(direct, 2),
                     "overhead_us": round(lib - direct, 2),
                     "ratio": round(lib / direct, 3),
+                }
+            )
+        )
+    for name, on, off in checks:
+        print(
+            json.dumps(
+                {
+                    "bench": "checks",
+                    "case": name,
+                    "ranks": args.ranks,
+                    "checks_on_us": round(on, 2),
+                    "checks_off_us": round(off, 2),
+                    "check_cost_us": round(on - off, 2),
+                    "ratio": round(on / off, 3),
                 }
             )
         )
