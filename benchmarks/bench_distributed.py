@@ -162,35 +162,12 @@ def main():
     args = parser.parse_args()
     results, checks = spawn(_run, args.ranks, args=(args.ranks, args.calls, args.repeats, args.size), timeout=900,
                             checks=False)[0]
-    for name, lib, direct in results:
-        print(
-            json.dumps(
-                {
-                    "bench": "distributed",
-                    "case": name,
-                    "ranks": args.ranks,
-                    "einshard_us_outside_collectives": round(lib, 2),
-                    "direct_us_outside_collectives": round(direct, 2),
-                    "overhead_us": round(lib - direct, 2),
-                    "ratio": round(lib / direct, 3),
-                }
-            )
-        )
-    for name, on, off in checks:
-        print(
-            json.dumps(
-                {
-                    "bench": "checks",
-                    "case": name,
-                    "ranks": args.ranks,
-                    "checks_on_us": round(on, 2),
-                    "checks_off_us": round(off, 2),
-                    "check_cost_us": round(on - off, 2),
-                    "ratio": round(on / off, 3),
-                }
-            )
-        )
-
+    rows = [("distributed", name, "einshard_us_outside_collectives", lib, "direct_us_outside_collectives", direct,
+             "overhead_us") for name, lib, direct in results]
+    rows += [("checks", name, "checks_on_us", on, "checks_off_us", off, "check_cost_us") for name, on, off in checks]
+    for bench, name, a_key, a, b_key, b, diff_key in rows:
+        print(json.dumps({"bench": bench, "case": name, "ranks": args.ranks, a_key: round(a, 2), b_key: round(b, 2),
+                          diff_key: round(a - b, 2), "ratio": round(a / b, 3)}))
 
 if __name__ == "__main__":
     main()
