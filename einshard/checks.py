@@ -28,6 +28,8 @@ import zlib
 
 import torch
 
+from . import _context
+
 __all__ = ["set_checks", "checks_enabled", "agree", "report_failure", "RankFailedError"]
 
 
@@ -43,7 +45,8 @@ _PLANNED = threading.local()
 
 # the record each rank contributes to an agreement
 _OK, _ERROR, _FAILED = 0, 1, 2
-_FIELDS = 8  # status, message length, point, group key, fingerprint, sent, received, destination
+# a record: status, message length, point (operation) code, group key, fingerprint, elements sent,
+# elements expected, destination (8 int64)
 _MASK = (1 << 62) - 1
 
 
@@ -217,8 +220,6 @@ def _flag_device(group) -> torch.device:
 
 def _body_group():
     """The agreement group of the running ``shard_map`` body (checks on), else ``None``."""
-    from . import _context
-
     body = _context.current().shard_map
     return None if body is None else getattr(body, "group", None)
 
@@ -371,8 +372,6 @@ def _message(error: BaseException) -> str:
 
 
 def _run(group, size, inner, status, error, facts, point, what, sent, received, dst):
-    import torch.distributed as dist
-
     codes = tuple(_code(v) for _, v in facts)
     fp = hash(codes) & _MASK
     key = 0 if inner is None else _group_ranks(inner)[0]
@@ -391,7 +390,7 @@ def _run(group, size, inner, status, error, facts, point, what, sent, received, 
     members = _group_ranks(group)
     text = _payload(message, point, inner, facts)
     texts = _exchange(text, group, size)
-    error_out = _decide(rows, texts, members, what, dist.get_rank(group))
+    error_out = _decide(rows, texts, members, what)
     if error is not None and status == _ERROR:
         raise _mark_agreed(error_out) from error
     raise _mark_agreed(error_out)
@@ -439,7 +438,7 @@ def _ranks_text(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def _decide(rows, texts, members, what, me) -> BaseException:
+def _decide(rows, texts, members, what) -> BaseException:
     failed = [j for j, r in enumerate(rows) if r[0] == _FAILED]
     if failed:
         j = failed[0]
@@ -457,12 +456,11 @@ def _decide(rows, texts, members, what, me) -> BaseException:
     if len({r[2] for r in rows}) > 1:
         where = "; ".join(f"{_ranks_text(rs)} at {p}" for p, rs in points.items())
         return ValueError(f"the ranks reached different collective operations: {where}")
-    subject = what or texts[me][0]
     bad = _bad_pairs(rows)
     if bad:
         s, d = bad[0]
         return ValueError(
-            f"the ranks disagree on the sizes of {subject}: rank {members[s]} sends {rows[s][5]} elements to "
+            f"the ranks disagree on the sizes of {what or texts[s][0]}: rank {members[s]} sends {rows[s][5]} elements to "
             f"rank {members[d]}, which expects {rows[d][6]}"
         )
     # facts: compare within each group (same key), label by label
@@ -472,6 +470,7 @@ def _decide(rows, texts, members, what, me) -> BaseException:
     for js in by_key.values():
         if len({rows[j][4] for j in js}) == 1:
             continue
+        subject = what or texts[js[0]][0]
         nfacts = max(len(texts[j]) for j in js)
         for f in range(2, nfacts):
             values: dict = {}
@@ -483,4 +482,4 @@ def _decide(rows, texts, members, what, me) -> BaseException:
                 how = "; ".join(f"{_ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {v}" for v, rs in values.items())
                 return ValueError(f"the ranks disagree on {subject}: {label or 'a value'}: {how}")
         return ValueError(f"the ranks disagree on {subject}")
-    return ValueError(f"the ranks disagree on {subject}")
+    return ValueError(f"the ranks disagree on {what or texts[0][0]}")

@@ -79,9 +79,11 @@ def _global_rank(group, rank: int) -> int:
 
 
 def _agree(group, err, point: str = "", x: torch.Tensor | None = None, shape=None, extra=(), **kw) -> None:
-    """Raise ``err``; with checks on, agree first on it and on ``x``'s shape (or ``shape``), dtype and device."""
-    if err is None and not _checks.agreement_needed():
-        return
+    """Raise ``err``; with checks on, agree first on it and on ``x``'s shape (or ``shape``), dtype and device.
+
+    Call it when ``err is not None or _checks.agreement_needed()`` only, so that nothing is built with
+    checks off.
+    """
     facts = ()
     if x is not None:
         facts = (("shape", tuple(x.shape) if shape is None else shape), ("dtype", x.dtype), ("device", x.device))
@@ -197,7 +199,8 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         err = ValueError(f"all_reduce: op={op!r} is not defined for complex tensors")
     elif name in ("avg", "mean") and not (x.is_floating_point() or x.is_complex()):
         err = ValueError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
-    _agree(group, err, "all_reduce", x, extra=(("op", name),))
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "all_reduce", x, extra=(("op", name),))
     size = dist.get_world_size(group)
     x = x.detach()
     if name in ("avg", "mean"):
@@ -229,7 +232,8 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     size = dist.get_world_size(group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
         raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {size})")
-    _agree(group, None, "broadcast", x, extra=(("src", src),))
+    if _checks.agreement_needed():
+        _agree(group, None, "broadcast", x, extra=(("src", src),))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -261,7 +265,8 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
     d, err = _dim(dim, x.dim(), "split")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
-    _agree(group, err, "split")
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "split")
     rank = dist.get_rank(group) if size > 1 else 0
     return x.detach().narrow(d, sum(shapes[:rank]), shapes[rank])
 
@@ -287,8 +292,9 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
             f"all_gather: this rank (group rank {rank}) holds {x.shape[d]} elements along dim {dim} "
             f"but shapes[{rank}] = {shapes[rank]} (shapes {shapes})"
         )
-    _agree(group, err, "all_gather", x, _masked(x.shape, d if shapes is not None and err is None else None),
-           (("dim", d), ("shapes", shapes)))
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "all_gather", x, _masked(x.shape, d if shapes is not None and err is None else None),
+               (("dim", d), ("shapes", shapes)))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -329,7 +335,8 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     d, err = _dim(dim, x.dim(), "reduce_scatter")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "reduce_scatter: shapes", f"dim {dim}")
-    _agree(group, err, "reduce_scatter", x, extra=(("dim", d), ("shapes", shapes)))
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "reduce_scatter", x, extra=(("dim", d), ("shapes", shapes)))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -398,9 +405,10 @@ def all_to_all(
             )
     if err is None:
         dst_shapes, err = _whole_split(dst_shapes, x.shape[dd], size, "all_to_all: dst_shapes", f"dst_dim {dst_dim}")
-    uneven = err is None and src_shapes is not None and any(s != src_shapes[0] for s in src_shapes)
-    _agree(group, err, "all_to_all", x, _masked(x.shape, sd if uneven else None),
-           (("dims", (sd, dd)), ("src_shapes", src_shapes), ("dst_shapes", dst_shapes)))
+    if err is not None or _checks.agreement_needed():
+        uneven = err is None and src_shapes is not None and any(s != src_shapes[0] for s in src_shapes)
+        _agree(group, err, "all_to_all", x, _masked(x.shape, sd if uneven else None),
+               (("dims", (sd, dd)), ("src_shapes", src_shapes), ("dst_shapes", dst_shapes)))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -471,7 +479,8 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
             f"all_to_all_v: this rank (group rank {rank}) keeps {chunks[rank].numel()} elements for itself "
             f"but recv_numels[{rank}] = {recv_numels[rank]}"
         )
-    _agree(group, err, "all_to_all_v", extra=(("dtype", dtype), ("device", chunks[rank].device)))
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "all_to_all_v", extra=(("dtype", dtype), ("device", chunks[rank].device)))
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
@@ -542,9 +551,10 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
     err = None
     if src == rank and math.prod(recv_shape) != x.numel():
         err = ValueError(f"ppermute: rank {rank} sends to itself but recv_shape {recv_shape} != {tuple(x.shape)}")
-    _agree(group, err, "ppermute", extra=(("dtype", x.dtype), ("device", x.device), ("perm", pairs)),
-           sent=x.numel() if dst is not None else -1, received=math.prod(recv_shape) if src is not None else -1,
-           pairs=pairs)
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "ppermute", extra=(("dtype", x.dtype), ("device", x.device), ("perm", pairs)),
+               sent=x.numel() if dst is not None else -1, received=math.prod(recv_shape) if src is not None else -1,
+               pairs=pairs)
     if src is None:
         out = x.new_zeros(recv_shape)
     elif src == rank:

@@ -46,6 +46,8 @@ def _named(op):
     def body():
         n = 3 if dist.get_rank() == ODD else 2
         x = torch.ones(n * 2, 2)
+        if op == "psum-dtype":
+            return es.psum(torch.ones(4, 2, dtype=torch.float64 if dist.get_rank() == ODD else torch.float32), "tp")
         if op == "psum":
             return es.psum(x, "tp")
         if op == "pmean":
@@ -152,6 +154,7 @@ CASES = {
         f"named-{op}": (_named_in_body(op), ValueError, ["shape: rank 0 has (4, 2); rank 1 has (6, 2)"])
         for op in ("psum", "pmean", "pmax", "pmin", "psum_scatter", "all_to_all")
     },
+    "named-psum-dtype": (_named_in_body("psum-dtype"), ValueError, ["dtype: rank 0 has float32; rank 1 has float64"]),
     "named-all_gather": (_named_in_body("all_gather"), ValueError, ["shape: rank 0 has (4, *); rank 1 has (6, *)"]),
     "named-ppermute": (_named_in_body("ppermute"), ValueError, ["rank 0 sends 8 elements to rank 1, which expects 12"]),
     **{
