@@ -156,3 +156,47 @@ def test_ranks_run_with_checks_on_by_default():
     with comm_stats.count_communication() as s:
         C.all_reduce(torch.ones(1), None)
     assert set(s.by_kind()) == {"check", "all_reduce"}, str(s)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the checks must not (un)pickle anything")
+
+
+@pytest.mark.ranks(4)
+def test_error_path_exchanges_plain_bytes_only():
+    """Messages and values travel as UTF-8 bytes in a tensor: no object collective, no unpickling."""
+    import pickle
+
+    rank = dist.get_rank()
+    saved = dist.all_gather_object, dist.broadcast_object_list, pickle.loads
+    dist.all_gather_object = dist.broadcast_object_list = pickle.loads = _refuse
+    try:
+        err = ValueError(f"bad size on rank {rank} ünïcode") if rank == 2 else None
+        msg = _raises_agreed(lambda: checks.agree(None, err), "rank 2: ", "bad size on rank 2 ünïcode")
+        with pytest.raises(ValueError) as info:
+            checks.agree(None, None, facts=(("dtype", torch.float64 if rank == 3 else torch.float32),), point="op")
+        shape_msg = str(info.value)
+    finally:
+        dist.all_gather_object, dist.broadcast_object_list, pickle.loads = saved
+    assert msg == "rank 2: bad size on rank 2 ünïcode"
+    assert shape_msg == "the ranks disagree on op: dtype: ranks 0, 1, 2 have float32; rank 3 has float64", shape_msg
+    assert C.all_reduce(torch.ones(1), None).item() == 4  # still in step
+
+
+@pytest.mark.ranks(4)
+def test_ranks_at_different_operations():
+    rank = dist.get_rank()
+    with pytest.raises(ValueError, match=r"different collective operations: ranks 0, 1, 2 at psum; rank 3 at all_gather"):
+        checks.agree(None, None, point="all_gather" if rank == 3 else "psum")
+    assert C.all_reduce(torch.ones(1), None).item() == 4
+
+
+def test_rank_failed_error_carries_the_failure():
+    import pickle
+
+    err = checks.RankFailedError(3, "RuntimeError: boom", (3, 5))
+    assert (err.rank, err.message, err.ranks) == (3, "RuntimeError: boom", (3, 5))
+    assert str(err) == "rank 3 raised in a shard_map body (ranks 3, 5 failed): RuntimeError: boom"
+    again = pickle.loads(pickle.dumps(err))  # the test harness sends it to the parent
+    assert (type(again), again.rank, again.ranks, str(again)) == (checks.RankFailedError, 3, (3, 5), str(err))
+    assert str(checks.RankFailedError(1, "KeyboardInterrupt")) == "rank 1 raised in a shard_map body: KeyboardInterrupt"
