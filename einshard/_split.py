@@ -1,4 +1,4 @@
-"""Split shapes: how a logical axis is cut into per-rank blocks (SPEC §4)."""
+"""Split shapes: how a logical axis is cut into per-rank blocks."""
 
 from __future__ import annotations
 

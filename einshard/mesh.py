@@ -1,4 +1,4 @@
-"""Meshes: named mesh dimensions, compound groups and the ambient mesh (SPEC §4).
+"""Meshes: named mesh dimensions, compound groups and the ambient mesh.
 
 A :class:`Mesh` wraps a ``torch.distributed.device_mesh.DeviceMesh``. Besides
 the mesh's own dimensions it resolves *compound* dimensions such as

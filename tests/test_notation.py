@@ -1,4 +1,4 @@
-"""The notation (SPEC §2): parsing, families, and the errors for malformed expressions."""
+"""The notation: parsing, families, and the errors for malformed expressions."""
 
 from __future__ import annotations
 

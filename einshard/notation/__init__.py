@@ -1,4 +1,4 @@
-"""The einshard notation (SPEC §2): parsing, family expansion and validation.
+"""The einshard notation: parsing, family expansion and validation.
 
 ``parse_sharding(text)`` returns an immutable, cached :class:`Formula`;
 ``expand(text, families)`` also replaces families ``*f`` and zips

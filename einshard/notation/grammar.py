@@ -1,4 +1,4 @@
-"""The Parsley grammar of the notation (SPEC §2) and syntax-error reporting."""
+"""The Parsley grammar of the notation and syntax-error reporting."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``es.einshard``: the entry point for local and distributed formulas (SPEC §5)."""
+"""``es.einshard``: the entry point for local and distributed formulas."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``es.einfft``: named-axis ``fftn``/``ifftn``/``rfftn``/``irfftn`` on local or sharded tensors (SPEC §6).
+"""``es.einfft``: named-axis ``fftn``/``ifftn``/``rfftn``/``irfftn`` on local or sharded tensors.
 
 One call: parse and validate the formula and ``axes`` (errors before any
 collective), resolve the input and output layouts for this rank, plan once
