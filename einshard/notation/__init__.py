@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
-from .grammar import _PARSER, invalid, parse_text
+from .grammar import invalid, parse_axis, parse_text
 from .objects import Annotation, Axis, EllipsisItem, Family, Formula, Group, Item, TensorSpec, Zip
 
 __all__ = [
@@ -116,16 +116,13 @@ def _parse_member(formula: str, family: str, member) -> Axis:
         raise ValueError(
             f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})"
         )
-    try:
-        parsed = _PARSER(member.strip()).axis()
-        if str(parsed) != "".join(member.split()):
-            raise ValueError
-    except Exception:
+    parsed = parse_axis(member)
+    if parsed is None or str(parsed) != "".join(member.split()):
         raise ValueError(
             f"Invalid einshard expression: families[{family!r}] entry {member!r} is not an axis "
             f"like 'h' or 'h/sp' (in {formula!r})"
-        ) from None
-    return Axis(parsed.name, parsed.mesh)
+        )
+    return parsed
 
 
 def _has_families(formula: Formula) -> bool:
