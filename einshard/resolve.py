@@ -14,9 +14,9 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._split import compute_split_shapes
-from .layout import Layout
-from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec
+from ._split import compute_split_shapes, is_size
+from .layout import Layout, broadcast_size
+from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
 
 __all__ = ["Resolved", "resolve", "freeze_shapes", "ELLIPSIS_PREFIX"]
 
@@ -158,10 +158,18 @@ class _Splits:
             raise ValueError(f"{self.text!r}: {what} must be a list of per-rank sizes, got {value!r}")
         out = []
         for v in value:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 0:
+            if not is_size(v):
                 raise ValueError(f"{self.text!r}: {what} must hold non-negative integers, got {list(value)!r}")
             out.append(int(v))
         return tuple(out)
+
+
+def _dims_at(mesh, text: str, name: str, position: int) -> tuple:
+    """``mesh.dims(name)``; an unknown dimension is an ``invalid`` error with a caret at ``position``."""
+    try:
+        return mesh.dims(name)
+    except ValueError as err:
+        raise invalid(text, position, str(err)) from None
 
 
 def resolve(
@@ -192,11 +200,13 @@ def resolve(
         return frozenset(out)
 
     labels = set()
-    for spec in formula.tensors:
+    for spec in formula.tensors:  # validates the names, with the expression and a caret
         for a in spec.axes:
             if a.mesh:
-                labels.add(mesh.label(dims_of(a)))
-        partial_of(spec)  # validates the names
+                at = text.find("/", a.pos) + 1 if text.startswith(a.name, a.pos) else a.pos
+                labels.add(mesh.label(_dims_at(mesh, text, a.mesh, at)))
+        for p in spec.partial:
+            _dims_at(mesh, text, p, text.find(p, text.find("//", spec.pos)))
     known = None if axes is None else {a.name for t in formula.tensors for a in t.axes} | set(axes)
     lookup = _Splits(text, shapes, ambient, mesh, labels, known)
 
@@ -389,7 +399,7 @@ def resolve(
     ell_sizes = {}
     for occ in occurrences:
         if occ.axis.startswith(ELLIPSIS_PREFIX):
-            ell_sizes[occ.axis] = max(ell_sizes.get(occ.axis, 1), occ.local)
+            ell_sizes[occ.axis] = broadcast_size(ell_sizes.get(occ.axis, 1), occ.local)
     n_out_ell = max((n for n in ellipsis_ndims if n is not None), default=0)
     axes, gsizes, shard, spl = [], [], [], []
     merged: list[int] = []

@@ -30,6 +30,7 @@ __all__ = [
     "invalid",
 ]
 
+_MAX_AXES = 52  # torch.einsum's letters
 _ANNOTATION_KEYS = {"param": False, "grad": True, "init_sync": True}
 
 
@@ -212,6 +213,13 @@ def _check_semantics(formula: Formula, einsum: bool = True) -> None:
                     )
                 partial_dims.append(dim)
     if formula.output is not None and einsum:
+        names: dict[str, Axis] = {}
+        for axis in (a for t in formula.tensors for a in t.axes):
+            names.setdefault(axis.name, axis)
+            if len(names) > _MAX_AXES:
+                raise invalid(
+                    text, axis.pos, f"a formula may use at most {_MAX_AXES} distinct axis names (torch.einsum's limit)"
+                )
         known = {a.name for t in formula.inputs for a in t.axes}
         for axis in formula.output.axes:
             if axis.name not in known:

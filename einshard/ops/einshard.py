@@ -15,6 +15,7 @@ _LOCAL_PLANS: dict = {}
 _NO_KEY = ()
 # (formula, families key) known to be distributed: skip the parse on a local-cache miss
 _DISTRIBUTED: set = set()
+_MAX_DISTRIBUTED = 4096
 
 
 def einshard(
@@ -47,19 +48,28 @@ def einshard(
         raise ValueError("einshard: pass either optimize or policy, not both")
     try:
         in_shapes = [t.shape for t in tensors]
-    except AttributeError:  # a non-tensor operand: _plan_and_run reports it by position
-        in_shapes = [getattr(t, "shape", None) for t in tensors]
+    except AttributeError:  # a non-tensor operand: reported by position, whatever is cached
+        in_shapes = None
+    if in_shapes is None:
+        key = (formula, freeze_sizes(sizes), freeze_families(families))
+        return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
     if sizes is None and families is None:
         key = (formula, _NO_KEY, _NO_KEY, *in_shapes)
     else:
         key = (formula, freeze_sizes(sizes), freeze_families(families), *in_shapes)
     plan = _LOCAL_PLANS.get(key)
-    if plan is not None:
-        if optimize is not None or policy is not None:
-            resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
-        return plan.run(tensors)
-    if (formula, key[2]) in _DISTRIBUTED:
-        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    try:
+        if plan is not None:
+            if optimize is not None or policy is not None:
+                resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
+            return plan.run(tensors)
+        if (formula, key[2]) in _DISTRIBUTED:
+            return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    except (AttributeError, TypeError, RuntimeError):
+        # a cached plan met operands that are not tensors, or of mixed dtypes: the same
+        # ValueError as on the first call, then anything else as it is
+        _check_tensors(expand(formula, key[2]), tensors)
+        raise
     return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
 
 
@@ -68,6 +78,8 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     parsed = expand(formula, key[2])
     _check_tensors(parsed, tensors)
     if not parsed.is_local:
+        if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:  # bounded like the plan caches
+            _DISTRIBUTED.clear()
         _DISTRIBUTED.add((formula, key[2]))
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
@@ -78,8 +90,12 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
 
 
 def _check_tensors(parsed, tensors) -> None:
+    """Operands must be tensors of one dtype (``ValueError`` naming the operand or the dtypes)."""
     import torch
 
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{parsed.text!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    if len(dtypes) > 1:  # torch.einsum would fail (after the operands' collectives, when distributed)
+        raise ValueError(f"{parsed.text!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
