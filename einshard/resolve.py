@@ -148,8 +148,8 @@ class _Splits:
 
     def _entry(self, shapes: Mapping, dims: tuple):
         wanted = frozenset(dims)
-        for key, value in shapes.items():
-            if isinstance(key, str) and frozenset(key.split("-")) == wanted:
+        for key, value in shapes.items():  # keys were checked against the mesh (a sub-mesh's may hold '-')
+            if isinstance(key, str) and frozenset(self.mesh.dims(key)) == wanted:
                 return value
         return None
 
