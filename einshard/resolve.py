@@ -330,7 +330,8 @@ def resolve(
                 elif product and dim_size % product and local_error is None:
                     local_error = (
                         f"{text!r}: dimension of size {dim_size} in operand {occ.operand} on this rank cannot be "
-                        f"factored as {group_text} with known factors of product {product}"
+                        f"factored as group {group_text}: the known factors have product {product}, which does "
+                        f"not divide {dim_size}, so the unknown factor {occ.axis!r} has no size"
                     )
                 inferred = dim_size // product if product else 0
                 occ.local = inferred

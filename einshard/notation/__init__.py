@@ -127,7 +127,11 @@ def _parse_member(formula: str, family: str, member) -> Axis:
 
 
 def _has_families(formula: Formula) -> bool:
-    return any(isinstance(i, (Family, Zip)) for t in formula.tensors for i in t.items)
+    return any(
+        isinstance(i, (Family, Zip)) or (isinstance(i, Group) and any(isinstance(a, Family) for a in i.axes))
+        for t in formula.tensors
+        for i in t.items
+    )
 
 
 def _family(formula: str, fam: Family, table) -> tuple[Axis, ...]:
@@ -149,6 +153,11 @@ def _expand_tensor(formula: str, tensor: TensorSpec, table) -> TensorSpec:
                 sizes = ", ".join(f"*{f.name} has {len(m)}" for f, m in zip(item.families, members))
                 raise invalid(formula, item.pos, f"zipped families must have equal lengths ({sizes})")
             items.extend(Group(tuple(column), item.pos) for column in zip(*members))
+        elif isinstance(item, Group) and any(isinstance(a, Family) for a in item.axes):
+            axes = [x for a in item.axes for x in (_family(formula, a, table) if isinstance(a, Family) else (a,))]
+            if not axes:
+                raise invalid(formula, item.pos, "a group needs at least one axis: its families are empty")
+            items.append(Group(tuple(axes), item.pos))
         else:
             items.append(item)
     return TensorSpec(tuple(items), tensor.partial, tensor.annotations, tensor.pos)
@@ -197,7 +206,10 @@ def _check_semantics(formula: Formula, einsum: bool = True) -> None:
                     raise invalid(
                         text,
                         axis.pos,
-                        f"mesh dimension {dim!r} shards both {used[dim]!r} and {axis.name!r} in {where}",
+                        f"mesh dimension {dim!r} shards both {used[dim]!r} and {axis.name!r} in {where}; "
+                        f"this is rejected by design: a mesh dimension splits at most one axis of a tensor "
+                        f"(rank i would hold block (i, i) and no rank the blocks off the diagonal); shard the "
+                        f"other axis over another mesh dimension",
                     )
                 used[dim] = axis.name
         partial_dims: list[str] = []
@@ -209,7 +221,10 @@ def _check_semantics(formula: Formula, einsum: bool = True) -> None:
                     raise invalid(
                         text,
                         tensor.pos,
-                        f"mesh dimension {dim!r} both shards {used[dim]!r} and is partial in {where}",
+                        f"mesh dimension {dim!r} both shards {used[dim]!r} and is partial in {where}; "
+                        f"this is rejected by design: a dimension's ranks either hold different blocks (shard) "
+                        f"or addends of one value (partial), not both; reduce first ('// {dim} -> ') or "
+                        f"shard another axis",
                     )
                 partial_dims.append(dim)
     if formula.output is not None and einsum:

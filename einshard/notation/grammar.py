@@ -5,7 +5,7 @@ The grammar, with ``ws`` (spaces, tabs, newlines) allowed between tokens::
     formula    := inputs '->' tensor | tensor
     inputs     := tensor (',' tensor)*
     tensor     := item* partial? annotation?
-    item       := '...' | '(' axis+ ')' | '[' family+ ']' | family | axis
+    item       := '...' | '(' (family | axis)+ ')' | '[' family+ ']' | family | axis
     axis       := NAME ('/' MESHDIM)?        # no whitespace after '/'
     family     := '*' NAME
     partial    := '//' (MESHDIM | '(' MESHDIM (',' MESHDIM)* ')')
@@ -109,6 +109,10 @@ class _Parser:
             self.fail(j)
         return tuple(elements), self.lit(self.ws(j), closer)
 
+    def member(self, i: int):
+        """A group member: an axis, or a family whose axes join the group."""
+        return self.family(i) if self.text.startswith("*", i) else self.axis(i)
+
     def family(self, i: int) -> tuple[Family, int]:
         j = self.lit(i, "*")
         name, j = self.name(j)
@@ -121,7 +125,7 @@ class _Parser:
         if ch == ".":
             return EllipsisItem(i), self.lit(i, "...")
         if ch == "(":
-            axes, j = self.some(i, "(", ")", self.axis)
+            axes, j = self.some(i, "(", ")", self.member)
             return Group(axes, i), j
         if ch == "[":
             families, j = self.some(i, "[", "]", self.family)
@@ -285,8 +289,6 @@ def _explain_syntax_error(text: str, index: int) -> tuple[int, str]:
         return index, "unbalanced brackets: ']' has no matching '['"
     if ch == "." and text[index : index + 3] != "...":
         return index, "an ellipsis is written '...'"
-    if ch == "*" and depth_paren > 0:
-        return index, "a family cannot appear inside a group; use a zip [*a *b]"
     if text.startswith("//", index):
         return index, "a tensor has at most one '//'; write '// (sp, tp)' for several dimensions"
     if ch == "/":

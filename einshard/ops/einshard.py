@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import vma as _vma
-from ..notation import expand, freeze_families
+from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
 from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
@@ -77,6 +77,9 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
     parsed = expand(formula, key[2])
     _check_tensors(parsed, tensors)
+    scalar = _scalar_form(parsed, tensors)
+    if scalar is not None:  # 'loss // (sp, dp) -> loss' on 0-d tensors: the same as '// (sp, dp) -> '
+        return einshard(scalar, *tensors, mesh=mesh, shapes=shapes, optimize=optimize, policy=policy)
     if not parsed.is_local:
         if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:  # bounded like the plan caches
             _DISTRIBUTED.clear()
@@ -87,6 +90,21 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
         _LOCAL_PLANS.clear()
     _LOCAL_PLANS[key] = plan
     return plan.run(tensors)
+
+
+def _scalar_form(parsed, tensors) -> str | None:
+    """For 0-d tensors named by one unsharded axis everywhere (``loss // dp -> loss``), the formula without it."""
+    if parsed.output is None or not tensors or any(t.dim() != 0 for t in tensors):
+        return None
+    names = set()
+    for spec in parsed.tensors:
+        if len(spec.items) != 1 or not isinstance(spec.items[0], Axis) or spec.items[0].mesh is not None:
+            return None
+        names.add(spec.items[0].name)
+    if len(names) != 1:
+        return None
+    stripped = [str(TensorSpec((), s.partial)) for s in parsed.tensors]
+    return ", ".join(stripped[:-1]) + " -> " + stripped[-1]
 
 
 def _check_tensors(parsed, tensors) -> None:
