@@ -91,3 +91,31 @@ def test_docs_do_not_cite_an_external_specification():
         if p.is_file() and re.search(r"SPEC §|SPEC\.md|DESIGN\.md|PARAMS\.md", p.read_text())
     ]
     assert not offenders, offenders
+
+
+def _stdout_prints(path: pathlib.Path) -> list[str]:
+    """Every ``print`` call that writes to stdout and is not one JSON line."""
+    import ast
+
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+            to_stderr = any(k.arg == "file" for k in node.keywords)
+            json_line = len(node.args) == 1 and "json.dumps" in ast.unparse(node.args[0])
+            if not (to_stderr or json_line):
+                bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_benchmarks_print_only_json_lines_on_stdout():
+    bad = [line for p in sorted((ROOT / "benchmarks").glob("bench_*.py")) for line in _stdout_prints(p)]
+    assert not bad, bad
+
+
+def test_bench_parse_prints_json_lines():
+    import json
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_parse.py"), "--length", "2000",
+                          "--repeats", "1"], capture_output=True, text=True, check=True, cwd=ROOT, timeout=300).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows and all(r["chars"] >= 1900 and r["outcome"] in ("parsed", "rejected") for r in rows)
