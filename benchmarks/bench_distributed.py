@@ -10,10 +10,13 @@ vary by hundreds of microseconds, so the time spent inside the
 remains is Python and local tensor work, and the difference between the two
 versions is the library's overhead above the collectives themselves::
 
-    python benchmarks/bench_distributed.py [--ranks 2] [--calls 2000]
+    python benchmarks/bench_distributed.py [--ranks 2] [--calls 200] [--repeats 5]
 
-Prints one JSON line per case (medians in microseconds, on rank 0). The
-cases above run with checks off; then, for a planned formula and for
+Prints one JSON line per case (medians in microseconds, on rank 0) on stdout
+and its progress on stderr. The defaults finish in about a minute on a
+2-core machine; raise ``--calls`` for steadier numbers on an idle one.
+
+The cases above run with checks off. Then, for a planned formula and for
 ``es.psum``, the whole per-call wall time (collectives included: the check
 *is* a collective) with ``es.set_checks(True)`` against ``False``,
 interleaved, and their difference: what checks cost per call
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -34,7 +38,7 @@ import torch.distributed as dist
 
 import einshard as es
 from einshard import collectives as C
-from einshard.testing import MeshSpec, spawn
+from einshard.testing import MeshSpec, RankPool
 
 
 _IN_DIST = [0.0]
@@ -127,55 +131,81 @@ def _checks_cases(mesh, n):
     ]
 
 
-def _run_checks(mesh, calls, repeats, n):
-    """Per call with checks on and off, interleaved: wall time, and time outside torch.distributed
-    (the Python side of the check; its collective is in the wall time). Medians, µs."""
-    results = []
-    for name, fn in _checks_cases(mesh, n):
-        times = {True: [], False: []}
-        for flag in (True, False):  # warm up both (plans, groups)
-            es.set_checks(flag)
-            fn()
-        for _ in range(repeats):
-            for flag in (True, False):
-                es.set_checks(flag)
-                times[flag].append(_wall(fn, calls))
-        on, off = ([statistics.median(t[k] for t in times[flag]) for k in (0, 1)] for flag in (True, False))
-        results.append((name, on, off))
-    return results
-
-
-def _run(ranks, calls, repeats, n):
-    _instrument()
+def _run_checks(ranks, calls, repeats, n, index):
+    """Checks case ``index`` with checks on and off, interleaved: ``(name, on, off)``, each
+    ``(wall µs, µs outside torch.distributed)`` per call (medians)."""
+    _ensure_instrumented()
     mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
-    results = []
-    for name, lib, direct in _cases(mesh, n):
-        lib(), direct()  # plan, create groups, warm up
-        t_lib, t_direct = [], []
-        for _ in range(repeats):  # interleave to share the machine's noise
-            t_lib += _time(lib, calls, 1)
-            t_direct += _time(direct, calls, 1)
-        results.append((name, statistics.median(t_lib), statistics.median(t_direct)))
-    return results, _run_checks(mesh, max(1, calls // 4), repeats, n)
+    name, fn = _checks_cases(mesh, n)[index]
+    times = {True: [], False: []}
+    for flag in (True, False):  # warm up both (plans, groups)
+        es.set_checks(flag)
+        fn()
+    for _ in range(repeats):
+        for flag in (True, False):
+            es.set_checks(flag)
+            times[flag].append(_wall(fn, calls))
+    on, off = ([statistics.median(t[k] for t in times[flag]) for k in (0, 1)] for flag in (True, False))
+    return name, on, off
+
+
+def _ensure_instrumented():
+    if not _INSTRUMENTED:
+        _instrument()
+        _INSTRUMENTED.append(True)
+
+
+def _case_names(ranks, n):
+    return [name for name, _, _ in _cases(es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build()), n)]
+
+
+def _run(ranks, calls, repeats, n, index):
+    """Case ``index`` on this rank: ``(name, einshard µs, direct µs)``."""
+    _ensure_instrumented()
+    mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
+    name, lib, direct = _cases(mesh, n)[index]
+    lib(), direct()  # plan, create groups, warm up
+    t_lib, t_direct = [], []
+    for _ in range(repeats):  # interleave to share the machine's noise
+        t_lib += _time(lib, calls, 1)
+        t_direct += _time(direct, calls, 1)
+    return name, statistics.median(t_lib), statistics.median(t_direct)
+
+
+_INSTRUMENTED: list = []
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200, help="calls per repeat (default 200)")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported (default 5)")
     parser.add_argument("--size", type=int, default=64)
     args = parser.parse_args()
-    results, checks = spawn(_run, args.ranks, args=(args.ranks, args.calls, args.repeats, args.size), timeout=900,
-                            checks=False)[0]
-    rows = [("distributed", name, "einshard_us_outside_collectives", lib, "direct_us_outside_collectives", direct,
-             "overhead_us") for name, lib, direct in results]
-    rows += [("checks", name, "checks_on_us", on[0], "checks_off_us", off[0], "check_cost_us") for name, on, off in checks]
-    rows += [("checks, outside collectives", name, "checks_on_us", on[1], "checks_off_us", off[1], "check_cost_us")
-             for name, on, off in checks]
-    for bench, name, a_key, a, b_key, b, diff_key in rows:
-        print(json.dumps({"bench": bench, "case": name, "ranks": args.ranks, a_key: round(a, 2), b_key: round(b, 2),
-                          diff_key: round(a - b, 2), "ratio": round(a / b, 3)}))
+    print(f"starting {args.ranks} gloo ranks ...", file=sys.stderr, flush=True)
+    with RankPool(args.ranks) as pool:
+        names = pool.run(_case_names, args.ranks, args.size, timeout=300)[0]
+        for i, case in enumerate(names):
+            print(f"[{i + 1}/{len(names)}] {case}: {args.repeats} x {args.calls} calls of each",
+                  file=sys.stderr, flush=True)
+            name, lib, direct = pool.run(_run, args.ranks, args.calls, args.repeats, args.size, i, timeout=900,
+                                         checks=False)[0]
+            _print_line(args, "distributed", name, "einshard_us_outside_collectives", lib,
+                        "direct_us_outside_collectives", direct, "overhead_us")
+        for i in range(2):
+            print(f"[checks {i + 1}/2] {args.repeats} x {args.calls} calls with checks on and off",
+                  file=sys.stderr, flush=True)
+            name, on, off = pool.run(_run_checks, args.ranks, args.calls, args.repeats, args.size, i, timeout=900,
+                                     checks=False)[0]
+            _print_line(args, "checks", name, "checks_on_us", on[0], "checks_off_us", off[0], "check_cost_us")
+            _print_line(args, "checks, outside collectives", name, "checks_on_us", on[1], "checks_off_us", off[1],
+                        "check_cost_us")
+
+
+def _print_line(args, bench, name, a_key, a, b_key, b, diff_key):
+    line = {"bench": bench, "case": name, "ranks": args.ranks, a_key: round(a, 2), b_key: round(b, 2),
+            diff_key: round(a - b, 2), "ratio": round(a / b, 3)}
+    print(json.dumps(line), flush=True)
 
 if __name__ == "__main__":
     main()
