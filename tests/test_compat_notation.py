@@ -82,6 +82,10 @@ def test_family_values_as_lists_or_tuples(container):
     assert torch.equal(es.einroll("*s", x, {"s": container([1, 2])}, families=fam), torch.roll(x, (1, 2), (0, 1)))
     win = es.einwindow("*s -> *s kh kw", x, {"s": container(["kh", "kw"])}, {"s": container([1, 1])}, families=fam)
     assert win.shape == (3, 4, 3, 3)
+    mesh = es.Mesh.virtual((2,), ("sp",), coordinate=(1,))
+    sharded = {"s": container(["h/sp", "w"])}
+    block = es.tree_shard({"x": torch.arange(16.0).reshape(4, 4)}, {"x": "*s"}, mesh=mesh, families=sharded)["x"]
+    assert torch.equal(block, torch.arange(8.0, 16.0).reshape(2, 4))
 
 
 def test_einfft_rejects_a_string_axes_naming_the_form():
