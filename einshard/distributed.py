@@ -134,12 +134,17 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
             return _run_without_mesh(key, tensors)
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
-    pol = resolve_policy(optimize, policy)
+    pol = None
     try:
+        pol = resolve_policy(optimize, policy)
         frozen_shapes = None if shapes is None else freeze_shapes(shapes)
-    except ValueError as err:
-        raise ValueError(f"{key[0]!r}: {err}") from None
-    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *[t.dtype for t in tensors])
+    except ValueError as err:  # the arguments may be wrong on one rank only: agreed when checks are on
+        error = err if pol is None else ValueError(f"{key[0]!r}: {err}")
+        if checks.checks_enabled():
+            checks.agree(_agree_group(mesh), error, point="einshard")
+        raise error from None
+    # a non-tensor operand has no dtype: no plan is cached for it, and _new_plan reports it (agreed)
+    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *[getattr(t, "dtype", None) for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
         plan = _new_plan(full_key, key, tensors, mesh, shapes, pol)

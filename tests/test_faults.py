@@ -34,6 +34,21 @@ def _dtype_formula(mesh, odd):
     es.einshard("a/tp b -> a b", x, mesh=mesh)
 
 
+def _dtype_second_operand(mesh, odd):
+    """Mixed dtypes on one rank only: rank-local, so agreed (it used to raise there before the agreement)."""
+    w = torch.ones(3, 2, dtype=torch.float64 if odd else torch.float32)
+    es.einshard("a/tp b, b c -> a c", torch.ones(2, 3), w, mesh=mesh)
+
+
+def _not_a_tensor(mesh, odd):
+    x = [[1.0] * 3] * 2 if odd else torch.ones(2, 3)
+    es.einshard("a/tp b -> a b", x, mesh=mesh)
+
+
+def _malformed_shapes(mesh, odd):
+    es.einshard("a/tp b -> a b", torch.ones(2, 3), mesh=mesh, shapes={"tp": [2.0, 2] if odd else [2, 2]})
+
+
 def _shape_formula(mesh, odd):
     es.einshard("a/tp b, b c -> a c", torch.ones(3 if odd else 2, 4), torch.ones(4, 5), mesh=mesh)
 
@@ -148,6 +163,9 @@ def _compile_failure(backend):
 
 CASES = {
     "dtype-formula": (_dtype_formula, ValueError, ["rank 1 has (float64,)", "'a/tp b -> a b'"]),
+    "dtype-second-operand": (_dtype_second_operand, ValueError, ["rank 1: ", "different dtypes (torch.float32, torch.float64)"]),
+    "not-a-tensor": (_not_a_tensor, ValueError, ["rank 1: ", "operand 0 must be a torch.Tensor, got list"]),
+    "malformed-shapes": (_malformed_shapes, ValueError, ["rank 1: ", "got [2.0, 2]"]),
     "shape-formula": (_shape_formula, ValueError, ["rank 1 has global sizes a=6", "'a/tp b, b c -> a c'"]),
     "shapes-disagree": (_shapes_disagree, ValueError, ["rank 1: ", "split shapes over 'tp' are [2, 2]"]),
     **{

@@ -76,7 +76,6 @@ def einshard(
 def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy):
     resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
     parsed = expand(formula, key[2])
-    _check_tensors(parsed, tensors)
     scalar = _scalar_form(parsed, tensors)
     if scalar is not None:  # 'loss // (sp, dp) -> loss' on 0-d tensors: the same as '// (sp, dp) -> '
         return einshard(scalar, *tensors, mesh=mesh, shapes=shapes, optimize=optimize, policy=policy)
@@ -84,7 +83,10 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
         if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:  # bounded like the plan caches
             _DISTRIBUTED.clear()
         _DISTRIBUTED.add((formula, key[2]))
+        # checks the operands itself, with the other ranks when checks are on (one rank's bad operand
+        # must not leave the others waiting in the agreement)
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    _check_tensors(parsed, tensors)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
     if len(_LOCAL_PLANS) > 65536:
         _LOCAL_PLANS.clear()
@@ -94,7 +96,9 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
 
 def _scalar_form(parsed, tensors) -> str | None:
     """For 0-d tensors named by one unsharded axis everywhere (``loss // dp -> loss``), the formula without it."""
-    if parsed.output is None or not tensors or any(t.dim() != 0 for t in tensors):
+    import torch
+
+    if parsed.output is None or not tensors or any(not isinstance(t, torch.Tensor) or t.dim() != 0 for t in tensors):
         return None
     names = set()
     for spec in parsed.tensors:
