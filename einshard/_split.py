@@ -132,14 +132,15 @@ def _lookup_dim(shapes: Mapping, mesh_dim: str):
 
 
 def is_size(v) -> bool:
-    """A non-negative integer size: an ``int`` (or int-like, e.g. numpy), not a ``bool`` or a ``float``.
+    """A non-negative integer size that a tensor can have (below 2**63): an ``int`` (or int-like, e.g.
+    numpy), not a ``bool`` or a ``float``.
 
-    >>> is_size(3), is_size(3.0), is_size(True), is_size(-1)
-    (True, False, False, False)
+    >>> is_size(3), is_size(3.0), is_size(True), is_size(-1), is_size(2**70)
+    (True, False, False, False, False)
     """
     if isinstance(v, bool) or not hasattr(type(v), "__index__"):
         return False
-    return operator.index(v) >= 0
+    return 0 <= operator.index(v) < 1 << 63
 
 
 def _as_sizes(value, what: str) -> list[int]:
@@ -151,6 +152,6 @@ def _as_sizes(value, what: str) -> list[int]:
     sizes = []
     for v in value:
         if not is_size(v):
-            raise ValueError(f"{what} must hold non-negative integers, got {list(value)!r}")
+            raise ValueError(f"{what} must hold non-negative integers (below 2**63), got {list(value)!r}")
         sizes.append(operator.index(v))
     return sizes

@@ -159,7 +159,7 @@ class _Splits:
         out = []
         for v in value:
             if not is_size(v):
-                raise ValueError(f"{self.text!r}: {what} must hold non-negative integers, got {list(value)!r}")
+                raise ValueError(f"{self.text!r}: {what} must hold non-negative integers (below 2**63), got {list(value)!r}")
             out.append(int(v))
         return tuple(out)
 

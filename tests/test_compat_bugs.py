@@ -120,7 +120,9 @@ def test_local_mixed_dtypes_are_a_value_error_naming_them():
 
 
 @pytest.mark.parametrize(
-    "shapes", [[1.0, 1], {"dp": [1.0, 1.0]}, {"dp": {"a": [1, 1.0]}}, [True, 1]], ids=["list", "dim", "axis", "bool"]
+    "shapes",
+    [[1.0, 1], {"dp": [1.0, 1.0]}, {"dp": {"a": [1, 1.0]}}, [True, 1], [2**70, 1], {"dp": [1, 1 << 63]}],
+    ids=["list", "dim", "axis", "bool", "huge", "huge-dim"],
 )
 def test_float_and_bool_split_shapes_are_rejected(shapes):
     mesh = es.Mesh.virtual((2,), ("dp",))
