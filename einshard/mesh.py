@@ -128,8 +128,9 @@ class Mesh:
         """The canonical name of a set of atomic dimensions (mesh order, ``-`` joined)."""
         return "-".join(sorted(dims, key=self.names.index))
 
-    def size(self, name: str | int | Sequence[str] | None = None) -> int:
-        """The number of ranks along ``name`` (a (compound) name, a dimension index, or all with ``None``)."""
+    def size(self, mesh_dim: str | int | Sequence[str] | None = None) -> int:
+        """The number of ranks along ``mesh_dim`` (a (compound) name, a dimension index, or all with ``None``)."""
+        name = mesh_dim
         if name is None:
             return math.prod(self.shape)
         if isinstance(name, int):

@@ -80,6 +80,8 @@ def test_virtual_mesh_interface():
     mesh = Mesh.virtual((2, 2, 2), ("dp", "sp", "tp"), coordinate=(1, 0, 1))
     assert mesh.mesh_dim_names == ("dp", "sp", "tp") and mesh.ndim == 3 and mesh.shape == (2, 2, 2)
     assert mesh.size() == 8 and mesh.size(0) == 2 and mesh.size("dp-tp") == 4
+    # DeviceMesh's keyword names
+    assert mesh.size(mesh_dim=1) == 2 and mesh.get_local_rank(mesh_dim="tp") == 1
     assert mesh.get_coordinate() == [1, 0, 1] and mesh.get_rank() == 5
     assert mesh.get_local_rank("tp") == 1 and mesh.get_local_rank(0) == 1 and mesh.get_local_rank("tp-dp") == 3
     sub = mesh["sp-dp"]
