@@ -38,7 +38,7 @@ from . import checks as _checks
 from . import collectives as C
 from . import mappings as M
 from . import vma as _vma
-from .mesh import resolve_mesh
+from .mesh import SubMesh, resolve_mesh
 
 __all__ = [
     "psum",
@@ -119,8 +119,10 @@ def _atomic(mesh, names, what) -> tuple[str, ...]:
     atoms: list[str] = []
     for p in parts:
         # each component is checked by the mesh; compound groups are library-internal here, so an
-        # unwrapped mesh accepts them too
-        for d in (d for c in p.split("-") for d in mesh.dims(c)):
+        # unwrapped mesh accepts them too. A sub-mesh (mesh["dp-sp"]) resolves the whole name: its
+        # dimensions may themselves be compound.
+        dims = mesh.dims(p) if isinstance(mesh, SubMesh) else (d for c in p.split("-") for d in mesh.dims(c))
+        for d in dims:
             if d in atoms:
                 raise ValueError(f"{what}: mesh dimension {d!r} is named twice in {names!r}")
             atoms.append(d)

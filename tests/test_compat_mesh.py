@@ -144,6 +144,12 @@ def _check_drop_in(dm):
             block = es.testing.local_block(whole, f"a/{label} b", sub, shapes=shapes)
             assert torch.equal(es.einshard(f"a/{label} b -> a b", block, mesh=sub, shapes=shapes), whole)
             assert torch.equal(es.einshard(f"a/{label} b -> a b", block, mesh=mesh, shapes=shapes), whole)
+            # named collectives in a body over the sub-mesh name its compound dimension, in either order
+            rank = torch.full((1, 2), float(dist.get_rank()))
+            for vma, name in ((True, label), (False, "-".join(reversed(dims)))):
+                got = es.shard_map(lambda x, name=name: es.psum(x, name), f"a/{label} b", f"a/{label} b", mesh=sub,
+                                   check_vma=vma)(rank)
+                assert got.tolist() == [[float(sum(_expected_ranks(dm, dims)))] * 2], (vma, name, got)
             # a real DeviceMesh built from the parent's groups, on demand
             assert sub.device_mesh.get_group(0) is group
     # an unnamed mesh with names given, and names that contradict
