@@ -114,14 +114,19 @@ def checks_enabled() -> bool:
     return _ENABLED
 
 
-def was_agreed(exc: BaseException) -> bool:
-    """``exc`` was raised on every rank of an agreement (no failure agreement is needed for it)."""
-    return getattr(exc, "_einshard_agreed", False) is True
+def was_agreed(exc: BaseException, body: bool = False) -> bool:
+    """``exc`` was raised on every rank of an agreement (no failure agreement is needed for it).
+
+    ``body``: on every rank of the running ``shard_map`` body too (not only of a group reaching
+    outside its mesh).
+    """
+    mark = getattr(exc, "_einshard_agreed", False)
+    return mark is True or (not body and mark == "group")
 
 
-def _mark_agreed(exc: BaseException) -> BaseException:
+def _mark_agreed(exc: BaseException, mark=True) -> BaseException:
     try:
-        exc._einshard_agreed = True
+        exc._einshard_agreed = mark
     except AttributeError:  # an exception type without a __dict__: treated as not agreed
         pass
     return exc
@@ -297,6 +302,11 @@ def agree(
     import torch.distributed as dist
 
     outer = _body_group()
+    agreed = True  # whether the error raised below reaches every rank that must hear of it
+    if outer is not None and group is not outer and not set(_group_ranks(group)) <= set(_group_ranks(outer)):
+        # a group reaching outside the body's mesh (an explicit mesh= in the body): agree on it alone; an
+        # error raised here is reported to the body's other ranks like a failure of the body
+        outer, agreed = None, False
     wide = outer if outer is not None else group
     size = dist.get_world_size(wide)
     if size == 1:
@@ -313,7 +323,7 @@ def agree(
         if dst >= 0 and outer is not None:
             dst = _group_ranks(outer).index(_group_ranks(group)[dst])
     _run(wide, size, group if outer is not None else None, _ERROR if error is not None else _OK, error, facts, point,
-         what, sent, received, dst)
+         what, sent, received, dst, agreed)
 
 
 class _Fingerprint(int):
@@ -347,7 +357,7 @@ def report_failure(group, exc: BaseException) -> None:
     ...     report_failure(group, exc)
     ...     raise
     """
-    if not _ENABLED or was_agreed(exc):
+    if not _ENABLED or was_agreed(exc, body=True):
         return
     import torch.distributed as dist
 
@@ -356,7 +366,7 @@ def report_failure(group, exc: BaseException) -> None:
     if size == 1:
         return
     try:
-        _run(group, size, None, _FAILED, exc, (), "shard_map body", "", -1, -1, -1)
+        _run(group, size, None, _FAILED, exc, (), "shard_map body", "", -1, -1, -1, True)
     except RankFailedError:
         pass  # this rank failed too: it raises its own exception
 
@@ -371,7 +381,7 @@ def _message(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _run(group, size, inner, status, error, facts, point, what, sent, received, dst):
+def _run(group, size, inner, status, error, facts, point, what, sent, received, dst, agreed):
     codes = tuple(_code(v) for _, v in facts)
     fp = hash(codes) & _MASK
     key = 0 if inner is None else _group_ranks(inner)[0]
@@ -390,10 +400,10 @@ def _run(group, size, inner, status, error, facts, point, what, sent, received, 
     members = _group_ranks(group)
     text = _payload(message, point, inner, facts)
     texts = _exchange(text, group, size)
-    error_out = _decide(rows, texts, members, what)
+    error_out = _mark_agreed(_decide(rows, texts, members, what), True if agreed else "group")
     if error is not None and status == _ERROR:
-        raise _mark_agreed(error_out) from error
-    raise _mark_agreed(error_out)
+        raise error_out from error
+    raise error_out
 
 
 def _same_within_groups(rows) -> bool:

@@ -256,3 +256,43 @@ def test_fault_surfaces_on_every_rank(name, monkeypatch):
             assert fragment.format(rank=rank) in message, (rank, fragment, message)
     if expected is ValueError:
         assert len(messages) == 1, messages  # the same error on every rank
+
+
+# -- a collective in a body over a group that reaches outside the body's mesh -----------------------
+
+
+def _outside_the_body(mesh):
+    """Bodies over mesh["dp"] that communicate over "tp" (mesh= given explicitly)."""
+    rank = dist.get_rank()
+    x = torch.full((1, 2), float(rank))
+    # fine everywhere: values, and a point-to-point exchange whose peer is outside the body's group
+    swapped = es.shard_map(lambda x: es.ppermute(x, "tp", [(0, 1), (1, 0)], mesh=mesh), "a b", "a b",
+                           mesh=mesh["dp"], check_vma=False)(x)
+    summed = es.shard_map(lambda x: es.psum(x, "tp", mesh=mesh), "a b", "a b", mesh=mesh["dp"], check_vma=False)(x)
+    # a shape that differs on one rank: its tp group agrees on the error, the rest of each body hears of it
+    start = time.monotonic()
+    try:
+        y = torch.ones(3 if rank == ODD else 2, 2)
+        es.shard_map(lambda x: es.psum(x, "tp", mesh=mesh), "a b", "a b", mesh=mesh["dp"], check_vma=False)(y)
+    except Exception as exc:  # noqa: BLE001
+        raised = (type(exc).__name__, str(exc), getattr(exc, "rank", None))
+    else:
+        raised = None
+    seconds = time.monotonic() - start
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return swapped.tolist(), summed.tolist(), raised, seconds, total.item(), es.current_mesh()
+
+
+def test_collective_reaching_outside_the_body_mesh(monkeypatch):
+    monkeypatch.setenv("EINSHARD_TESTING_GLOO_TIMEOUT", "30")
+    results = testing.spawn(_outside_the_body, WORLD, args=(MESH,), timeout=120)
+    message = "the ranks disagree on all_reduce: shape: rank 0 has (2, 2); rank 1 has (3, 2)"
+    for rank, (swapped, summed, raised, seconds, total, ambient) in enumerate(results):
+        peer = rank ^ 1  # the other rank of this rank's tp group
+        assert swapped == [[float(peer)] * 2] and summed == [[float(rank + peer)] * 2], rank
+        assert raised is not None and seconds < LIMIT_S and total == WORLD and ambient is None, (rank, raised)
+        if rank in (0, 1):  # ODD's tp group
+            assert raised == ("ValueError", message, None), (rank, raised)
+        else:  # told by its dp peer, which raised in the body
+            assert raised[0] == "RankFailedError" and raised[2] == rank - 2 and message in raised[1], (rank, raised)
