@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -21,6 +23,14 @@ def test_whitespace_after_slash_is_an_error_with_a_caret(text, position):
         es.parse_sharding(text)
     assert _caret(str(info.value)) == position
     assert str(es.parse_sharding("a /sp b")) == "a/sp b"  # before '/' spaces are fine
+
+
+@pytest.mark.parametrize("space", ["\u00a0", "\u2003", "\u3000"])
+def test_unicode_space_is_the_unexpected_character(space):
+    """Only spaces, tabs and newlines separate tokens; another space character is named, at its offset."""
+    with pytest.raises(ValueError, match=re.escape(f"unexpected character {space!r}")) as info:
+        es.parse_sharding(f"a{space}b -> a b")
+    assert _caret(str(info.value)) == 1
 
 
 def test_long_formulas_parse_and_reject():

@@ -245,7 +245,7 @@ def invalid(expression: str, position: int, reason: str) -> ValueError:
 
 def _explain_syntax_error(text: str, index: int) -> tuple[int, str]:
     """A readable reason for a syntax error detected at ``index``."""
-    while index < len(text) and text[index].isspace():
+    while index < len(text) and text[index] in _WS:  # only the whitespace the grammar skips
         index += 1
     before = text[:index].rstrip()
     if before.endswith("//"):
