@@ -40,6 +40,16 @@ def _dtype_second_operand(mesh, odd):
     es.einshard("a/tp b, b c -> a c", torch.ones(2, 3), w, mesh=mesh)
 
 
+def _device_formula(mesh, odd):
+    es.einshard("a/tp b -> a b", torch.ones(2, 3, device="meta" if odd else "cpu"), mesh=mesh)
+
+
+def _device_psum(mesh, odd):
+    f = es.shard_map(lambda x: es.psum(x.to("meta") if dist.get_rank() == ODD else x, "tp"), "a b", "a b",
+                     mesh=mesh, check_vma=False)
+    f(torch.ones(2, 3))
+
+
 def _not_a_tensor(mesh, odd):
     x = [[1.0] * 3] * 2 if odd else torch.ones(2, 3)
     es.einshard("a/tp b -> a b", x, mesh=mesh)
@@ -164,6 +174,8 @@ def _compile_failure(backend):
 CASES = {
     "dtype-formula": (_dtype_formula, ValueError, ["rank 1 has (float64,)", "'a/tp b -> a b'"]),
     "dtype-second-operand": (_dtype_second_operand, ValueError, ["rank 1: ", "different dtypes (torch.float32, torch.float64)"]),
+    "device-formula": (_device_formula, ValueError, ["devices: ranks 0, 2, 3 have (cpu,); rank 1 has (meta,)"]),
+    "device-psum": (_device_psum, ValueError, ["device: rank 0 has cpu; rank 1 has meta"]),
     "not-a-tensor": (_not_a_tensor, ValueError, ["rank 1: ", "operand 0 must be a torch.Tensor, got list"]),
     "malformed-shapes": (_malformed_shapes, ValueError, ["rank 1: ", "got [2.0, 2]"]),
     "shape-formula": (_shape_formula, ValueError, ["rank 1 has global sizes a=6", "'a/tp b, b c -> a c'"]),
