@@ -173,3 +173,35 @@ def test_the_known_distributed_set_is_bounded(monkeypatch):
         out = es.einshard(f"a/dp b{i} -> a/dp b{i}", torch.ones(1, 3), mesh=mesh)  # no communication
         assert out.shape == (1, 3)
         assert 0 < len(entry._DISTRIBUTED) <= 17
+
+
+def _zero_collectives(mesh):
+    """Every named collective on blocks with a zero-size axis: the shapes of size-1 blocks with that axis at 0."""
+    out = {}
+    ops = {
+        "psum": lambda x: es.psum(x, "tp"),
+        "pmean": lambda x: es.pmean(x, "tp"),
+        "pmax": lambda x: es.pmax(x, "tp"),
+        "pmin": lambda x: es.pmin(x, "tp"),
+        "all_gather": lambda x: es.all_gather(x, "tp", axis=1),
+        "psum_scatter": lambda x: es.psum_scatter(x, "tp", axis=1),
+        "all_to_all": lambda x: es.all_to_all(x, "tp", 1, 0),
+        "ppermute": lambda x: es.ppermute(x, "tp", [(i, (i + 1) % 4) for i in range(4)]),
+    }
+    for name, op in ops.items():
+        for rows in (0, 1):
+            x = torch.ones(rows, 4, requires_grad=True)
+            y = es.shard_map(op, "a b", "a b", mesh=mesh, check_vma=False)(x)
+            (g,) = torch.autograd.grad(y.sum(), x, allow_unused=True) if y.requires_grad else (None,)
+            out[name, rows] = (tuple(y.shape), None if g is None else tuple(g.shape))
+    return out
+
+
+@pytest.mark.ranks(8)
+def test_zero_size_blocks_in_named_collectives(mesh_2x4):
+    result = _zero_collectives(es.wrap_mesh(mesh_2x4))
+    for (name, rows), (shape, grad) in result.items():
+        if rows == 0:
+            one_shape, one_grad = result[name, 1]
+            assert shape == (0,) + one_shape[1:], (name, shape, one_shape)
+            assert grad == (None if one_grad is None else (0,) + one_grad[1:]), (name, grad, one_grad)
