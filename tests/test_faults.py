@@ -50,6 +50,23 @@ def _device_psum(mesh, odd):
     f(torch.ones(2, 3))
 
 
+def _dtype_exchange(op):
+    """einfft / einhalo / einroll with another dtype on one rank (their exchanges would abort gloo)."""
+
+    def run(mesh, odd):
+        x = torch.ones(4, 2, dtype=torch.float64 if odd else torch.float32)
+        if op == "einfft":
+            es.einfft("a b/tp -> a k/tp", x, {"b": "k"}, mesh=mesh)
+        elif op == "einfft-ndim":  # a planning error on one rank only
+            es.einfft("a b/tp -> a k/tp", torch.ones(4, 2, 1) if odd else torch.ones(4, 2), {"b": "k"}, mesh=mesh)
+        elif op == "einhalo":
+            es.einhalo("a/tp b", x, {"a": 1}, mesh=mesh)
+        else:
+            es.einroll("a/tp b", x, {"a": 1}, mesh=mesh)
+
+    return run
+
+
 def _not_a_tensor(mesh, odd):
     x = [[1.0] * 3] * 2 if odd else torch.ones(2, 3)
     es.einshard("a/tp b -> a b", x, mesh=mesh)
@@ -176,6 +193,10 @@ CASES = {
     "dtype-second-operand": (_dtype_second_operand, ValueError, ["rank 1: ", "different dtypes (torch.float32, torch.float64)"]),
     "device-formula": (_device_formula, ValueError, ["devices: ranks 0, 2, 3 have (cpu,); rank 1 has (meta,)"]),
     "device-psum": (_device_psum, ValueError, ["device: rank 0 has cpu; rank 1 has meta"]),
+    "einfft-dtype": (_dtype_exchange("einfft"), ValueError, ["dtype: ranks 0, 2, 3 have float32; rank 1 has float64"]),
+    "einfft-ndim": (_dtype_exchange("einfft-ndim"), ValueError, ["rank 1: ", "names 2 dimensions but the tensor has 3"]),
+    "einhalo-dtype": (_dtype_exchange("einhalo"), ValueError, ["dtype: ranks 0, 2, 3 have float32; rank 1 has float64"]),
+    "einroll-dtype": (_dtype_exchange("einroll"), ValueError, ["dtype: ranks 0, 2, 3 have float32; rank 1 has float64"]),
     "not-a-tensor": (_not_a_tensor, ValueError, ["rank 1: ", "operand 0 must be a torch.Tensor, got list"]),
     "malformed-shapes": (_malformed_shapes, ValueError, ["rank 1: ", "got [2.0, 2]"]),
     "shape-formula": (_shape_formula, ValueError, ["rank 1 has global sizes a=6", "'a/tp b, b c -> a c'"]),

@@ -752,8 +752,13 @@ def einfft(
     )
     bound = _PLANS.get(key)
     if bound is None:
-        bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
-                             mesh, shapes)
+        try:
+            bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
+                                 mesh, shapes)
+        except ValueError as err:
+            if not explain:
+                _agree_on_build_error(err, formula, axes_key, fam_key, mesh)
+            raise
         if explain:
             if bound.local_error is not None:
                 raise ValueError(bound.local_error)
@@ -774,10 +779,29 @@ def einfft(
             None if bound.local_error is None else ValueError(bound.local_error),
             fingerprint=bound.fingerprint,
             what=f"the layouts of {formula!r}",
+            facts=(("dtype", x.dtype), ("device", x.device)),
+            point="einfft",
         )
     if bound.warning is not None:
         warnings.warn(bound.warning, RuntimeWarning, stacklevel=2)
     return bound(x)
+
+
+def _agree_on_build_error(err, formula, axes_key, fam_key, mesh) -> None:
+    """Checks on: a planning error of a distributed call (it may depend on this rank's dtype or shape)
+    is raised on every rank, which are at the agreement before communicating."""
+    if not checks.checks_enabled() or checks.was_agreed(err):
+        return
+    from ..mesh import resolve_mesh
+
+    try:
+        if _parse_cached(formula, axes_key, fam_key).is_local:
+            return  # no rank communicates
+        m = resolve_mesh(mesh)
+    except ValueError:  # the formula or the mesh is wrong: every rank sees that
+        return
+    if m.device_mesh is not None:
+        checks.agree(m.group(tuple(m.names)), err, point="einfft")
 
 
 def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes):

@@ -190,14 +190,18 @@ def spec_layout(spec: TensorSpec, text: str, shape: tuple, mesh, shapes, what: s
     return res.operands[0], res.local_error
 
 
-def agree_before_communicating(mesh, local_error) -> None:
-    """Raise a rank-local error on every rank (checks on) or here (checks off)."""
+def agree_before_communicating(mesh, local_error, x: torch.Tensor) -> None:
+    """Raise a rank-local error on every rank (checks on) or here (checks off).
+
+    With checks on the ranks also agree on ``x``'s dtype and device (the exchange would abort on a mismatch).
+    """
     if mesh is None:
         if local_error is not None:
             raise ValueError(local_error)
         return
     if local_error is not None or checks.checks_enabled():
-        checks.agree(mesh.group(tuple(mesh.names)), None if local_error is None else ValueError(local_error))
+        checks.agree(mesh.group(tuple(mesh.names)), None if local_error is None else ValueError(local_error),
+                     facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
 
 
 def build_plan(cache: dict, key, mesh, build):
@@ -413,7 +417,7 @@ class HaloPlan:
         self.out_shape = tuple(local)
 
     def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
-        agree_before_communicating(self.mesh, self.local_error)
+        agree_before_communicating(self.mesh, self.local_error, x)
         t = x if self.exchange is None else self.exchange(x)
         if self.pads is not None:
             t = F.pad(t, self.pads, mode="constant", value=fill)

@@ -61,7 +61,7 @@ class RollPlan:
             )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        agree_before_communicating(self.mesh, self.local_error)
+        agree_before_communicating(self.mesh, self.local_error, x)
         t = x
         if self.local_dims:
             t = torch.roll(t, self.local_shifts, self.local_dims)
