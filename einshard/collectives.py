@@ -54,13 +54,26 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # -- small helpers -------------------------------------------------------------
 
 
+def _size(group) -> int:
+    """``dist.get_world_size(group)`` without its Python checks for a ``ProcessGroup`` (the hot path)."""
+    if type(group) is dist.ProcessGroup:
+        return group.size()
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    if type(group) is dist.ProcessGroup:
+        return group.rank()
+    return dist.get_rank(group)
+
+
 def group_size(group=None) -> int:
     """The number of ranks in ``group`` (``None``: the world).
 
     >>> group_size(mesh.get_group("tp"))  # doctest: +SKIP
     4
     """
-    return dist.get_world_size(group)
+    return _size(group)
 
 
 def group_rank(group=None) -> int:
@@ -69,7 +82,7 @@ def group_rank(group=None) -> int:
     >>> group_rank(mesh.get_group("tp"))  # doctest: +SKIP
     2
     """
-    return dist.get_rank(group)
+    return _rank(group)
 
 
 def _global_rank(group, rank: int) -> int:
@@ -184,7 +197,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         raise ValueError(f"all_reduce: op={op!r} is not defined for complex tensors")
     if name in ("avg", "mean") and not (x.is_floating_point() or x.is_complex()):
         raise ValueError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
-    size = dist.get_world_size(group)
+    size = _size(group)
     x = x.detach()
     if name in ("avg", "mean"):
         y = (x / size).contiguous() if size > 1 else _contiguous_clone(x)
@@ -212,13 +225,13 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     >>> y  # on every rank  # doctest: +SKIP
     tensor([1., 1.])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
         raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {size})")
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
-    rank = dist.get_rank(group)
+    rank = _rank(group)
     y = _contiguous_clone(x) if rank == src else torch.empty_like(x, memory_format=torch.contiguous_format)
     if _stats._ACTIVE:
         n = y.numel() * y.element_size()
@@ -240,14 +253,14 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
     >>> split(torch.arange(10), group, 0)  # rank 3 of 4 → shapes [3, 3, 3, 1]  # doctest: +SKIP
     tensor([9])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if shapes is not None:
         shapes = _sizes(shapes, "split: shapes", size)
     d, err = _dim(dim, x.dim(), "split")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
     _agree(group, err)
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     return x.detach().narrow(d, sum(shapes[:rank]), shapes[rank])
 
 
@@ -262,11 +275,11 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
             [1., 1.]])
     >>> all_gather(x, group, dim=1, shapes=[3, 3, 3, 0])  # doctest: +SKIP
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if shapes is not None:
         shapes = _sizes(shapes, "all_gather: shapes", size)
     d, err = _dim(dim, x.dim(), "all_gather")
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     if err is None and shapes is not None and x.shape[d] != shapes[rank]:
         err = ValueError(
             f"all_gather: this rank (group rank {rank}) holds {x.shape[d]} elements along dim {dim} "
@@ -307,7 +320,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     >>> reduce_scatter(torch.ones(4), group, 0)  # 2 ranks  # doctest: +SKIP
     tensor([2., 2.])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if shapes is not None:
         shapes = _sizes(shapes, "reduce_scatter: shapes", size)
     d, err = _dim(dim, x.dim(), "reduce_scatter")
@@ -317,7 +330,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
-    rank = dist.get_rank(group)
+    rank = _rank(group)
     m = max(shapes)
     if all(s == m for s in shapes):
         buf = x.unflatten(d, (size, m)).movedim(d, 0).contiguous()
@@ -361,12 +374,12 @@ def all_to_all(
     >>> all_to_all(x, group, 0, 1).shape   # every row, columns 2r, 2r+1  # doctest: +SKIP
     torch.Size([8, 2])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if src_shapes is not None:
         src_shapes = _sizes(src_shapes, "all_to_all: src_shapes", size)
     if dst_shapes is not None:
         dst_shapes = _sizes(dst_shapes, "all_to_all: dst_shapes", size)
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     sd, err = _dim(src_dim, x.dim(), "all_to_all", "src_dim")
     dd, err2 = _dim(dst_dim, x.dim(), "all_to_all", "dst_dim")
     err = err or err2
@@ -438,12 +451,12 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
     >>> got = all_to_all_v([torch.full((j,), float(rank)) for j in range(P)], [rank] * P, group)  # doctest: +SKIP
     >>> got[j]  # rank j's chunk for this rank: `rank` elements equal to j  # doctest: +SKIP
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     chunks = list(chunks)
     if len(chunks) != size:
         raise ValueError(f"all_to_all_v: got {len(chunks)} chunks but the group has {size} ranks")
     recv_numels = _sizes(recv_numels, "all_to_all_v: recv_numels", size)
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     err = None
     dtype = chunks[rank].dtype
     if any(c.dtype != dtype for c in chunks):
@@ -514,11 +527,11 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
     >>> ring = [(i, (i + 1) % P) for i in range(P)]  # doctest: +SKIP
     >>> ppermute(torch.tensor([float(rank)]), group, ring)  # rank r gets r-1  # doctest: +SKIP
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     pairs = _check_perm(perm, size)
     x = x.detach()
     recv_shape = tuple(x.shape) if recv_shape is None else tuple(int(s) for s in recv_shape)
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     dst = next((d for s, d in pairs if s == rank), None)
     src = next((s for s, d in pairs if d == rank), None)
     err = None

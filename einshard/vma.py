@@ -78,12 +78,17 @@ _grad_enabled = torch.is_grad_enabled
 class _MeshInfo:
     """Bit masks of a mesh's dimensions, groups per mask, formula rules (cached per mesh)."""
 
-    __slots__ = ("mesh", "names", "bit", "groups", "formulas", "__weakref__")
+    __slots__ = ("mesh", "names", "bit", "groups", "formulas", "trivial", "__weakref__")
 
     def __init__(self, mesh):
         self.mesh = mesh
         self.names = tuple(mesh.names)
         self.bit = {n: 1 << i for i, n in enumerate(self.names)}
+        # the dimensions of size 1: pvary over them is the identity, forward and backward
+        self.trivial = 0
+        for i, n in enumerate(self.names):
+            if mesh.size(n) == 1:
+                self.trivial |= 1 << i
         self.groups: dict[int, object] = {}
         self.formulas: dict = {}
 
@@ -232,7 +237,10 @@ class Tracker:
             hit = self.memo.get(key)
             if hit is not None and hit[0] is t and hit[1] == version:  # not modified in place since
                 return hit[2]
-            y = pvary_tensor(t, self.info.group(missing))
+            if missing & ~self.info.trivial:
+                y = pvary_tensor(t, self.info.group(missing))
+            else:  # over dimensions of size 1: an alias (the gradient sum is over one rank)
+                y = t.view_as(t)
         y.__dict__[_ATTR] = self.serial | mask | missing
         self.memo[key] = (t, version, y)
         return y
@@ -641,7 +649,10 @@ class TracedTracker(Tracker):
         return out
 
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
-        y = _TracedPVary.apply(t, self.info.group(missing))
+        if missing & ~self.info.trivial:
+            y = _TracedPVary.apply(t, self.info.group(missing))
+        else:
+            y = t.view_as(t)
         setattr(y, _ATTR, mask | missing)
         return y
 
