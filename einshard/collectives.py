@@ -399,8 +399,14 @@ def all_to_all(
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
-    # Blocks for the destination ranks are contiguous once dst_dim is in front.
-    xt = x.movedim(dd, 0).contiguous()
+    # Pack the blocks for the destination ranks one after the other, each in x's own dimension order, so
+    # that the received blocks are this rank's result pieces along src_dim (no unpacking when nothing
+    # precedes src_dim).
+    m = max(dst_shapes)
+    if all(s == m for s in dst_shapes):
+        send = x.unflatten(dd, (size, m)).movedim(dd, 0).reshape(-1)  # one copy (a view for dd == 0)
+    else:
+        send = torch.cat([x.narrow(dd, off, s).reshape(-1) for off, s in zip(_offsets(dst_shapes), dst_shapes)])
     other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
     mine = dst_shapes[rank]
     factor = _real_factor(x)
@@ -419,7 +425,7 @@ def all_to_all(
             )
         dist.all_to_all_single(
             _flat(out),
-            _flat(xt),
+            _flat(send.contiguous()),
             [s * factor for s in out_splits],
             [s * factor for s in in_splits],
             group=group,
@@ -427,26 +433,31 @@ def all_to_all(
     result_shape = list(x.shape)
     result_shape[sd] = sum(src_shapes)
     result_shape[dd] = mine
-    result = x.new_empty(result_shape)
-    moved = list(xt.shape)  # block layout: dst_dim first, the others in order
-    sd_moved = sd + 1 if sd < dd else sd
-    moved[0] = mine
-    for j, (off, part) in enumerate(zip(_offsets(src_shapes), out.split(out_splits))):
-        if src_shapes[j] == 0:
-            continue
-        moved[sd_moved] = src_shapes[j]
-        result.narrow(sd, off, src_shapes[j]).copy_(part.view(moved).movedim(0, dd))
-    return result
+    if math.prod(x.shape[:sd]) == 1:  # the pieces, one after the other, are the result
+        return out.view(result_shape)
+    piece = list(result_shape)
+    parts = []
+    for s, part in zip(src_shapes, out.split(out_splits)):
+        if s:
+            piece[sd] = s
+            parts.append(part.view(piece))
+    return torch.cat(parts, sd)
 
 
-def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group) -> list[torch.Tensor]:
+def all_to_all_v(
+    chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group, *, pairwise: bool = False
+) -> list[torch.Tensor]:
     """General exchange: ``chunks[j]`` goes to group rank ``j``; returns what each rank sent here.
 
     Chunks may have any shape (they are flattened) and must share one dtype;
     ``recv_numels[j]`` is the element count rank ``j`` sends to this rank.
     Returns flat 1-D tensors, one per source rank. This rank's own chunk is
     passed through without communication (the result may share its memory).
-    One ``all_to_all_single`` with split sizes.
+    One ``all_to_all_single`` with split sizes; with ``pairwise=True``
+    (every rank of the group must pass the same), batched point-to-point
+    ``isend``/``irecv`` with only the ranks it exchanges data with: no
+    packing of the send blocks (contiguous chunks are sent as they are), and
+    ranks that exchange nothing do not take part.
 
     >>> got = all_to_all_v([torch.full((j,), float(rank)) for j in range(P)], [rank] * P, group)  # doctest: +SKIP
     >>> got[j]  # rank j's chunk for this rank: `rank` elements equal to j  # doctest: +SKIP
@@ -470,6 +481,8 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
+    if pairwise:
+        return _pairwise(chunks, recv_numels, group, rank, own)
     in_splits = [0 if j == rank else c.numel() for j, c in enumerate(chunks)]
     out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
     send = [c.detach().reshape(-1) for j, c in enumerate(chunks) if j != rank and c.numel()]
@@ -488,6 +501,30 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
         group=group,
     )
     result = list(out.split(out_splits))
+    result[rank] = own
+    return result
+
+
+def _pairwise(chunks, recv_numels, group, rank, own) -> list[torch.Tensor]:
+    """The transport of ``all_to_all_v(pairwise=True)``: one batched isend/irecv per peer with data."""
+    out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
+    out = own.new_empty(sum(out_splits))
+    result = list(out.split(out_splits))
+    ops, sent = [], 0
+    for j, c in enumerate(chunks):
+        if j != rank and c.numel():
+            flat = _flat(c.detach().contiguous())  # a view when the chunk is already contiguous
+            sent += c.numel()
+            ops.append(dist.P2POp(dist.isend, flat, _global_rank(group, j), group))
+    for j, buf in enumerate(result):
+        if j != rank and buf.numel():
+            ops.append(dist.P2POp(dist.irecv, _flat(buf), _global_rank(group, j), group))
+    if _stats._ACTIVE:
+        isz = own.element_size()
+        _stats.record("all_to_all_v", group, sent * isz, sum(out_splits) * isz)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     result[rank] = own
     return result
 

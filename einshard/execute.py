@@ -12,6 +12,7 @@ import torch
 
 from . import checks as _checks
 from . import collectives as C
+from . import collectives as _eager_collectives
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 
@@ -99,11 +100,22 @@ def _compile_exchange(src: Layout, dst: Layout, dims, shape: MeshShape, coord, g
         piece = _intersect(src.box(m, shape), my_dst)
         recvs.append(None if piece is None else _rel_slices(piece, my_dst))
     recv_numels = [0 if r is None else _numel(r) for r in recvs]
+    # eager: point-to-point with the peers that have data, sending views (functional: all_to_all_single)
+    kwargs = {"pairwise": True} if C is _eager_collectives else {}
+    # the whole output comes from one peer (an ownership swap): its buffer is the output, no unpacking
+    whole = [j for j, n in enumerate(recv_numels) if n and n == _numel([(0, n) for n in out_shape])]
+    whole = whole[0] if whole else None
+    # ... from this rank itself (a diagonal rank of a swap): the output is the input block
+    keep = whole is not None and tuple(members[whole]) == tuple(coord) and my_src == my_dst
 
     def run(x: torch.Tensor) -> torch.Tensor:
         empty = x.new_empty(0)
         chunks = [empty if s is None else _narrow(x, s) for s in sends]
-        got = C.all_to_all_v(chunks, recv_numels, group)
+        got = C.all_to_all_v(chunks, recv_numels, group, **kwargs)
+        if keep:
+            return x
+        if whole is not None:
+            return got[whole].view(out_shape)
         out = x.new_empty(out_shape)
         for r, flat in zip(recvs, got):
             if r is not None:
