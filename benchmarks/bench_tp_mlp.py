@@ -18,7 +18,9 @@ Every variant's output and gradients (``x``, both weights, both biases) are
 checked against the floor first. Each repeat times ``--number`` steps of
 every variant in turn; the reported time is the median over repeats of the
 slowest rank. One JSON line per variant (``variant``, ``ms_per_step``,
-``ratio`` to the floor, ``min_ms``, sizes); a table on stderr::
+``ratio`` to the floor, ``ratio_paired``: the median over repeats of the
+ratio within a repeat, steadier on a busy machine, ``min_ms``, sizes); a
+table on stderr::
 
     python benchmarks/bench_tp_mlp.py                 # about a minute
     python benchmarks/bench_tp_mlp.py --no-compile    # skip the compiled variants
@@ -187,7 +189,9 @@ def main(argv=None) -> int:
     floor = statistics.median(res["floor"][0])
     for name, (ts, err) in res.items():
         med = statistics.median(ts)
+        paired = statistics.median(t / f for t, f in zip(ts, res["floor"][0]))
         line = {"bench": "tp_mlp", "variant": name, "ms_per_step": round(med, 3), "ratio": round(med / floor, 3),
+                "ratio_paired": round(paired, 3),
                 "min_ms": round(min(ts), 3), "max_rel_grad_error": float(f"{err:.2e}"), "ranks": args.ranks,
                 "shape": [args.batch, args.seq, c, 4 * c], "number": args.number, "repeats": args.repeats,
                 "backend": args.backend if name.endswith("compiled") else None}
