@@ -145,7 +145,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     if mesh is None:
         mesh = ambient.mesh
         if mesh is None:
-            raise ValueError(_MESH_REQUIRED)
+            return _run_without_mesh(key, tensors)
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
@@ -175,6 +175,18 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     return plan.run(tensors)
 
 
+def _run_without_mesh(key, tensors):
+    """No mesh anywhere: a formula whose sharded axes do not move runs on the local blocks."""
+    from .ops.einshard import _check_tensors
+    from .ops.stationary import is_stationary, stationary_plan
+
+    parsed = expand(key[0], key[2])
+    _check_tensors(parsed, tensors)
+    if not is_stationary(parsed, key[1]):
+        raise ValueError(_MESH_REQUIRED)
+    return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
+
+
 def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol):
     formula, sizes, families = key[0], key[1], key[2]
     parsed = expand(formula, families)
@@ -201,8 +213,13 @@ def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
     Errors are raised here, while tracing; with checks on, the ranks agree on
     them as in eager mode (every rank traces the same program).
     """
-    if mesh is None:
-        raise ValueError(_MESH_REQUIRED)
+    if mesh is None:  # no mesh anywhere: only a stationary formula runs (on the local blocks)
+        from .ops.stationary import is_stationary, stationary_plan
+
+        parsed = expand(key[0], key[2])
+        if not is_stationary(parsed, key[1]):
+            raise ValueError(_MESH_REQUIRED)
+        return stationary_plan(key, parsed, [tuple(s) for s in key[3:]]).run_traced
     if not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
