@@ -136,6 +136,23 @@ def _agree_group(mesh):
     return mesh.group(tuple(mesh.names))
 
 
+def _frozen_shapes(key, shapes):
+    try:
+        return None if shapes is None else freeze_shapes(shapes)
+    except ValueError as err:
+        raise ValueError(f"{key[0]!r}: {err}") from None
+
+
+def _agree_on_plan(plan, mesh, key) -> None:
+    """Raise this rank's layout error; with checks on, every rank raises when any rank has one."""
+    checks.agree(
+        _agree_group(mesh),
+        None if plan.local_error is None else ValueError(plan.local_error),
+        fingerprint=plan.fingerprint,
+        what=f"the layouts of {key[0]!r}",
+    )
+
+
 def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     """Run a distributed formula (called by :func:`einshard.einshard`).
 
@@ -149,10 +166,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
-    try:
-        frozen_shapes = None if shapes is None else freeze_shapes(shapes)
-    except ValueError as err:
-        raise ValueError(f"{key[0]!r}: {err}") from None
+    frozen_shapes = _frozen_shapes(key, shapes)
     full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *[t.dtype for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
@@ -166,12 +180,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
             raise
         plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol)
     if plan.local_error is not None or checks._ENABLED:
-        checks.agree(
-            _agree_group(mesh),
-            None if plan.local_error is None else ValueError(plan.local_error),
-            fingerprint=plan.fingerprint,
-            what=f"the layouts of {key[0]!r}",
-        )
+        _agree_on_plan(plan, mesh, key)
     return plan.run(tensors)
 
 
@@ -223,19 +232,11 @@ def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
     if not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
-    try:
-        frozen_shapes = None if shapes is None else freeze_shapes(shapes)
-    except ValueError as err:
-        raise ValueError(f"{key[0]!r}: {err}") from None
+    frozen_shapes = _frozen_shapes(key, shapes)
     full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *dtypes)
     plan = _PLANS.get(full_key)
     if plan is None:
         plan = _new_plan(full_key, key, [tuple(s) for s in key[3:]], list(dtypes), mesh, shapes, pol)
     if plan.local_error is not None or checks._ENABLED:
-        checks.agree(
-            _agree_group(mesh),
-            None if plan.local_error is None else ValueError(plan.local_error),
-            fingerprint=plan.fingerprint,
-            what=f"the layouts of {key[0]!r}",
-        )
+        _agree_on_plan(plan, mesh, key)
     return plan.traced_run()

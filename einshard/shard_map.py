@@ -154,13 +154,7 @@ class ShardMap:
             plan = self._plan_inputs(key, args, leaves, mesh)
         elif checks._ENABLED:  # ranks may miss the cache on different calls: agree on every call
             _raise_agreed(mesh, ())
-        body_args = args
-        body_leaves = leaves
-        if plan.actions:
-            body_leaves = list(leaves)
-            for i, fn in plan.actions:
-                body_leaves[i] = fn(leaves[i])
-            body_args = treedef.unflatten(body_leaves)
+        body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, treedef)
         tracker = _vma.Tracker(mesh) if self.check_vma else None
         token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self))
         try:
@@ -199,17 +193,7 @@ class ShardMap:
         if tracker is not None:
             for i, declared, spec in oplan.checks:
                 x = leaves[i]
-                m = tracker.mask_of(x)
-                bad = m & ~declared
-                if bad:
-                    dim = tracker.info.dims(bad)[0]
-                    raise ValueError(
-                        f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
-                        f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
-                        f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
-                        f"sharded or partial over {dim!r} in out_specs"
-                    )
-                missing = declared & ~m
+                m, missing = _output_vma(tracker, out, i, x, declared, spec)
                 if missing and x.requires_grad and torch.is_grad_enabled():
                     if not changed:
                         leaves = list(leaves)
@@ -250,13 +234,7 @@ class ShardMap:
         struct = spec.unflatten(list(range(len(leaves))))  # the structure, as constants
         plan = _trace.lookup(_in_plan_for_trace(self, struct, _trace_leaves(leaves), mesh))
         mesh = plan.mesh
-        body_leaves = leaves
-        body_args = args
-        if plan.actions:
-            body_leaves = list(leaves)
-            for i, fn in plan.actions:
-                body_leaves[i] = fn(leaves[i])
-            body_args = spec.unflatten(body_leaves)
+        body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, spec)
         tracker = _vma.TracedTracker(mesh) if self.check_vma else None
         token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self))
         try:
@@ -281,17 +259,7 @@ class ShardMap:
         if tracker is not None:
             for i, declared, spec in oplan.checks:
                 x = leaves[i]
-                m = tracker.mask_of(x)
-                bad = m & ~declared
-                if bad:
-                    dim = tracker.info.dims(bad)[0]
-                    raise ValueError(
-                        f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
-                        f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
-                        f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
-                        f"sharded or partial over {dim!r} in out_specs"
-                    )
-                missing = declared & ~m
+                m, missing = _output_vma(tracker, out, i, x, declared, spec)
                 if missing and x.requires_grad and torch.is_grad_enabled():
                     leaves[i] = tracker.pvary(x, m, missing)
                 tracker.untag(x)
@@ -438,6 +406,31 @@ def _raise_agreed(mesh, errors) -> None:
         checks.agree(mesh.group(tuple(mesh.names)), error)
     elif error is not None:
         raise error
+
+
+def _convert_inputs(actions, args, leaves, treedef):
+    """The body's arguments and leaves after the planned entry conversions (unchanged when there are none)."""
+    if not actions:
+        return args, leaves
+    converted = list(leaves)
+    for i, fn in actions:
+        converted[i] = fn(leaves[i])
+    return treedef.unflatten(converted), converted
+
+
+def _output_vma(tracker, out, i, x, declared, spec):
+    """``(vma mask, declared dims it lacks)`` of output leaf ``i``; ``ValueError`` when it varies undeclared."""
+    m = tracker.mask_of(x)
+    bad = m & ~declared
+    if bad:
+        dim = tracker.info.dims(bad)[0]
+        raise ValueError(
+            f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
+            f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
+            f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
+            f"sharded or partial over {dim!r} in out_specs"
+        )
+    return m, declared & ~m
 
 
 # -- plans made at trace time (see einshard._trace) ---------------------------------------------

@@ -665,18 +665,13 @@ class TracedTracker(Tracker):
     def dispatch(self, func, args, kwargs):
         if self.suspended:
             return func(*args, **kwargs)
+        masks = [self.mask_of(a) for a in _tensor_args(args, kwargs)]
         union = 0
-        mixed = False
-        first = -1
-        for a in _tensor_args(args, kwargs):
-            m = self.mask_of(a)
-            if first < 0:
-                first = m
-            elif m != first:
-                mixed = True
+        for m in masks:
             union |= m
         if not union:
             return func(*args, **kwargs)
+        mixed = any(m != masks[0] for m in masks)
         if mixed and _grad_enabled():
             args, kwargs = self._widen_args(func, args, kwargs, union)
         out = func(*args, **kwargs)
