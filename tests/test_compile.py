@@ -167,3 +167,25 @@ def test_shard_map_step_compiles_with_vma(backend):
         torch.testing.assert_close(got, want)
         for k in want_grads:
             torch.testing.assert_close(got_grads[k], want_grads[k])
+
+
+def _breaking_body(p, x):
+    y = es.einshard("b n c, f/tp c -> b n f/tp", x, p["w1"])
+    torch._dynamo.graph_break()
+    return y
+
+
+@pytest.mark.ranks(2, timeout=600)
+def test_failed_compile_leaves_no_context_behind():
+    from einshard import _context
+    from einshard import vma as _vma
+
+    mesh = _tp_mesh()
+    step = es.shard_map(_breaking_body, in_specs=({"w1": "f/tp c"}, "b n c"), out_specs="b n f/tp", mesh=mesh)
+    p, x = {"w1": _randn(4, 6, seed=1)}, _randn(2, 3, 6, seed=2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception):  # dynamo's error for a graph break under fullgraph=True
+        torch.compile(step, fullgraph=True, backend="aot_eager")(p, x)
+    assert _context.current() is _context._EMPTY and _context._STATE.ambient is _context._EMPTY
+    assert _vma.ACTIVE == 0 and _vma.current() is None
+    torch.testing.assert_close(step(p, x), torch.einsum("bnc,fc->bnf", x, p["w1"]))  # eager still works
