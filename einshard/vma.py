@@ -615,6 +615,12 @@ class TracedTracker(Tracker):
     and pvary is the traced identity-forward, all-reduce-backward Function.
     The pvary insertions become graph nodes; the compiled step runs no
     tracking code at all.
+
+    Limit: tracking sees the calls dynamo routes through torch function
+    modes. Tensors dynamo makes without them (iterating or unpacking a
+    tensor, multi-output ops such as ``unbind``) carry no tag and count as
+    invariant, like tensors captured from outside the body; see
+    ``docs/shard_map.md``.
     """
 
     __slots__ = ()
@@ -642,10 +648,7 @@ class TracedTracker(Tracker):
     def tag_tree(self, out, mask: int):
         if isinstance(out, _Tensor):
             setattr(out, _ATTR, mask)
-        elif isinstance(out, _SEQ):
-            for o in out:
-                if isinstance(o, _Tensor):
-                    setattr(o, _ATTR, mask)
+        # the elements of a sequence (unbind, split) cannot be tagged in traced code (dynamo refuses)
         return out
 
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
