@@ -96,13 +96,16 @@ def optimize(mode):
     >>> with es.optimize("memory"):  # doctest: +SKIP
     ...     y = es.einshard("a b, b c -> a c/tp", x, w, mesh=mesh)
     """
-    token = _SCOPE.set(_as_policy(mode))
-    _SCOPE_MIRROR[0] = _SCOPE.get()
-    try:
+    policy = _as_policy(mode)
+    token = None
+    try:  # set inside the try, so that no exit path (a compiler splitting the frame) skips the reset
+        token = _SCOPE.set(policy)
+        _SCOPE_MIRROR[0] = policy
         yield
     finally:
-        _SCOPE.reset(token)
-        _SCOPE_MIRROR[0] = _SCOPE.get()
+        if token is not None:
+            _SCOPE.reset(token)
+            _SCOPE_MIRROR[0] = _SCOPE.get()
 
 
 def set_default_policy(mode) -> None:
