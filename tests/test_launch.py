@@ -9,9 +9,11 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import torch, torch.distributed as dist
+    from einshard.checks import checks_enabled
     from einshard.testing import launch
 
     def on_rank(scale):
+        assert checks_enabled(), "ranks run with checks on by default"
         t = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(t)
         return scale * t.item()
@@ -20,6 +22,7 @@ SCRIPT = textwrap.dedent(
         results = launch(on_rank, 2, args=(10,))
         if results is not None:
             print("results", results)
+        print("checks after launch", checks_enabled())  # restored: launch leaves no state behind
     """
 )
 
@@ -40,7 +43,7 @@ def test_launch_starts_its_own_ranks(tmp_path):
     script.write_text(SCRIPT)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_clean_env(), timeout=180)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines() == ["results [10.0, 10.0]"]
+    assert out.stdout.strip().splitlines() == ["results [10.0, 10.0]", "checks after launch False"]
 
 
 def test_launch_under_torchrun_prints_once(tmp_path):
@@ -51,3 +54,4 @@ def test_launch_under_torchrun_prints_once(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=180)
     assert out.returncode == 0, out.stderr
     assert [line for line in out.stdout.splitlines() if line.startswith("results")] == ["results [10.0, 10.0]"]
+    assert [line for line in out.stdout.splitlines() if line.startswith("checks")] == ["checks after launch False"] * 2

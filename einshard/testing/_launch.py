@@ -33,12 +33,13 @@ def launch(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 30
         return spawn(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, checks=checks)
     import torch.distributed as dist
 
-    from ..checks import set_checks
+    from ..checks import checks_enabled, set_checks
     from ..helpers import init_process_group
 
     _, rank, world = init_process_group("gloo", use_cuda=False)
     if world != world_size:
         raise ValueError(f"{getattr(fn, '__name__', fn)} needs {world_size} ranks, but the job has {world}")
+    before = checks_enabled()
     set_checks(checks)
     try:
         result = fn(*args, **kwargs)
@@ -46,5 +47,6 @@ def launch(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 30
         dist.all_gather_object(gathered, result)
         dist.barrier()
     finally:
+        set_checks(before)
         dist.destroy_process_group()
     return gathered if rank == 0 else None
