@@ -288,7 +288,7 @@ class ShardMap:
                     sizes=sizes_subset(parsed_formula, self.sizes, self.families), families=self.families)
 
     def _plan_inputs(self, key, args, leaves, mesh) -> _InPlan:
-        per_leaf = match(self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)
+        per_leaf = _matched(mesh, self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)
         info = _vma.mesh_info(mesh)
         actions, masks = [], []
         table: dict = {}
@@ -358,7 +358,7 @@ class ShardMap:
         return fn, layout_entries(resolved.output)
 
     def _plan_outputs(self, key, out, leaves, mesh, plan) -> _OutPlan:
-        per_leaf = match(self._out_leaves, self._out_def, out, "out_specs", "out", self.out_specs)
+        per_leaf = _matched(mesh, self._out_leaves, self._out_def, out, "out_specs", "out", self.out_specs)
         info = _vma.mesh_info(mesh)
         checks_, actions, errors = [], [], []
         from .ops.einshard import einshard
@@ -404,6 +404,15 @@ def _by_name(module: str, qualname: str):
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _matched(mesh, *args):
+    """``match(*args)``; a structure that differs on some ranks only is agreed on like any spec error."""
+    try:
+        return match(*args)
+    except ValueError as err:
+        _raise_agreed(mesh, [str(err)])
+        raise
 
 
 def _raise_agreed(mesh, errors) -> None:

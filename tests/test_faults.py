@@ -67,6 +67,20 @@ def _dtype_exchange(op):
     return run
 
 
+def _structure(kind):
+    """shard_map arguments whose pytree structure differs on one rank."""
+
+    def run(mesh, odd):
+        if kind == "args":
+            f = es.shard_map(lambda *a: a[0], ("a/dp b",), "a/dp b", mesh=mesh)
+            f(*((torch.ones(2, 3), torch.ones(1)) if odd else (torch.ones(2, 3),)))
+        else:
+            f = es.shard_map(lambda d: d["x"], ({"x": "a/dp b"},), "a/dp b", mesh=mesh)
+            f({"y": torch.ones(2, 3)} if odd else {"x": torch.ones(2, 3)})
+
+    return run
+
+
 def _not_a_tensor(mesh, odd):
     x = [[1.0] * 3] * 2 if odd else torch.ones(2, 3)
     es.einshard("a/tp b -> a b", x, mesh=mesh)
@@ -197,6 +211,8 @@ CASES = {
     "einfft-ndim": (_dtype_exchange("einfft-ndim"), ValueError, ["rank 1: ", "names 2 dimensions but the tensor has 3"]),
     "einhalo-dtype": (_dtype_exchange("einhalo"), ValueError, ["dtype: ranks 0, 2, 3 have float32; rank 1 has float64"]),
     "einroll-dtype": (_dtype_exchange("einroll"), ValueError, ["dtype: ranks 0, 2, 3 have float32; rank 1 has float64"]),
+    "structure-args": (_structure("args"), ValueError, ["rank 1: in_specs is not a pytree prefix of args"]),
+    "structure-keys": (_structure("keys"), ValueError, ["rank 1: ", "keys only in args: ['y']"]),
     "not-a-tensor": (_not_a_tensor, ValueError, ["rank 1: ", "operand 0 must be a torch.Tensor, got list"]),
     "malformed-shapes": (_malformed_shapes, ValueError, ["rank 1: ", "got [2.0, 2]"]),
     "shape-formula": (_shape_formula, ValueError, ["rank 1 has global sizes a=6", "'a/tp b, b c -> a c'"]),
