@@ -74,3 +74,28 @@ __all__ = [
     "tree_gather",
     "get_vma",
 ]
+
+# -- parameter metadata (layouts and duties on nn.Parameter objects) --
+from . import params
+from .params import (
+    PARAM_STATE_ATTR,
+    ParameterGradComm,
+    ParameterInitSync,
+    ParameterState,
+    get_parameter_state,
+    iter_parameter_states,
+    register_parameter_state,
+    set_parameter_state,
+)
+
+__all__ += [
+    "params",
+    "PARAM_STATE_ATTR",
+    "ParameterState",
+    "ParameterInitSync",
+    "ParameterGradComm",
+    "get_parameter_state",
+    "set_parameter_state",
+    "register_parameter_state",
+    "iter_parameter_states",
+]

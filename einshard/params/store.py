@@ -1,0 +1,98 @@
+"""Where a parameter's state lives: the ``einshard_state`` attribute of the ``nn.Parameter`` object.
+
+Aliases (the same Parameter reached under two names) share it; there is no registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .merge import merge_states
+from .state import ParameterState, check_rank, check_state
+
+__all__ = [
+    "PARAM_STATE_ATTR",
+    "get_parameter_state",
+    "set_parameter_state",
+    "register_parameter_state",
+    "prepare_registration",
+    "iter_parameter_states",
+]
+
+PARAM_STATE_ATTR = "einshard_state"
+
+
+def get_parameter_state(p) -> ParameterState | None:
+    """The state attached to ``p``, or ``None``.
+
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> get_parameter_state(p) is None
+    True
+    """
+    return getattr(p, PARAM_STATE_ATTR, None)
+
+
+def set_parameter_state(p, state) -> torch.nn.Parameter:
+    """Overwrite the attached state without any check (``None`` detaches); returns ``p``.
+
+    >>> p = set_parameter_state(torch.nn.Parameter(torch.zeros(2)), ParameterState.from_layout("c"))
+    >>> get_parameter_state(p).layout
+    'c'
+    """
+    if state is None:
+        if hasattr(p, PARAM_STATE_ATTR):
+            delattr(p, PARAM_STATE_ATTR)
+    else:
+        setattr(p, PARAM_STATE_ATTR, state)
+    return p
+
+
+def _require_parameter(p, what: str = "p") -> None:
+    if not isinstance(p, torch.nn.Parameter):
+        raise TypeError(f"{what} must be a torch.nn.Parameter, got {type(p).__name__}")
+
+
+def prepare_registration(p, state) -> ParameterState:
+    """Validate ``state`` and the attached one, check the rank, and return the merge (nothing attached)."""
+    if not isinstance(state, ParameterState):
+        raise TypeError(f"expected a ParameterState, got {type(state).__name__}")
+    check_state(state)
+    check_rank(state, p.dim())
+    attached = get_parameter_state(p)
+    if attached is not None:
+        check_state(attached)
+    merged = merge_states(attached, state)
+    check_rank(merged, p.dim())
+    return merged
+
+
+def register_parameter_state(p, state) -> torch.nn.Parameter:
+    """Validate, merge into the attached state and attach; on failure nothing changes. Returns ``p``.
+
+    >>> p = torch.nn.Parameter(torch.zeros(4, 3))
+    >>> _ = register_parameter_state(p, ParameterState.from_layout("out/tp in", mesh_dim_names=("dp", "tp")))
+    >>> _ = register_parameter_state(p, ParameterState.from_layout("out/tp in", grad="dp"))
+    >>> get_parameter_state(p).reduce
+    ('dp',)
+    """
+    _require_parameter(p)
+    merged = prepare_registration(p, state)
+    if merged is not get_parameter_state(p):
+        set_parameter_state(p, merged)
+    return p
+
+
+def iter_parameter_states(module) -> Iterator[tuple[str, torch.nn.Parameter, ParameterState]]:
+    """``(name, p, state)`` for the deduplicated ``named_parameters()`` that have a state.
+
+    >>> lin = torch.nn.Linear(3, 4)
+    >>> _ = register_parameter_state(lin.weight, ParameterState.from_layout("out in"))
+    >>> [name for name, _, _ in iter_parameter_states(lin)]
+    ['weight']
+    """
+    for name, p in module.named_parameters():
+        state = get_parameter_state(p)
+        if state is not None:
+            yield name, p, state
