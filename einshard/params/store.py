@@ -18,6 +18,7 @@ __all__ = [
     "set_parameter_state",
     "register_parameter_state",
     "prepare_registration",
+    "Registration",
     "iter_parameter_states",
 ]
 
@@ -54,18 +55,47 @@ def _require_parameter(p, what: str = "p") -> None:
         raise TypeError(f"{what} must be a torch.nn.Parameter, got {type(p).__name__}")
 
 
-def prepare_registration(p, state) -> ParameterState:
-    """Validate ``state`` and the attached one, check the rank, and return the merge (nothing attached)."""
+_ATTACHED = object()
+
+
+def prepare_registration(p, state, base=_ATTACHED) -> ParameterState:
+    """Validate ``state`` and ``base`` (default: the attached state), check the rank, return the merge.
+
+    Nothing is attached.
+    """
     if not isinstance(state, ParameterState):
         raise TypeError(f"expected a ParameterState, got {type(state).__name__}")
     check_state(state)
     check_rank(state, p.dim())
-    attached = get_parameter_state(p)
-    if attached is not None:
-        check_state(attached)
-    merged = merge_states(attached, state)
+    if base is _ATTACHED:
+        base = get_parameter_state(p)
+    if base is not None:
+        check_state(base)
+    merged = merge_states(base, state)
     check_rank(merged, p.dim())
     return merged
+
+
+class Registration:
+    """Atomic registration of several states: merge them all first (in order), then attach them all.
+
+    Several uses of one Parameter merge in order, starting from its attached state.
+    """
+
+    def __init__(self):
+        self._merged: dict[int, tuple[torch.nn.Parameter, ParameterState]] = {}
+
+    def add(self, p, state, what: str = "p") -> ParameterState:
+        _require_parameter(p, what)
+        base = self._merged[id(p)][1] if id(p) in self._merged else get_parameter_state(p)
+        merged = prepare_registration(p, state, base)
+        self._merged[id(p)] = (p, merged)
+        return merged
+
+    def attach(self) -> None:
+        for p, merged in self._merged.values():
+            if merged is not get_parameter_state(p):
+                set_parameter_state(p, merged)
 
 
 def register_parameter_state(p, state) -> torch.nn.Parameter:
