@@ -31,6 +31,19 @@ class DistributedPlan:
 
     __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint")
 
+    def grad_partials(self) -> tuple:
+        """Per operand: the mesh dimensions its gradient comes back partial over (a gradient duty's groups)."""
+        n = len(self.problem.operands)
+        out = [frozenset()] * n
+        origin = list(range(n))  # the original operand at each position of the running operand list
+        for indices, _axes, cand in self.chosen.steps:
+            for k, i in enumerate(indices):
+                grad = cand.grad_of(k)
+                if grad is not None and origin[i] is not None:
+                    out[origin[i]] = grad.partial - self.problem.operands[origin[i]].partial
+            origin = [o for j, o in enumerate(origin) if j not in indices] + [None]
+        return tuple(out)
+
     def __init__(self, problem, schedules, resolved, mesh):
         self.problem = problem
         self.schedules = schedules
@@ -51,7 +64,8 @@ class DistributedPlan:
             for k, i in enumerate(indices):
                 steps = cand.chains[k]
                 assert steps[0] == layouts[i]
-                chain = [transition(a, b, mesh) for a, b in zip(steps, steps[1:])]
+                grad = cand.grad_of(k)
+                chain = [transition(a, b, mesh, grad if n == 0 else None) for n, (a, b) in enumerate(zip(steps, steps[1:]))]
                 chains.append(tuple(t for t in chain if not t.trivial))
             core = Contraction([t.axes for t in cand.targets], cand.result.axes).run
             if cand.embedded is not None and cand.embedded != cand.result:
@@ -93,11 +107,24 @@ def _itemsize(tensors) -> int:
     return max(t.element_size() for t in tensors)
 
 
-def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=()):
-    """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled)."""
+def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=(), duties=()):
+    """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled).
+
+    ``duties``: per operand, the mesh dimensions its gradient may stay partial over
+    (``None``: none, ``plan.contraction.ANY``: wherever it varies), see :mod:`einshard.params`.
+    """
     ambient = _context.shapes_for(mesh)
     sizes = expand_sizes(parsed, sizes, families)
     resolved = resolve(parsed, local_shapes, mesh, shapes=shapes, sizes=sizes, ambient=ambient)
+    if duties:
+        from .params.formula import duty_dims
+
+        duties = duty_dims(duties, mesh, parsed.text)
+        for k, (duty, layout) in enumerate(zip(duties, resolved.operands)):
+            if duty is not None and layout.partial:
+                raise ValueError(
+                    f"{parsed.text!r}: operand {k} carries a gradient duty, so it must not be partial (// ...)"
+                )
     problem = Problem(
         resolved.operands,
         resolved.output,
@@ -105,6 +132,7 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
         itemsize,
         resolved.summed,
         resolved.fixed,
+        grad_duties=tuple(duties) if any(d is not None for d in duties) else (),
     )
     return DistributedPlan(problem, plan_schedule(problem, policy), resolved, mesh)
 
@@ -113,10 +141,12 @@ def _agree_group(mesh):
     return mesh.group(tuple(mesh.names))
 
 
-def run_distributed(key, tensors, mesh, shapes, optimize, policy):
+def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), plan_out=None):
     """Run a distributed formula (called by :func:`einshard.einshard`).
 
-    ``key`` is einshard's ``(formula, sizes key, families key, *local shapes)``.
+    ``key`` is einshard's ``(formula, sizes key, families key, *local shapes)``;
+    ``duties`` the operands' gradient duties (see :func:`plan_distributed`);
+    ``plan_out``: a list the plan run is appended to.
     """
     ambient = _context.current()
     if mesh is None:
@@ -130,10 +160,12 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
         frozen_shapes = None if shapes is None else freeze_shapes(shapes)
     except ValueError as err:
         raise ValueError(f"{key[0]!r}: {err}") from None
-    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *[t.dtype for t in tensors])
+    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, duties, *[t.dtype for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
-        plan = _new_plan(full_key, key, tensors, mesh, shapes, pol)
+        plan = _new_plan(full_key, key, tensors, mesh, shapes, pol, duties)
+    if plan_out is not None:
+        plan_out.append(plan)
     if plan.local_error is not None or checks._ENABLED:
         checks.agree(
             _agree_group(mesh),
@@ -144,7 +176,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     return plan.run(tensors)
 
 
-def _new_plan(full_key, key, tensors, mesh, shapes, pol):
+def _new_plan(full_key, key, tensors, mesh, shapes, pol, duties=()):
     from .ops.einshard import _check_tensors
 
     formula, sizes, families = key[0], key[1], key[2]
@@ -155,7 +187,7 @@ def _new_plan(full_key, key, tensors, mesh, shapes, pol):
         if len(dtypes) > 1:  # torch.einsum would fail after the operands' collectives
             raise ValueError(f"{formula!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
         plan = plan_distributed(
-            parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families
+            parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families, duties
         ).compile()
     except ValueError as err:
         if checks.checks_enabled():

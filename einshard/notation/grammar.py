@@ -21,7 +21,8 @@ item      = ws (ellipsis | group | zip | family | axis)
 
 partial   = ws '//' ws ( meshdim:m -> (m,)
                        | '(' ws meshdim:m (ws ',' ws meshdim)*:ms ws ')' -> (m,) + tuple(ms))
-annitem   = name:k (ws '=' ws meshdim:v -> Annotation(k, v)
+annvalue  = <meshdim (':' name)?>
+annitem   = name:k (ws '=' ws annvalue:v -> Annotation(k, v)
                     | -> Annotation(k, None))
 annotation = ws '[' ws annitem:a (ws ',' ws annitem)*:rest ws ']' -> (a,) + tuple(rest)
 

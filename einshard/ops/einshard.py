@@ -7,14 +7,19 @@ from ..notation import expand, freeze_families
 from ..policy import resolve_policy
 from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
+from ..params.formula import ANY, recorder_for, resolve_pending, state_duties
+from ..params.names import mesh_names
 
 __all__ = ["einshard"]
 
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
 _LOCAL_PLANS: dict = {}
 _NO_KEY = ()
-# (formula, families key) known to be distributed: skip the parse on a local-cache miss
-_DISTRIBUTED: set = set()
+# (formula, families key) known to be distributed -> its [param] recorder (None: no [param])
+_DISTRIBUTED: dict = {}
+_MISSING = object()
+_VMA_RECORDERS: dict = {}
+_SATISFIED: list = []  # non-empty while a [param] formula runs inside shard_map(check_vma=True)
 
 
 def einshard(
@@ -41,8 +46,20 @@ def einshard(
     torch.Size([2, 2, 4])
     """
     if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): set the output's vma
-        return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes, families=families,
-                               optimize=optimize, policy=policy)
+        recorder = _vma_recorder(formula, families)
+        if recorder is None:
+            return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
+                                   families=families, optimize=optimize, policy=policy)
+        # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
+        prepared = recorder.prepare(tensors, mesh_names(mesh), backend="vma")
+        _SATISFIED.append(True)
+        try:
+            out = _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
+                                  families=families, optimize=optimize, policy=policy)
+        finally:
+            _SATISFIED.pop()
+        recorder.commit(tensors, prepared)
+        return out
     if optimize is not None and policy is not None:
         raise ValueError("einshard: pass either optimize or policy, not both")
     try:
@@ -58,23 +75,95 @@ def einshard(
         if optimize is not None or policy is not None:
             resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
         return plan.run(tensors)
-    if (formula, key[2]) in _DISTRIBUTED:
-        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    recorder = _DISTRIBUTED.get((formula, key[2]), _MISSING)
+    if recorder is None:  # a distributed formula without [param]: only attached states can carry duties
+        duties = state_duties(tensors)
+        if ANY in duties:
+            return _run_resolving(key, tensors, mesh, shapes, optimize, policy, duties)
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties)
+    if recorder is not _MISSING:
+        return _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy)
     return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
 
 
 def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy):
     resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
     parsed = expand(formula, key[2])
-    _check_tensors(parsed, tensors)
+    recorder = recorder_for(formula, parsed)
+    if recorder is None:
+        _check_tensors(parsed, tensors)
     if not parsed.is_local:
-        _DISTRIBUTED.add((formula, key[2]))
-        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+        _DISTRIBUTED[(formula, key[2])] = recorder
+        if recorder is not None:
+            return _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy)
+        duties = state_duties(tensors)
+        if ANY in duties:
+            return _run_resolving(key, tensors, mesh, shapes, optimize, policy, duties)
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties)
+    if recorder is not None:
+        prepared = {} if _SATISFIED else recorder.prepare(tensors, mesh_names(mesh))
+        _check_tensors(parsed, tensors)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
+    if recorder is not None:
+        plan = _RecordingPlan(plan, recorder, mesh)
     if len(_LOCAL_PLANS) > 65536:
         _LOCAL_PLANS.clear()
     _LOCAL_PLANS[key] = plan
+    if recorder is not None:
+        out = plan.plan.run(tensors)
+        if not _SATISFIED:
+            recorder.commit(tensors, prepared)
+        return out
     return plan.run(tensors)
+
+
+def _vma_recorder(formula, families):
+    key = (formula, freeze_families(families))
+    found = _VMA_RECORDERS.get(key, _MISSING)
+    if found is _MISSING:
+        try:
+            found = recorder_for(formula, expand(formula, key[1]))
+        except ValueError:
+            found = None  # the op reports a bad formula itself
+        _VMA_RECORDERS[key] = found
+    return found
+
+
+def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
+    """A distributed formula with [param] operands: states prepared first, attached after success."""
+    if _SATISFIED:  # inside shard_map(check_vma=True): recorded by the caller, the formula reduces
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    names = mesh_names(mesh)
+    prepared = recorder.prepare(tensors, names)
+    plans: list = []
+    out = run_distributed(key, tensors, mesh, shapes, optimize, policy, recorder.duties(tensors, prepared), plans)
+    recorder.commit(tensors, prepared, plans[0].grad_partials(), plans[0].mesh.names)
+    return out
+
+
+def _run_resolving(key, tensors, mesh, shapes, optimize, policy, duties):
+    """Operands with attached pending duties: the plan resolves them after success."""
+    plans: list = []
+    out = run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, plans)
+    resolve_pending(tensors, duties, plans[0].grad_partials(), plans[0].mesh.names)
+    return out
+
+
+class _RecordingPlan:
+    """A local plan whose [param] operands record their states after each successful run."""
+
+    __slots__ = ("plan", "recorder", "mesh")
+
+    def __init__(self, plan, recorder, mesh):
+        self.plan, self.recorder, self.mesh = plan, recorder, mesh
+
+    def run(self, tensors):
+        if _SATISFIED:
+            return self.plan.run(tensors)
+        prepared = self.recorder.prepare(tensors, mesh_names(self.mesh))
+        out = self.plan.run(tensors)
+        self.recorder.commit(tensors, prepared)
+        return out
 
 
 def _check_tensors(parsed, tensors) -> None:
