@@ -81,17 +81,18 @@ def reduce_module_grads_(module, mesh):
 
     Returns ``module``.
     """
-    items = list(iter_parameter_states(module))
-    rt = None
     work = []
-    for name, p, state in items:
+    rt = None
+    for name, p, state in iter_parameter_states(module):
         _check_state(state, f"reduce_module_grads_ ({name!r})")
         groups = _native_groups(state)
         if groups and p.grad is not None:
             rt = rt or runtime_mesh(mesh)
-            work.append((p, [resolve_group(rt, g, "grad") for g in groups]))
+            for g in groups:
+                resolve_dims(rt, g, f"{name!r} grad")
+            work.append((p, groups))
     for p, groups in work:
-        _sum_(p, groups)
+        _sum_(p, [resolve_group(rt, g, "grad") for g in groups])
     return module
 
 
@@ -152,7 +153,7 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
     Every rank must run backward over the same parameters in the same order.
     """
     rt = None
-    plan = []  # (name, p, state, resolved groups)
+    plan = []  # (p, state): every check passes before any group is created or hook added
     for name, p, state in iter_parameter_states(module):
         if not isinstance(state, ParameterState):
             raise TypeError(f"{name!r}: expected a ParameterState, got {type(state).__name__}")
@@ -162,18 +163,20 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
         groups = _native_groups(state)
         if not groups:
             continue
+        rt = rt or runtime_mesh(mesh)
+        for g in groups:
+            resolve_dims(rt, g, f"{name!r} grad")
         if not p.requires_grad:
             raise ValueError(f"{name!r} has gradient groups {groups!r} but does not require gradients")
-        rt = rt or runtime_mesh(mesh)
-        resolved = [resolve_group(rt, g, "grad") for g in groups]
-        plan.append((name, p, state, resolved))
+        plan.append((p, state))
+    plan = [(p, s, [resolve_group(rt, g, "grad") for g in _native_groups(s)]) for p, s in plan]
     hooks = []
     bucketer = None
     try:
-        sync = [(p, r) for _, p, s, r in plan if s.grad_comm.schedule != "async" and any(n > 1 for _, n in r)]
+        sync = [(p, r) for p, s, r in plan if s.grad_comm.schedule != "async" and any(n > 1 for _, n in r)]
         for p, resolved in sync:
             hooks.append(p.register_hook(_sum_hook([(g, n) for g, n in resolved if n > 1])))
-        asyn = [(p, s.grad_comm.mesh_dims) for _, p, s, _ in plan if s.grad_comm.schedule == "async"]
+        asyn = [(p, s.grad_comm.mesh_dims) for p, s, _ in plan if s.grad_comm.schedule == "async"]
         if asyn:
             bucketer = GradBucketer(asyn, rt, bucket_bytes=bucket_bytes)
     except BaseException:
@@ -209,9 +212,9 @@ def _completed(tensor):
 class _DdpHook:
     """The comm hook: states are re-read at every call."""
 
-    def __init__(self, rt, ddp_group, combined_group, combined_reduce):
+    def __init__(self, rt, ddp_group, ddp_parts, combined_group, combined_reduce):
         self.rt = rt
-        self.ddp_parts = set(resolve_dims(rt, ddp_group, "ddp_group")) if ddp_group else set(rt.names)
+        self.ddp_parts = ddp_parts
         self.ddp = (None, dist.get_world_size()) if ddp_group is None else resolve_group(rt, ddp_group, "ddp_group")
         self.combined = None if combined_group is None else resolve_group(rt, combined_group, "combined_reduce_group")
         self.combined_set = None if combined_reduce is None else set(combined_reduce)
@@ -225,7 +228,7 @@ class _DdpHook:
             states.append(state)
         return states
 
-    def __call__(self, _state, bucket):
+    def __call__(self, state, bucket):
         buffer = bucket.buffer()
         params = list(bucket.parameters())
         states = self._states(params)
@@ -296,10 +299,17 @@ def register_grad_reduction_hook_(ddp_model, mesh, ddp_group="dp", combined_redu
             )
     elif ddp_group is not None:
         check_group_syntax(ddp_group, "ddp_group")
-    hook = _DdpHook(rt, ddp_group, combined_reduce_group, combined_reduce)
+    ddp_parts = set(rt.names) if ddp_group is None else set(resolve_dims(rt, ddp_group, "ddp_group"))
+    if combined_reduce_group is not None:
+        resolve_dims(rt, combined_reduce_group, "combined_reduce_group")
     module = getattr(ddp_model, "module", ddp_model)
     for name, _, state in iter_parameter_states(module):
-        _check_ddp_state(name, state, rt, hook.ddp_parts)
-    ddp_model.register_comm_hook(None, hook)
+        _check_ddp_state(name, state, rt, ddp_parts)
+    impl = _DdpHook(rt, ddp_group, ddp_parts, combined_reduce_group, combined_reduce)
+
+    def einshard_grad_reduction_hook(state, bucket):
+        return impl(state, bucket)
+
+    ddp_model.register_comm_hook(None, einshard_grad_reduction_hook)
     return ddp_model
 
