@@ -50,12 +50,10 @@ def sync_param_(p, state, mesh) -> torch.nn.Parameter:
 def sync_module_params_(module, mesh):
     """:func:`sync_param_` for every parameter with a state, in parameter order; returns ``module``."""
     items = list(iter_parameter_states(module))
-    rt = runtime_mesh(mesh) if any(state.shared for _, _, state in items) else None
-    for name, _, state in items:  # every group resolves before the first broadcast
+    for name, _, state in items:
         if not isinstance(state, ParameterState):
             raise TypeError(f"{name!r}: expected a ParameterState, got {type(state).__name__}")
-        if rt is not None:
-            check_resolves(state, rt, layout=False, grad=False)
+    rt = _runtime(mesh, [state for _, _, state in items])  # every group resolves before the first broadcast
     for _, p, state in items:
         sync_param_(p, state, rt)
     return module
@@ -113,6 +111,8 @@ def _runtime(mesh, states):
         raise ValueError("initial sync requires mesh= (the parameter is shared over mesh groups)") from None
     for s in states:
         check_resolves(s, rt, layout=False, grad=False)
+        if rt.device_mesh is None and any(rt.size(rt.dims(g)) > 1 for g in s.shared):
+            raise ValueError(f"initial sync over {s.shared!r} needs process groups; a virtual mesh has none")
     return rt
 
 
