@@ -389,3 +389,16 @@ def test_failed_merge_leaves_attached_object():
         with pytest.raises(ValueError):
             _reg(p, "out/tp in", **kw)
         assert get_parameter_state(p) is before
+
+
+# -- the docstring examples of the package run as written ---------------------------------------
+@pytest.mark.parametrize(
+    "module", ["state", "names", "merge", "store", "register", "validate", "sync", "reduce", "metadata", "operand"]
+)
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"einshard.params.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, result
