@@ -114,3 +114,10 @@ from .params import (
 )
 
 __all__ += ["params", "PARAM_STATE_ATTR"] + [n for n in params.__all__ if n not in ("PARAM_STATE_ATTR", "TensorState")]
+
+# -- one source of truth for parameter layouts: spec pytrees, DTensors, checkpoints, bucketed reduction --
+from .params.buckets import GradBucketer
+from .params.checkpoint import from_dtensor, load_from_dtensor_, to_dtensor
+from .params.specs import param_specs
+
+__all__ += ["param_specs", "to_dtensor", "from_dtensor", "load_from_dtensor_", "GradBucketer"]
