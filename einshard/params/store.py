@@ -55,20 +55,13 @@ def _require_parameter(p, what: str = "p") -> None:
         raise TypeError(f"{what} must be a torch.nn.Parameter, got {type(p).__name__}")
 
 
-_ATTACHED = object()
-
-
-def prepare_registration(p, state, base=_ATTACHED) -> ParameterState:
-    """Validate ``state`` and ``base`` (default: the attached state), check the rank, return the merge.
-
-    Nothing is attached.
-    """
+def prepare_registration(p, state) -> ParameterState:
+    """Validate ``state`` and the attached state, check the rank, return their merge (nothing attached)."""
     if not isinstance(state, ParameterState):
         raise TypeError(f"expected a ParameterState, got {type(state).__name__}")
     check_state(state)
     check_rank(state, p.dim())
-    if base is _ATTACHED:
-        base = get_parameter_state(p)
+    base = get_parameter_state(p)
     if base is not None:
         check_state(base)
     merged = merge_states(base, state)
@@ -77,18 +70,26 @@ def prepare_registration(p, state, base=_ATTACHED) -> ParameterState:
 
 
 class Registration:
-    """Atomic registration of several states: merge them all first (in order), then attach them all.
+    """Atomic registration of several states: merge them all first, then attach them all.
 
-    Several uses of one Parameter merge in order, starting from its attached state.
+    Several uses of one Parameter merge in order first; the result then merges
+    with the Parameter's attached state.
     """
 
     def __init__(self):
+        self._uses: dict[int, ParameterState] = {}
         self._merged: dict[int, tuple[torch.nn.Parameter, ParameterState]] = {}
 
     def add(self, p, state, what: str = "p") -> ParameterState:
         _require_parameter(p, what)
-        base = self._merged[id(p)][1] if id(p) in self._merged else get_parameter_state(p)
-        merged = prepare_registration(p, state, base)
+        if not isinstance(state, ParameterState):
+            raise TypeError(f"expected a ParameterState, got {type(state).__name__}")
+        check_state(state)
+        check_rank(state, p.dim())
+        prev = self._uses.get(id(p))
+        use = state if prev is None else merge_states(prev, state)
+        merged = prepare_registration(p, use)
+        self._uses[id(p)] = use
         self._merged[id(p)] = (p, merged)
         return merged
 
