@@ -114,7 +114,7 @@ def test_einshard_like_records_without_values():
 @pytest.mark.parametrize(
     "formula, operands, kw, exc, words",
     [
-        ("b c, c d [param] -> b d", (None,), {}, ValueError, "no operand"),
+        ("b c, c d [param] -> b d", (None,), {}, ValueError, "no tensor was given"),
         ("b c, c d [param] -> b d", (None, torch.zeros(3, 4)), {}, TypeError, "torch.nn.Parameter"),
         ("b c, c d [param] -> b d", (None, "w"), {}, TypeError, "torch.nn.Parameter"),
         ("b c, c [param] -> b", (None, "p1"), {}, ValueError, "rank"),

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.params import ParameterInitSync, ParameterState
+from einshard.params import ParameterInitSync
 from einshard.params import get_parameter_state as state_of
 
 VMESH = es.Mesh.virtual((2, 4), ("dp", "tp"))

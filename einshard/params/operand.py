@@ -36,10 +36,6 @@ from .store import Registration
 __all__ = ["parameter_operand_state", "register_parameter_operand", "einshard_like", "is_rank_local"]
 
 
-def _is_param(spec: TensorSpec) -> bool:
-    return any(a.key == "param" for a in spec.annotations)
-
-
 def is_rank_local(inputs: Sequence[TensorSpec], output: TensorSpec | None) -> bool:
     """No partial anywhere; sharded axes in exactly one input and the output (same group); shared axes unsharded."""
     if output is None or output.partial or any(t.partial for t in inputs):
@@ -166,24 +162,12 @@ def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> N
     >>> es.get_parameter_state(w).reduce
     ('dp',)
     """
+    from .formula import recorder_for
+
     frozen = freeze_families(families)
     parsed = expand(formula, frozen)
-    indices = [k for k, t in enumerate(parsed.inputs) if _is_param(t)]
-    reg = Registration()
-    if indices:
-        names = mesh_names(mesh)
-        for k in indices:
-            if k >= len(operands):
-                raise ValueError(f"{formula!r}: operand {k} is annotated [param] but no operand was given for it")
-            p = operands[k]
-            if not isinstance(p, torch.nn.Parameter):
-                raise TypeError(
-                    f"{formula!r}: operand {k} is annotated [param] and must be a torch.nn.Parameter, "
-                    f"got {type(p).__name__}"
-                )
-            try:
-                reg.add(p, parameter_operand_state(p, parsed.inputs, parsed.output, k, mesh_dim_names=names))
-            except ValueError as err:
-                raise ValueError(f"{formula!r}: operand {k}: {err}") from None
+    recorder = recorder_for(formula, parsed)  # the same preparation es.einshard runs
+    prepared = None if recorder is None else recorder.prepare(operands, mesh_names(mesh))
     _check_formula(parsed, mesh, sizes, frozen)
-    reg.attach()
+    if recorder is not None:
+        recorder.commit(operands, prepared)
