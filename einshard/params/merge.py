@@ -42,23 +42,30 @@ def _merge_layout(e: ParameterState, n: ParameterState):
     return None, e.layout_shard_dims or n.layout_shard_dims
 
 
+def _opt_outs(e: ParameterState, n: ParameterState, field: str, label: str):
+    """The steps both duties share (``none`` and explicit ``none``); ``None`` when both sides have a duty."""
+    ev, nv = getattr(e, field), getattr(n, field)
+    if getattr(n, f"explicit_{field}_none"):
+        if ev.mode != "none":
+            raise _conflict(f"{label}='none' against an attached duty", ev, nv)
+        return nv
+    if nv.mode == "none":
+        return ev
+    if ev.mode == "none":
+        if getattr(e, f"explicit_{field}_none"):
+            raise _conflict(f"{label} was set to 'none'", ev, nv)
+        return nv
+    return None
+
+
 def _merge_init_sync(e: ParameterState, n: ParameterState):
     es_, ns_ = e.init_sync, n.init_sync
-    if n.explicit_init_sync_none:
-        if es_.mode != "none":
-            raise _conflict("init_sync='none' against an attached init sync", es_, ns_)
-        return ns_
-    if ns_.mode == "none":
+    decided = _opt_outs(e, n, "init_sync", "init_sync")
+    if decided is not None:
+        return decided
+    if ns_.mode == "inferred":  # an inferred one never overrides the attached one
         return es_
-    if ns_.mode == "inferred" and es_.mode != "none":
-        return es_
-    if es_.mode == "none":
-        if e.explicit_init_sync_none:
-            raise _conflict("init_sync was set to 'none'", es_, ns_)
-        return ns_
-    same = es_ == ns_ or (
-        "external" not in (es_.mode, ns_.mode) and es_.mesh_dims == ns_.mesh_dims
-    )
+    same = es_ == ns_ or ("external" not in (es_.mode, ns_.mode) and es_.mesh_dims == ns_.mesh_dims)
     if not same:
         raise _conflict("different init_sync", es_, ns_)
     return es_
@@ -66,16 +73,9 @@ def _merge_init_sync(e: ParameterState, n: ParameterState):
 
 def _merge_grad_comm(e: ParameterState, n: ParameterState):
     eg, ng = e.grad_comm, n.grad_comm
-    if n.explicit_grad_comm_none:
-        if eg.mode != "none":
-            raise _conflict("grad='none' against an attached gradient duty", eg, ng)
-        return ng
-    if ng.mode == "none":
-        return eg
-    if eg.mode == "none":
-        if e.explicit_grad_comm_none:
-            raise _conflict("grad was set to 'none'", eg, ng)
-        return ng
+    decided = _opt_outs(e, n, "grad_comm", "grad")
+    if decided is not None:
+        return decided
     if eg.backend != ng.backend:
         raise _conflict("different grad backends", eg.backend, ng.backend)
     if eg.schedule != ng.schedule and "backend_default" not in (eg.schedule, ng.schedule):

@@ -16,6 +16,7 @@ from .. import _context
 
 __all__ = [
     "components",
+    "str_tuple",
     "check_group_syntax",
     "normalize_mesh_dim_names",
     "mesh_names",
@@ -47,22 +48,28 @@ def check_group_syntax(group: str, what: str) -> None:
         raise ValueError(f"{what} group {group!r} has repeated mesh dimensions (an empty or repeated component)")
 
 
+def str_tuple(value, what: str) -> tuple[str, ...]:
+    """``None`` → ``()``, a str → one entry, an iterable of str → a tuple (TypeError otherwise)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, torch.Tensor) or not isinstance(value, Iterable):
+        raise TypeError(f"{what} must be a str, an iterable of str, or None, got {type(value).__name__}")
+    value = tuple(value)
+    for v in value:
+        if not isinstance(v, str):
+            raise TypeError(f"{what} entries must be str, got {v!r} in {value!r}")
+    return value
+
+
 def normalize_mesh_dim_names(names) -> tuple[str, ...]:
     """``mesh_dim_names`` as a checked tuple (a ``str`` is one name, ``None`` is ``()``).
 
     >>> normalize_mesh_dim_names("dp"), normalize_mesh_dim_names(["dp", "tp"])
     (('dp',), ('dp', 'tp'))
     """
-    if names is None:
-        return ()
-    if isinstance(names, str):
-        names = (names,)
-    if isinstance(names, torch.Tensor) or not isinstance(names, Iterable):
-        raise TypeError(f"mesh_dim_names must be a str or an iterable of str, got {type(names).__name__}")
-    names = tuple(names)
-    for n in names:
-        if not isinstance(n, str):
-            raise TypeError(f"mesh_dim_names entries must be str, got {n!r} in {names!r}")
+    names = str_tuple(names, "mesh_dim_names")
     seen: dict[str, str] = {}
     for n in names:
         if n == "":

@@ -18,7 +18,7 @@ import torch
 
 from .names import mesh_names
 from .state import ParameterState
-from .store import Registration, get_parameter_state
+from .store import Registration, get_parameter_state, per_name
 
 __all__ = [
     "register_parameter_layout",
@@ -52,16 +52,6 @@ def register_parameter_layout(
     return p
 
 
-def _per_name(value, names, what: str) -> dict:
-    """A single value for every name, or a mapping whose keys must be among ``names``."""
-    if isinstance(value, Mapping):
-        unknown = [k for k in value if k not in names]
-        if unknown:
-            raise ValueError(f"{what}: unknown parameter names {unknown!r} (registered: {list(names)!r})")
-        return {n: value.get(n) for n in names}
-    return {n: value for n in names}
-
-
 def register_module_parameter_layouts_(
     module, layouts, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source="module"
 ):
@@ -86,8 +76,8 @@ def register_module_parameter_layouts_(
         if not name:
             raise ValueError("an empty parameter name in layouts")
     names = list(layouts)
-    grads = _per_name(grad, names, "grad")
-    syncs = _per_name(init_sync, names, "init_sync")
+    grads = per_name(grad, names, "grad")
+    syncs = per_name(init_sync, names, "init_sync")
     mesh_dims = mesh_names(mesh, mesh_dim_names)
     reg = Registration()
     for name in names:

@@ -241,21 +241,7 @@ class ParameterState:
             if ann.key in values:
                 raise ValueError(f"annotation {ann.key!r} appears twice in {str(spec)!r}")
             values[ann.key] = ann.value
-        shard_dims = _spec_shard_dims(spec)
-        init_text, grad_text = values.get("init_sync"), values.get("grad")
-        state = cls(
-            spec=spec,
-            tensor_state=derive_tensor_state(spec, names),
-            layout_shard_dims=shard_dims,
-            mesh_dim_names=names,
-            init_sync=ParameterInitSync.from_annotation(init_text, shard_dims, names),
-            grad_comm=ParameterGradComm.from_annotation(grad_text, is_param="param" in values),
-            source=source,
-            explicit_init_sync_none=init_text == "none",
-            explicit_grad_comm_none=grad_text == "none",
-        )
-        check_state(state)
-        return state
+        return cls._build(spec, names, values.get("grad"), values.get("init_sync"), source, "param" in values)
 
     @classmethod
     def from_layout(
@@ -287,7 +273,10 @@ class ParameterState:
             )
         if any(isinstance(i, (Family, Zip)) for i in spec.items):
             raise ValueError(f"layout {layout!r} cannot use families")
-        names = mesh_names(mesh, mesh_dim_names)
+        return cls._build(spec, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, False)
+
+    @classmethod
+    def _build(cls, spec, names, grad, init_sync, source, is_param) -> "ParameterState":
         shard_dims = _spec_shard_dims(spec)
         state = cls(
             spec=spec,
@@ -295,7 +284,7 @@ class ParameterState:
             layout_shard_dims=shard_dims,
             mesh_dim_names=names,
             init_sync=ParameterInitSync.from_annotation(init_sync, shard_dims, names),
-            grad_comm=ParameterGradComm.from_annotation(grad),
+            grad_comm=ParameterGradComm.from_annotation(grad, is_param=is_param),
             source=source,
             explicit_init_sync_none=init_sync == "none",
             explicit_grad_comm_none=grad == "none",

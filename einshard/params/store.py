@@ -5,7 +5,7 @@ Aliases (the same Parameter reached under two names) share it; there is no regis
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -113,6 +113,16 @@ def register_parameter_state(p, state) -> torch.nn.Parameter:
     if merged is not get_parameter_state(p):
         set_parameter_state(p, merged)
     return p
+
+
+def per_name(value, names, what: str) -> dict:
+    """One value for every name, or a Mapping whose keys must be among ``names`` (absent names get ``None``)."""
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise ValueError(f"{what}: unknown parameter names {unknown!r} (known: {list(names)!r})")
+        return {n: value.get(n) for n in names}
+    return {n: value for n in names}
 
 
 def iter_parameter_states(module) -> Iterator[tuple[str, torch.nn.Parameter, ParameterState]]:

@@ -8,14 +8,12 @@ holds a block of the same shape, even under uneven split shapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-
 import torch
 import torch.distributed as dist
 
-from .names import mesh_names, resolve_group, runtime_mesh
+from .names import mesh_names, resolve_group, runtime_mesh, str_tuple
 from .state import ParameterInitSync, ParameterState, check_state, derive_init_sync
-from .store import Registration, iter_parameter_states
+from .store import Registration, iter_parameter_states, per_name
 from .validate import check_resolves
 
 __all__ = ["init_param_", "init_params_", "sync_param_", "sync_module_params_"]
@@ -59,26 +57,12 @@ def sync_module_params_(module, mesh):
     return module
 
 
-def _as_groups(value, what: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, torch.Tensor) or not isinstance(value, Iterable):
-        raise TypeError(f"{what} must be a str, an iterable of str, or None, got {type(value).__name__}")
-    groups = tuple(value)
-    for g in groups:
-        if not isinstance(g, str):
-            raise TypeError(f"{what} entries must be str, got {g!r}")
-    return groups
-
-
 def _init_sync(sync, sharded, names) -> ParameterInitSync:
     if sync is None:
         return derive_init_sync(sharded, names)
     if isinstance(sync, str):
         return ParameterInitSync.from_annotation(sync, sharded, names)
-    groups = _as_groups(sync, "sync")
+    groups = str_tuple(sync, "sync")
     if not groups:
         raise ValueError("sync: an empty iterable; explicit mode requires mesh_dims")
     for g in groups:
@@ -89,7 +73,7 @@ def _init_sync(sync, sharded, names) -> ParameterInitSync:
 def _init_state(p, mesh, sync, sharded, names, source) -> ParameterState:
     if not isinstance(p, torch.nn.Parameter):
         raise TypeError(f"init_param_ needs a torch.nn.Parameter, got {type(p).__name__}")
-    sharded = _as_groups(sharded, "sharded")
+    sharded = str_tuple(sharded, "sharded")
     state = ParameterState(
         None,
         layout_shard_dims=sharded,
@@ -136,15 +120,6 @@ def init_param_(p, mesh, *, sync=None, sharded=(), mesh_dim_names=(), source="in
     return sync_param_(p, merged, rt)
 
 
-def _per_param(value, names: list[str], what: str) -> dict:
-    if isinstance(value, Mapping):
-        unknown = [k for k in value if k not in names]
-        if unknown:
-            raise ValueError(f"{what}: unknown parameter names {unknown!r}")
-        return {n: value.get(n) for n in names}
-    return {n: value for n in names}
-
-
 def init_params_(module, mesh, *, sync=None, sharded=None, mesh_dim_names=(), source="init"):
     """:func:`init_param_` for every parameter of ``module`` (build and check all, attach all, then sync).
 
@@ -162,8 +137,8 @@ def init_params_(module, mesh, *, sync=None, sharded=None, mesh_dim_names=(), so
         raise TypeError(f"init_params_ needs an nn.Module or a Parameter, got {type(module).__name__}")
     params = dict(module.named_parameters())
     names = mesh_names(mesh, mesh_dim_names)
-    syncs = _per_param(sync, list(params), "sync")
-    shardeds = _per_param(sharded, list(params), "sharded")
+    syncs = per_name(sync, list(params), "sync")
+    shardeds = per_name(sharded, list(params), "sharded")
     reg = Registration()
     merged = {}
     for name, p in params.items():
