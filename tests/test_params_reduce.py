@@ -125,6 +125,18 @@ def test_reduce_helpers_and_hooks_match_single_process(mesh):
     total = block.g.grad.clone()
     dist.all_reduce(total, group=m.group(block.duty_g))
     torch.testing.assert_close(total, _expected(m)["g"], rtol=1e-12, atol=1e-12)
+    # a raw DeviceMesh resolves atomic groups; a compound one is refused before any collective or hook
+    block = Block(m).register(m)
+    block.loss().backward()
+    if "-" in block.duty_g:
+        with pytest.raises(ValueError, match="wrap_mesh"):
+            es.reduce_module_grads_(block, mesh)
+        with pytest.raises(ValueError, match="wrap_mesh"):
+            es.register_native_grad_reduction_hooks_(block, mesh)
+        assert not block.g._backward_hooks and not block.w._backward_hooks
+    if block.duty_wb is not None and "-" not in block.duty_wb:
+        es.reduce_grad_(block.w, es.get_parameter_state(block.w), mesh)
+        torch.testing.assert_close(block.w.grad, _expected(m)["w"], rtol=1e-12, atol=1e-12)
     dist.barrier()
 
 
