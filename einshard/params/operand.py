@@ -134,7 +134,7 @@ def _stand_in_shape(spec: TensorSpec, rt, sizes: dict) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check_formula(parsed, mesh, sizes, frozen_families) -> None:
+def _check_formula(parsed, mesh, sizes, frozen_families, duties=()) -> None:
     """The formula-level errors ``einshard`` would raise, without operand values or sizes."""
     from ..distributed import plan_distributed
     from ..mesh import resolve_mesh
@@ -146,7 +146,9 @@ def _check_formula(parsed, mesh, sizes, frozen_families) -> None:
     rt = resolve_mesh(mesh)
     known = dict(sizes or {})
     shapes = [_stand_in_shape(t, rt, known) for t in parsed.inputs]
-    plan_distributed(parsed, shapes, 4, rt, None, freeze_sizes(sizes), resolve_policy(None, None), frozen_families)
+    plan_distributed(
+        parsed, shapes, 4, rt, None, freeze_sizes(sizes), resolve_policy(None, None), frozen_families, duties
+    )
 
 
 @torch.compiler.disable
@@ -168,6 +170,7 @@ def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> N
     parsed = expand(formula, frozen)
     recorder = recorder_for(formula, parsed)  # the same preparation es.einshard runs
     prepared = None if recorder is None else recorder.prepare(operands, mesh_names(mesh))
-    _check_formula(parsed, mesh, sizes, frozen)
+    duties = () if recorder is None else recorder.duties(operands, prepared)
+    _check_formula(parsed, mesh, sizes, frozen, duties)
     if recorder is not None:
         recorder.commit(operands, prepared)
