@@ -7,7 +7,7 @@ produces their gradients, as in DDP), into buckets of about ``bucket_bytes``.
 A ``register_post_accumulate_grad_hook`` on every parameter marks it ready;
 when a bucket's last gradient arrives its gradients are flattened into one
 buffer and a SUM ``all_reduce`` over the union of its groups starts at once
-(``async_op=True``) while backward goes on. :meth:`GradBucketer.wait` waits
+(``async_op=True``, counted by ``es.count_communication``) while backward goes on. :meth:`GradBucketer.wait` waits
 for what is in flight and writes the sums back into ``.grad``.
 
 Repeated ``backward()`` without zeroing is exact: when a parameter already
@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
+
+from .. import collectives as C
 
 __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES"]
 
@@ -127,8 +128,7 @@ class GradBucketer:
             if g is None:
                 g = p.grad
             parts.append(torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None else g)
-        flat = torch.cat([g.reshape(-1) for g in parts])
-        work = dist.all_reduce(flat, group=bucket.group, async_op=True)
+        flat, work = C.all_reduce(torch.cat([g.reshape(-1) for g in parts]), bucket.group, async_op=True)
         self._works.append((work, flat, bucket, frozenset(bucket.had_grad)))
         bucket.ready = 0
         bucket.held = {}
