@@ -29,10 +29,15 @@ _PLANS: dict = {}
 class DistributedPlan:
     """A chosen schedule bound to this rank: call ``run`` with the local tensors."""
 
-    __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint")
+    __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint", "_partials")
 
     def grad_partials(self) -> tuple:
         """Per operand: the mesh dimensions its gradient comes back partial over (a gradient duty's groups)."""
+        if getattr(self, "_partials", None) is None:
+            self._partials = self._grad_partials()
+        return self._partials
+
+    def _grad_partials(self) -> tuple:
         n = len(self.problem.operands)
         out = [frozenset()] * n
         origin = list(range(n))  # the original operand at each position of the running operand list

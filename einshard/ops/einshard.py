@@ -7,8 +7,7 @@ from ..notation import expand, freeze_families
 from ..policy import resolve_policy
 from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
-from ..params.formula import ANY, recorder_for, resolve_pending, state_duties
-from ..params.names import mesh_names
+from ..params.formula import ANY, formula_names, recorder_for, resolve_pending, state_duties
 
 __all__ = ["einshard"]
 
@@ -51,7 +50,7 @@ def einshard(
             return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
                                    families=families, optimize=optimize, policy=policy)
         # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
-        prepared = recorder.prepare(tensors, mesh_names(mesh), backend="vma")
+        prepared = recorder.prepare(tensors, formula_names(mesh), backend="vma")
         _SATISFIED.append(True)
         try:
             out = _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
@@ -101,7 +100,7 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
             return _run_resolving(key, tensors, mesh, shapes, optimize, policy, duties)
         return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties)
     if recorder is not None:
-        prepared = {} if _SATISFIED else recorder.prepare(tensors, mesh_names(mesh))
+        prepared = {} if _SATISFIED else recorder.prepare(tensors, formula_names(mesh))
         _check_tensors(parsed, tensors)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
     if recorder is not None:
@@ -133,7 +132,7 @@ def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula with [param] operands: states prepared first, attached after success."""
     if _SATISFIED:  # inside shard_map(check_vma=True): recorded by the caller, the formula reduces
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
-    names = mesh_names(mesh)
+    names = formula_names(mesh)
     prepared = recorder.prepare(tensors, names)
     plans: list = []
     out = run_distributed(key, tensors, mesh, shapes, optimize, policy, recorder.duties(tensors, prepared), plans)
@@ -160,7 +159,7 @@ class _RecordingPlan:
     def run(self, tensors):
         if _SATISFIED:
             return self.plan.run(tensors)
-        prepared = self.recorder.prepare(tensors, mesh_names(self.mesh))
+        prepared = self.recorder.prepare(tensors, formula_names(self.mesh))
         out = self.plan.run(tensors)
         self.recorder.commit(tensors, prepared)
         return out
