@@ -197,3 +197,25 @@ def test_inside_shard_map_the_duty_is_satisfied_by_vma(mesh_2x4):
     es.reduce_module_grads_(_Holder(w), mesh)  # skipped: already reduced in the body
     torch.testing.assert_close(w.grad, ref, rtol=1e-12, atol=1e-12)
     dist.barrier()
+
+
+def test_grad_values_with_a_suffix_parse_in_formulas():
+    parsed = es.parse_sharding("x, w [param, grad=dp-sp:async] -> x")
+    assert [str(a) for a in parsed.inputs[1].annotations] == ["param", "grad=dp-sp:async"]
+    assert ParameterState.from_spec(parsed.inputs[1]).grad_comm.schedule == "async"
+    with pytest.raises(ValueError, match="Invalid einshard expression"):
+        es.parse_sharding("x, w [param, grad=dp:] -> x")
+
+
+def test_local_formulas_record_by_rank_local_inference():
+    w = torch.nn.Parameter(torch.ones(3, 2))
+    x = torch.ones(4, 3)
+    with es.use_mesh(es.Mesh.virtual((2,), ("dp",))):
+        es.einshard("b c, c h [param, grad=dp:async] -> b h", x, w)
+        assert get_parameter_state(w).grad_comm.mesh_dims == ("dp",)
+        v = torch.nn.Parameter(torch.ones(3, 2))
+        es.einshard("b c, c h [param, grad=dp:async] -> b h", x, v)  # the cached local plan records too
+        assert get_parameter_state(v).grad_comm.schedule == "async"
+        u = torch.nn.Parameter(torch.ones(3, 2))
+        es.einshard("b c, c h [param] -> b h", x, u)  # nothing shards: no duty
+        assert get_parameter_state(u).grad_comm.mode == "none"
