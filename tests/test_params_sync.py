@@ -127,6 +127,12 @@ def _origin_value(mesh, tensor, dims):
 
 @pytest.mark.ranks(8)
 def test_init_params_broadcast_replicated_groups(mesh):
+    with torch.random.fork_rng():  # rank-dependent seeds: the pool's later tests keep equal RNG states
+        _check_init_params(mesh)
+    dist.barrier()
+
+
+def _check_init_params(mesh):
     m = es.wrap_mesh(mesh)
     names = m.names
     model = Model(m)
@@ -152,14 +158,14 @@ def test_init_params_broadcast_replicated_groups(mesh):
     group = "-".join(reversed(names))  # every mesh dimension, in reverse order: one compound group
     es.init_param_(q, m, sync=group)
     assert torch.equal(q.detach(), _origin_value(m, start, list(names)))
-    dist.barrier()
 
 
 @pytest.mark.ranks(8)
 def test_sync_module_params_and_raw_device_mesh(mesh_2x2x2):
     m = es.wrap_mesh(mesh_2x2x2)
-    torch.manual_seed(dist.get_rank())
-    lin = torch.nn.Linear(2, 3)
+    with torch.random.fork_rng():
+        torch.manual_seed(dist.get_rank())
+        lin = torch.nn.Linear(2, 3)
     es.register_linear_parameters_(lin, weight_layout="o/tp i", mesh=m, init_sync="dp-sp")
     before = {n: p.detach().clone() for n, p in lin.named_parameters()}
     es.sync_module_params_(lin, m)
