@@ -163,30 +163,42 @@ def test_async_hooks_are_bucketed_overlap_backward_and_equal_synchronous(mesh):
     dist.barrier()
 
 
-@pytest.mark.ranks(8)
-def test_ddp_comm_hook(mesh_2x4):
-    m = es.wrap_mesh(mesh_2x4)
-    dp_group = m.group("dp")
+def _ddp_case(mesh):
+    """DDP averages over dp; g also sums over the rest of the mesh, and on (2, 2, 2) w and b over sp."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    m = es.wrap_mesh(mesh)
+    rest = [n for n in m.names if n != "dp"]
+    g_extra = "-".join(rest)  # "tp" or "sp-tp": an extra native group, compound on (2, 2, 2)
+    wb_extra = "-".join(n for n in rest if n != "tp") or None
     for combined in (False, True):
         block = Block(m)
-        # w and b: DDP averages them over dp; g also needs its sum over tp (an extra native group)
-        es.register_parameter_layout(block.g, "c", mesh=m, grad="tp")
-        es.register_parameter_layout(block.w, "c f/tp", mesh=m)
-        kw = {"combined_reduce_group": "dp-tp", "combined_reduce": ("tp",)} if combined else {}
-        if combined:  # every parameter of the only bucket reduces over tp alone: the fast path
+        es.register_parameter_layout(block.g, "c", mesh=m, grad=g_extra)
+        es.register_parameter_layout(block.w, "c f/tp", mesh=m, grad=wb_extra and f"{wb_extra}:ddp")
+        kw = {"combined_reduce_group": "-".join(reversed(m.names)), "combined_reduce": (g_extra,)} if combined else {}
+        if combined:  # every parameter of the only bucket reduces over g_extra alone: the fast path
             block.w.requires_grad_(False)
             block.b.requires_grad_(False)
-        ddp = DDP(block, process_group=dp_group)
+        ddp = DDP(block, process_group=m.group("dp"))
         assert es.register_grad_reduction_hook_(ddp, m, ddp_group="dp", **kw) is ddp
         (ddp(block.x) ** 2).sum().backward()
         want = _expected(m, scale=0.5)  # DDP averages over dp (size 2)
         torch.testing.assert_close(block.g.grad, want["g"], rtol=1e-12, atol=1e-12)
         if not combined:
             torch.testing.assert_close(block.w.grad, want["w"], rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(block.b.grad, want["b"], rtol=1e-12, atol=1e-12)
+            if wb_extra is None:  # b has no state: it gets only the average
+                torch.testing.assert_close(block.b.grad, want["b"], rtol=1e-12, atol=1e-12)
     dist.barrier()
+
+
+@pytest.mark.ranks(8)
+def test_ddp_comm_hook_2x4(mesh_2x4):
+    _ddp_case(mesh_2x4)
+
+
+@pytest.mark.ranks(8)
+def test_ddp_comm_hook_2x2x2(mesh_2x2x2):
+    _ddp_case(mesh_2x2x2)
 
 
 # -- single process: errors before any collective ------------------------------------------------
