@@ -60,6 +60,15 @@ class DistributedPlan:
         # equal on every rank when they agree on global sizes and split shapes (checked with checks on)
         self.fingerprint = zlib.crc32(repr((problem.operands, problem.output)).encode())
 
+    def describe(self) -> str:
+        """The global sizes and split shapes this rank derived (for cross-rank error messages)."""
+        seen: dict = {}
+        for layout in (*self.problem.operands, self.problem.output):
+            for axis, size, dims, splits in zip(layout.axes, layout.sizes, layout.shard, layout.splits):
+                if axis not in seen:
+                    seen[axis] = f"{axis}={size}" + (f" split {list(splits)} over {'-'.join(dims)}" if dims else "")
+        return "global sizes " + ", ".join(seen.values())
+
     def compile(self) -> "DistributedPlan":
         mesh = self.mesh
         layouts = list(self.problem.operands)
@@ -176,7 +185,10 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
             _agree_group(mesh),
             None if plan.local_error is None else ValueError(plan.local_error),
             fingerprint=plan.fingerprint,
-            what=f"the layouts of {key[0]!r}",
+            what=f"the operands of {key[0]!r}",
+            describe=plan.describe,
+            facts=(("dtypes", tuple(t.dtype for t in tensors)), ("devices", tuple(t.device for t in tensors))),
+            point="einshard",
         )
     return plan.run(tensors)
 
@@ -184,12 +196,15 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
 def _run_without_mesh(key, tensors):
     """No mesh anywhere: a formula whose sharded axes do not move runs on the local blocks."""
     from .ops.einshard import _check_tensors
-    from .ops.stationary import is_stationary, stationary_plan
+    from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
 
     parsed = expand(key[0], key[2])
     _check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
         raise ValueError(_MESH_REQUIRED)
+    why = needs_mesh_for_grad(parsed, tensors)
+    if why is not None:
+        raise ValueError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
     return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
 
 
@@ -205,7 +220,7 @@ def _new_plan(full_key, key, tensors, mesh, shapes, pol, duties=()):
         ).compile()
     except ValueError as err:
         if checks.checks_enabled():
-            checks.agree(_agree_group(mesh), err)
+            checks.agree(_agree_group(mesh), err, point="einshard")
         raise
     if len(_PLANS) > 16384:
         _PLANS.clear()
