@@ -143,10 +143,12 @@ class Transition:
             if self.back == self.src:
                 self._reverse = transition(self.dst, self.src, self.mesh)
                 self._reverse._reverse = self
-            else:  # a gradient left partial for its duty
+            else:  # a gradient left partial for its duty (uncached: its own reverse is the plain one)
                 from .plan.transition import plan_gradient
 
-                self._reverse = Transition(self.dst, self.back, self.mesh, plan_gradient(self.dst, self.back, self.shape))
+                rev = Transition(self.dst, self.back, self.mesh, plan_gradient(self.dst, self.back, self.shape))
+                rev._reverse = transition(self.back, self.dst, self.mesh)
+                self._reverse = rev
         return self._reverse
 
     def run_raw(self, x: torch.Tensor) -> torch.Tensor:

@@ -86,8 +86,9 @@ class Block(torch.nn.Module):
         s = es.einshard("b/dp h/tp q d, b/dp h/tp k d -> b/dp h/tp q k", q, k) / math.sqrt(D)
         o = es.einshard("b/dp h/tp q k, b/dp h/tp k d -> b/dp h/tp q d", s.masked_fill(CAUSAL, -math.inf).softmax(-1), v)
         x = x + es.einshard("b/dp h/tp n d, c h/tp d -> b/dp n c", o, self.wo)
-        u = F.gelu(es.einshard("b/dp n c, f/tp c -> b/dp n f/tp", self.ln2(x), self.w1) + self.b1)
-        return x + es.einshard("b/dp n f/tp, c f/tp -> b/dp n c", u, self.w2) + self.b2
+        f = {"f": FF}  # the whole size: the hidden units are split unevenly (8, 8, 8, 6)
+        u = F.gelu(es.einshard("b/dp n c, f/tp c -> b/dp n f/tp", self.ln2(x), self.w1, sizes=f) + self.b1)
+        return x + es.einshard("b/dp n f/tp, c f/tp -> b/dp n c", u, self.w2, sizes=f) + self.b2
 
 
 TEACHER = torch.randn(C, C, generator=torch.Generator().manual_seed(7), dtype=DTYPE) / math.sqrt(C)

@@ -76,7 +76,7 @@ def test_tree_shard_and_gather_use_the_registered_layouts(mesh_2x4):
 
     @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp f/tp", mesh=mesh, sizes={"b": 4, "f": 10})
     def up(params, xb):
-        return es.einshard("b/dp c, f/tp c -> b/dp f/tp", xb, params["up.weight"]) + params["up.bias"]
+        return es.einshard("b/dp c, f/tp c -> b/dp f/tp", xb, params["up.weight"], sizes={"f": 10}) + params["up.bias"]
 
     y = up(dict(model.named_parameters()), local_block(x, "b/dp c", mesh))
     ref = x @ whole["up.weight"].T + whole["up.bias"]
