@@ -158,7 +158,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-bytes", type=int, default=25 * 2**20)
     args = parser.parse_args()
-    results = launch(run, 8, args=(args.repeats, args.warmup, args.bucket_bytes), timeout=600)
+    # cross-rank checks off: they add an agreement collective to every formula call
+    results = launch(run, 8, args=(args.repeats, args.warmup, args.bucket_bytes), timeout=600, checks=False)
     if results is not None:
         for line in results[0]:
             print(json.dumps(line), flush=True)
