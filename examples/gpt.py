@@ -12,8 +12,9 @@ layout string per parameter (``model_layouts()``):
   cross-entropy: the logits are never gathered);
 - the residual stream lives as ``b/dp n/sp-tp c``: the batch over ``dp``, the sequence
   over ``sp`` and, for norms and residuals, over ``tp`` too (sequence parallelism).
-  Entering a tensor-parallel region all-gathers the sequence over ``tp``
-  (``b/dp n/sp-tp c -> b/dp n/sp c``); leaving it reduce-scatters
+  Entering a tensor-parallel region all-gathers the sequence over ``tp`` inside the
+  column-parallel formula (``b/dp n/sp-tp c, f/tp c -> b/dp n/sp f/tp``: in backward
+  the input's gradient is reduce-scattered); leaving it reduce-scatters
   (``b/dp n/sp f/tp, c f/tp -> b/dp n/sp-tp c``). Attention keeps queries split over
   ``sp`` and gathers keys and values over ``sp`` (context parallelism).
 
@@ -64,11 +65,10 @@ STEPS, LR = 10, 3e-2
 MESH = (("dp", 2), ("sp", 2), ("tp", 2))
 
 X = "b/dp n/sp-tp c"  # the residual stream: batch over dp, sequence over sp and tp
-TP_IN = "b/dp n/sp c"  # inside tensor-parallel regions: the sequence gathered over tp
 
 BLOCK_LAYOUTS = {
     "ln1.weight": "c", "ln1.bias": "c",
-    "wq": "h/tp d c", "wk": "h/tp d c", "wv": "h/tp d c", "wo": "c h/tp d",
+    "wqkv": "t h/tp d c", "wo": "c h/tp d",  # t: query, key, value
     "ln2.weight": "c", "ln2.bias": "c",
     "w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c",
 }
@@ -99,21 +99,19 @@ class Block(nn.Module):
 
         self.scale = D**-0.5
         self.ln1, self.ln2 = nn.LayerNorm(C, dtype=cfg.dtype), nn.LayerNorm(C, dtype=cfg.dtype)
-        self.wq, self.wk, self.wv, self.wo = param(H, D, C), param(H, D, C), param(H, D, C), param(C, H, D)
+        self.wqkv, self.wo = param(3, H, D, C), param(C, H, D)
         self.w1, self.b1, self.w2, self.b2 = param(FF, C), param(FF), param(C, FF), param(C)
 
     def forward(self, x, mask):
-        a = es.einshard(f"{X} -> {TP_IN}", self.ln1(x))  # sequence parallelism: all-gather over tp
-        q = es.einshard(f"{TP_IN}, h/tp d c -> b/dp h/tp n/sp d", a, self.wq)  # column-parallel
-        k = es.einshard(f"{TP_IN}, h/tp d c -> b/dp h/tp n/sp d", a, self.wk)
-        v = es.einshard(f"{TP_IN}, h/tp d c -> b/dp h/tp n/sp d", a, self.wv)
+        # sequence parallelism + column-parallel in one formula: the sequence is all-gathered over tp
+        # in forward, and the input's gradient reduce-scattered back over tp in backward
+        q, k, v = es.einshard(f"{X}, t h/tp d c -> t b/dp h/tp n/sp d", self.ln1(x), self.wqkv).unbind(0)
         # queries stay split over sp; the formula gathers the keys (and below the values) over sp
         s = es.einshard("b/dp h/tp q/sp d, b/dp h/tp k/sp d -> b/dp h/tp q/sp k", q, k) * self.scale
         p = (s + mask).softmax(-1)
         o = es.einshard("b/dp h/tp q/sp k, b/dp h/tp k/sp d -> b/dp h/tp q/sp d", p, v)
         x = x + es.einshard(f"b/dp h/tp n/sp d, c h/tp d -> {X}", o, self.wo)  # row-parallel: reduce-scatter
-        a = es.einshard(f"{X} -> {TP_IN}", self.ln2(x))
-        u = F.gelu(es.einshard(f"{TP_IN}, f/tp c -> b/dp n/sp f/tp", a, self.w1) + self.b1)
+        u = F.gelu(es.einshard(f"{X}, f/tp c -> b/dp n/sp f/tp", self.ln2(x), self.w1) + self.b1)
         return x + es.einshard(f"b/dp n/sp f/tp, c f/tp -> {X}", u, self.w2) + self.b2
 
 
@@ -141,8 +139,7 @@ class GPT(nn.Module):
         x = self.embed(tokens) + es.einshard(f"n c -> n/sp-tp c", self.wpe)
         for block in self.blocks:
             x = block(x, mask)
-        h = es.einshard(f"{X} -> {TP_IN}", self.ln_f(x))
-        logits = es.einshard(f"{TP_IN}, v/tp c -> b/dp n/sp v/tp", h, self.wte)  # tied head
+        logits = es.einshard(f"{X}, v/tp c -> b/dp n/sp v/tp", self.ln_f(x), self.wte)  # tied head
         return vocab_parallel_cross_entropy(logits, targets) / (self.cfg.batch * self.cfg.seq)
 
 
@@ -243,7 +240,7 @@ def reference_loss(p, tokens, targets, cfg: Config = CONFIG):
     for i in range(cfg.layers):
         b = {k: p[f"blocks.{i}.{k}"] for k in BLOCK_LAYOUTS}
         a = F.layer_norm(x, (cfg.width,), b["ln1.weight"], b["ln1.bias"])
-        q, k, v = (torch.einsum("bnc,hdc->bhnd", a, b[w]) for w in ("wq", "wk", "wv"))
+        q, k, v = torch.einsum("bnc,thdc->tbhnd", a, b["wqkv"]).unbind(0)
         s = (torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(cfg.head_width)).masked_fill(causal, float("-inf"))
         x = x + torch.einsum("bhnd,chd->bnc", torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v), b["wo"])
         a = F.layer_norm(x, (cfg.width,), b["ln2.weight"], b["ln2.bias"])
