@@ -10,7 +10,9 @@ timed interleaved in one job (a barrier before every step):
   ``fully_shard`` (FSDP2) over ``dp``. The baseline: its ``ratio`` is 1.
 - ``einshard``: the example's model and ``shard_map`` step on the same decomposition
   (``dp x sp x tp`` = 4 x 1 x 2: batch over dp, sequence parallelism over tp);
-- ``einshard_3d``: the same on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp as well).
+- ``einshard_hooks``: the example's ``--style einshard`` step (no ``shard_map``; gradient duties
+  summed by bucketed asynchronous all-reduces started during backward) on 4 x 1 x 2;
+- ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too).
 
 Before timing, every variant trains the same first steps from the same initial values and their
 losses must agree (float32 tolerance). One JSON line per variant on stdout::
@@ -134,10 +136,10 @@ def peak_memory(step) -> int:
 # -- the variants ------------------------------------------------------------------------------------
 
 
-def einshard_variant(cfg, values, dims):
+def einshard_variant(cfg, values, dims, style="shard_map"):
     mesh = gpt.make_mesh(dims)
-    model = gpt.sharded_model(mesh, values, cfg)
-    step_fn = gpt.make_step(model, mesh)
+    model = gpt.sharded_model(mesh, values, cfg, style)
+    step_fn = gpt.make_step(model, mesh, style)
     optimizer = torch.optim.Adam(model.parameters(), lr=gpt.LR)
 
     def step(i):
@@ -288,6 +290,7 @@ def on_rank(cfg, steps: int, warmup: int) -> list[dict] | None:
     variants = {
         "torch": torch_variant(cfg, values, dp=4, tp=2),
         "einshard": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2))),
+        "einshard_hooks": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard"),
         "einshard_3d": einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
     }
     rank = dist.get_rank()

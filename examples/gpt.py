@@ -18,16 +18,26 @@ layout string per parameter (``model_layouts()``):
   (``b/dp n/sp f/tp, c f/tp -> b/dp n/sp-tp c``). Attention keeps queries split over
   ``sp`` and gathers keys and values over ``sp`` (context parallelism).
 
-Every collective comes from a formula; there is no hand-written all-reduce. The whole
-training step (forward, ``loss.backward()``) is one ``es.shard_map`` body with
-``check_vma=True``, so the replicated parameters (norms, biases, position embeddings)
-receive gradients summed over every rank they meet; the optimizer (Adam) then updates
-every rank's blocks. The same model is trained in one process on whole tensors
-(float64) and the losses are compared step by step.
+Every collective comes from a formula; there is no hand-written all-reduce. The training
+step comes in two styles (``--style``):
+
+- ``shard_map`` (default): forward and ``loss.backward()`` are one ``es.shard_map`` body with
+  ``check_vma=True``, so the replicated parameters (norms, biases, position embeddings) receive
+  gradients summed over every rank they meet;
+- ``einshard``: the model runs under ``es.use_mesh`` with no ``shard_map``; every parameter
+  carries a gradient duty (``grad=dp-sp:async``, ...), the formulas leave those gradients
+  partial, and bucketed asynchronous all-reduces started during backward sum them.
+
+Adam then updates every rank's blocks. Half-way, the model and Adam's state are saved with
+``torch.distributed.checkpoint`` (``es.to_dtensor``: placements from the registered layouts)
+and training resumes on a different mesh (dp=4, sp=1, tp=2), resharded by DCP. The same model
+is trained in one process on whole tensors (float64) and the losses are compared step by step,
+before and after the resume.
 
 Run it from the repository root::
 
     python examples/gpt.py                               # starts 8 gloo ranks itself
+    python examples/gpt.py --style einshard              # without shard_map, gradient hooks
     torchrun --nproc-per-node 8 examples/gpt.py          # or under torchrun
 """
 
@@ -35,12 +45,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -62,7 +75,8 @@ class Config:
 
 CONFIG = Config()
 STEPS, LR = 10, 3e-2
-MESH = (("dp", 2), ("sp", 2), ("tp", 2))
+MESH = (("dp", 2), ("sp", 2), ("tp", 2))  # the first half of training
+RESUME_MESH = (("dp", 4), ("sp", 1), ("tp", 2))  # the second half, from the checkpoint
 
 X = "b/dp n/sp-tp c"  # the residual stream: batch over dp, sequence over sp and tp
 
@@ -136,7 +150,9 @@ class GPT(nn.Module):
 
     def forward(self, tokens, targets, mask):
         """The mean next-token cross-entropy; ``tokens``/``targets`` are ``b/dp n/sp``."""
-        x = self.embed(tokens) + es.einshard(f"n c -> n/sp-tp c", self.wpe)
+        # this rank's positions; '// dp' (pvary) says they meet data that varies over dp, so the
+        # gradient arriving in backward holds per-rank contributions that must be summed over dp
+        x = self.embed(tokens) + es.einshard("n c -> n/sp-tp c // dp", self.wpe)
         for block in self.blocks:
             x = block(x, mask)
         logits = es.einshard(f"{X}, v/tp c -> b/dp n/sp v/tp", self.ln_f(x), self.wte)  # tied head
@@ -188,46 +204,123 @@ def init_values(cfg: Config = CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
     return values
 
 
-def sharded_model(mesh, values, cfg: Config = CONFIG) -> GPT:
-    """A GPT whose parameters are this rank's blocks of the whole ``values``."""
+def grad_duties(cfg: Config = CONFIG) -> dict[str, str]:
+    """Outside ``shard_map``: the ranks over which each parameter's gradient must be summed.
+
+    A parameter meets data that varies over every mesh dimension the data is split over and
+    the parameter is not: the residual stream ``b/dp n/sp-tp c`` varies over all three, the
+    tensor-parallel regions over ``dp`` and ``sp``. ``:async`` sums them in buckets while
+    backward runs.
+    """
+    duties = {"wte": "dp-sp", "wpe": "dp", "ln_f.weight": "dp-sp-tp", "ln_f.bias": "dp-sp-tp"}
+    block = {"ln1.weight": "dp-sp-tp", "ln1.bias": "dp-sp-tp", "ln2.weight": "dp-sp-tp", "ln2.bias": "dp-sp-tp",
+             "wqkv": "dp-sp", "wo": "dp-sp", "w1": "dp-sp", "b1": "dp-sp", "w2": "dp-sp", "b2": "dp-sp-tp"}
+    duties.update({f"blocks.{i}.{k}": v for i in range(cfg.layers) for k, v in block.items()})
+    return {name: f"{group}:async" for name, group in duties.items()}
+
+
+def empty_model(mesh, cfg: Config, style: str) -> GPT:
+    """A GPT with this rank's (uninitialised) blocks for ``mesh``, its layouts registered."""
     with torch.device("meta"):
         model = GPT(cfg)
-    for name, block in es.tree_shard(values, model_layouts(cfg), mesh=mesh).items():
+    layouts = model_layouts(cfg)
+    blocks = es.tree_shard({k: torch.empty(p.shape, dtype=p.dtype) for k, p in model.named_parameters()},
+                           layouts, mesh=mesh)
+    for name, block in blocks.items():
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, nn.Parameter(block))
+    # shard_map style: shard_map's variance tracking sums the gradients; einshard style: the hooks do
+    grad = grad_duties(cfg) if style == "einshard" else None
+    return es.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad)
+
+
+def sharded_model(mesh, values, cfg: Config = CONFIG, style: str = "shard_map") -> GPT:
+    """A GPT whose parameters are this rank's blocks of the whole ``values``."""
+    model = empty_model(mesh, cfg, style)
+    with torch.no_grad():
+        for name, block in es.tree_shard(values, es.param_specs(model), mesh=mesh).items():
+            model.get_parameter(name).copy_(block)
     return model
 
 
-# -- the sharded training step ------------------------------------------------------------------------
+# -- the sharded training step, two ways ----------------------------------------------------------------
 
 
-def make_step(model: GPT, mesh):
-    """One training step (forward and backward) as a ``shard_map`` body over this rank's blocks."""
+def make_step(model: GPT, mesh, style: str = "shard_map"):
+    """``step(tokens, targets)``: forward and backward on whole batches; returns the loss.
+
+    ``shard_map``: the step is one ``shard_map`` body; replicated parameters meeting per-rank
+    data are marked varying there, so their gradients are summed by the body's backward.
+    ``einshard``: the model runs under ``es.use_mesh``; every parameter carries its gradient
+    duty (:func:`grad_duties`), the formulas leave those gradients partial, and bucketed
+    asynchronous all-reduces started during backward sum them.
+    """
     mask = causal_mask(mesh, model.cfg)
+    if style == "einshard":
+        handle = es.register_native_grad_reduction_hooks_(model, mesh)
+
+        def step(tokens, targets):
+            with es.use_mesh(mesh):
+                tokens, targets = es.tree_shard((tokens, targets), "b/dp n/sp")  # this rank's part of the batch
+                loss = model(tokens, targets, mask)
+                loss.backward()
+            handle.wait()  # the gradient sums still in flight
+            return loss.detach()
+
+        return step
 
     @es.shard_map(
-        in_specs=(model_layouts(model.cfg), "b n -> b/dp n/sp", "b n -> b/dp n/sp"),  # the batch arrives whole
+        in_specs=(es.param_specs(model), "b n -> b/dp n/sp", "b n -> b/dp n/sp"),  # the batch arrives whole
         out_specs="",
         mesh=mesh,
         check_vma=True,
     )
-    def step(params, tokens, targets):
+    def body(params, tokens, targets):
         loss = torch.func.functional_call(model, params, (tokens, targets, mask), strict=True)
         loss.backward()  # the gradients land on the parameters' .grad, summed where they are replicated
         return loss.detach()
 
-    return lambda tokens, targets: step(dict(model.named_parameters()), tokens, targets)
+    return lambda tokens, targets: body(dict(model.named_parameters()), tokens, targets)
 
 
-def train(mesh, model: GPT, steps: int) -> list[float]:
-    step_fn = make_step(model, mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+def train(mesh, model: GPT, optimizer, steps: range, style: str = "shard_map") -> list[float]:
+    step_fn = make_step(model, mesh, style)
     losses = []
-    for step in range(steps):
+    for step in steps:
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_fn(*batch(step, model.cfg)).item())
         optimizer.step()
     return losses
+
+
+# -- checkpoints: torch.distributed.checkpoint reshards between meshes -----------------------------------
+
+
+def checkpoint_state(model: GPT, optimizer, mesh) -> dict:
+    """The model and Adam's state as DTensors (placements from the registered layouts), for DCP."""
+    specs = es.param_specs(model)
+    moments = {name: {k: optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
+               for name, p in model.named_parameters()}
+    step = next(iter(optimizer.state.values()))["step"]
+    return {"model": es.to_dtensor(model, mesh=mesh), "adam": es.to_dtensor(moments, specs, mesh=mesh),
+            "step": step.clone()}
+
+
+def load_checkpoint(path: str, mesh, cfg: Config, style: str):
+    """A model and an Adam optimizer on ``mesh`` with the state saved at ``path`` (from any mesh)."""
+    model = empty_model(mesh, cfg, style)
+    zeros = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+             for name, p in model.named_parameters()}
+    specs = es.param_specs(model)
+    state = {"model": es.to_dtensor(model, mesh=mesh), "adam": es.to_dtensor(zeros, specs, mesh=mesh),
+             "step": torch.zeros(())}
+    dcp.load(state, checkpoint_id=path)  # every rank reads the parts its new blocks cover
+    es.load_from_dtensor_(model, state["model"], mesh=mesh)
+    moments = es.from_dtensor(state["adam"], specs, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for name, p in model.named_parameters():
+        optimizer.state[p] = {"step": state["step"].clone(), **moments[name]}
+    return model, optimizer
 
 
 # -- the same model in one process ---------------------------------------------------------------------
@@ -271,32 +364,46 @@ def make_mesh(dims=MESH):
     return es.wrap_mesh(init_device_mesh("cpu", shape, mesh_dim_names=names))
 
 
-def on_rank(steps: int) -> list[str]:
-    """What every rank runs: train on the dp x sp x tp mesh, compare with one process."""
+def on_rank(steps: int, style: str, path: str) -> list[str]:
+    """What every rank runs: train half the steps on the 2x2x2 mesh, save, resume on 4x1x2, compare."""
     torch.set_num_threads(1)
     cfg = CONFIG
+    half = steps // 2
     mesh = make_mesh()
-    model = sharded_model(mesh, init_values(cfg), cfg)
+    model = sharded_model(mesh, init_values(cfg), cfg, style)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     start = time.perf_counter()
-    with es.use_mesh(mesh):
-        losses = train(mesh, model, steps)
+    losses = train(mesh, model, optimizer, range(half), style)
+    dcp.save(checkpoint_state(model, optimizer, mesh), checkpoint_id=path)
+    other = make_mesh(RESUME_MESH)
+    model, optimizer = load_checkpoint(path, other, cfg, style)
+    resumed = train(other, model, optimizer, range(half, steps), style)
     elapsed = time.perf_counter() - start
     ref = reference_training(steps, cfg)
-    lines = [f"GPT ({cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, vocabulary {cfg.vocab}) "
-             f"on mesh {dict(MESH)}, {steps} Adam steps, {cfg.dtype}"]
-    lines += [f"step {i}: loss {a:.10f}   single process {b:.10f}" for i, (a, b) in enumerate(zip(losses, ref))]
+    lines = [f"GPT ({cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, vocabulary {cfg.vocab}), "
+             f"{steps} Adam steps, {cfg.dtype}, {style} style: steps 0-{half - 1} on mesh {dict(MESH)}, "
+             f"checkpointed with torch.distributed.checkpoint, steps {half}-{steps - 1} on mesh {dict(RESUME_MESH)}"]
+    for i, (a, b) in enumerate(zip(losses + resumed, ref)):
+        lines.append(f"step {i}: loss {a:.10f}   single process {b:.10f}" + ("   (resumed)" if i >= half else ""))
     lines.append(f"sharded training took {elapsed:.2f} s")
-    diff = max(abs(a - b) for a, b in zip(losses, ref))
-    lines.append(f"max loss difference from single-process training: {diff:.3e}")
+    before = max(abs(a - b) for a, b in zip(losses, ref))
+    after = max(abs(a - b) for a, b in zip(resumed, ref[half:]))
+    lines.append(f"max loss difference from single-process training: {before:.3e}")
+    lines.append(f"max loss difference after resuming on another mesh: {after:.3e}")
     return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--style", choices=("shard_map", "einshard"), default="shard_map",
+                        help="the training step as one shard_map body, or plain formulas with gradient hooks")
+    parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "einshard_gpt_checkpoint"),
+                        help="where the half-way checkpoint goes (shared by all ranks)")
     args = parser.parse_args(argv)
+    path = os.path.join(args.checkpoint_dir, args.style)
     # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(on_rank, 8, args=(args.steps,), timeout=600)
+    results = launch(on_rank, 8, args=(args.steps, args.style, path), timeout=600)
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

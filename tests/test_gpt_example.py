@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
@@ -20,12 +22,16 @@ def run_example(*args: str) -> str:
     return proc.stdout
 
 
-def test_gpt_example_matches_single_process():
-    out = run_example()
+@pytest.mark.parametrize("style", ["shard_map", "einshard"])
+def test_gpt_example_matches_single_process_and_resumes_on_another_mesh(style, tmp_path):
+    out = run_example("--style", style, "--checkpoint-dir", str(tmp_path))
     steps = re.findall(r"^step (\d+): loss ([0-9.]+)\s+single process ([0-9.]+)$", out, re.M)
     assert len(steps) >= 8, out
     losses = [float(a) for _, a, _ in steps]
     assert losses[-1] < losses[0] - 0.5, out  # it learns the corpus
-    found = re.search(r"^max loss difference from single-process training: ([0-9.eE+-]+)$", out, re.M)
-    assert found is not None, out
-    assert float(found.group(1)) < 1e-9, out
+    assert sum("(resumed)" in line for line in out.splitlines()) >= 4, out
+    overall, after = out.strip().splitlines()[-2:]
+    found = re.fullmatch(r"max loss difference from single-process training: ([0-9.eE+-]+)", overall)
+    assert found is not None and float(found.group(1)) < 1e-9, out
+    found = re.fullmatch(r"max loss difference after resuming on another mesh: ([0-9.eE+-]+)", after)
+    assert found is not None and float(found.group(1)) < 1e-9, out
