@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -133,12 +134,13 @@ def main():
             }
             print(json.dumps(line))
             rows.append(line)
-    print()
-    print(f"{'case':28s} {'dir':8s} {'bytes/rank':>12s} {'bound':>12s} {'ratio':>6s}")
+    print(file=sys.stderr)  # the table is for people: stderr, so stdout stays JSON lines
+    print(f"{'case':28s} {'dir':8s} {'bytes/rank':>12s} {'bound':>12s} {'ratio':>6s}", file=sys.stderr)
     for r in rows:
         print(
             f"{r['case']:28s} {r['direction']:8s} {r['bytes_per_rank']:12,.0f} {r['lower_bound']:12,.0f} "
-            f"{r['ratio']:6.2f}"
+            f"{r['ratio']:6.2f}",
+            file=sys.stderr,
         )
 
 

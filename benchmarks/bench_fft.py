@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -149,15 +150,16 @@ def main():
     results = spawn(_all_cases, 8, args=(args.size, args.repeats, args.case), timeout=900)[0]
     for line in results:
         print(json.dumps(line))
-    print()
+    print(file=sys.stderr)  # the table is for people: stderr, so stdout stays JSON lines
     header = f"{'case':32s} {'mesh':4s} {'bytes/rank':>11s} {'bound':>11s} {'ratio':>5s} {'gather B':>11s} " \
              f"{'einfft ms':>9s} {'gather ms':>9s} {'t ratio':>7s}"
-    print(header)
+    print(header, file=sys.stderr)
     for r in results:
         print(
             f"{r['case']:32s} {r['mesh']:4s} {r['bytes_per_rank']:11,.0f} {r['lower_bound']:11,.0f} "
             f"{r['ratio']:5.2f} {r['gather_bytes_per_rank']:11,.0f} {r['einfft_ms']:9.2f} {r['gather_ms']:9.2f} "
-            f"{r['time_ratio']:7.2f}"
+            f"{r['time_ratio']:7.2f}",
+            file=sys.stderr,
         )
 
 

@@ -1,7 +1,8 @@
-"""Split shapes: how a logical axis is cut into per-rank blocks (SPEC §4)."""
+"""Split shapes: how a logical axis is cut into per-rank blocks."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "compute_split_shapes_for_factors",
     "resolve_split_shapes",
     "canonical_mesh_dim",
+    "is_size",
 ]
 
 
@@ -129,6 +131,17 @@ def _lookup_dim(shapes: Mapping, mesh_dim: str):
     return _MISSING
 
 
+def is_size(v) -> bool:
+    """A non-negative integer size: an ``int`` (or int-like, e.g. numpy), not a ``bool`` or a ``float``.
+
+    >>> is_size(3), is_size(3.0), is_size(True), is_size(-1)
+    (True, False, False, False)
+    """
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+        return False
+    return operator.index(v) >= 0
+
+
 def _as_sizes(value, what: str) -> list[int]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         try:
@@ -137,7 +150,7 @@ def _as_sizes(value, what: str) -> list[int]:
             raise ValueError(f"{what} must be a list of per-rank sizes, got {value!r}") from None
     sizes = []
     for v in value:
-        if isinstance(v, bool) or int(v) != v or v < 0:
+        if not is_size(v):
             raise ValueError(f"{what} must hold non-negative integers, got {list(value)!r}")
-        sizes.append(int(v))
+        sizes.append(operator.index(v))
     return sizes

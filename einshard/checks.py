@@ -1,4 +1,4 @@
-"""Agreeing on argument errors across ranks before communicating (SPEC §4).
+"""Agreeing on argument errors across ranks before communicating.
 
 An error that only one rank can see (say, its local size disagrees with
 ``shapes``) would leave the other ranks waiting in the next collective. With

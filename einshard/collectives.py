@@ -1,4 +1,4 @@
-"""Raw collectives on process groups (SPEC §4, "Plain collectives").
+"""Raw collectives on process groups (the plain collectives of ``es.helpers``).
 
 These are *not* differentiable (their inputs are detached); the autograd
 versions are in :mod:`einshard.mappings`. Every function

@@ -122,7 +122,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     if mesh is None:
         mesh = ambient.mesh
         if mesh is None:
-            raise ValueError(_MESH_REQUIRED)
+            return _run_without_mesh(key, tensors)
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
@@ -144,6 +144,18 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     return plan.run(tensors)
 
 
+def _run_without_mesh(key, tensors):
+    """No mesh anywhere: a formula whose sharded axes do not move runs on the local blocks."""
+    from .ops.einshard import _check_tensors
+    from .ops.stationary import is_stationary, stationary_plan
+
+    parsed = expand(key[0], key[2])
+    _check_tensors(parsed, tensors)
+    if not is_stationary(parsed, key[1]):
+        raise ValueError(_MESH_REQUIRED)
+    return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
+
+
 def _new_plan(full_key, key, tensors, mesh, shapes, pol):
     from .ops.einshard import _check_tensors
 
@@ -151,9 +163,6 @@ def _new_plan(full_key, key, tensors, mesh, shapes, pol):
     parsed = expand(formula, families)
     try:
         _check_tensors(parsed, tensors)
-        dtypes = sorted({str(t.dtype) for t in tensors})
-        if len(dtypes) > 1:  # torch.einsum would fail after the operands' collectives
-            raise ValueError(f"{formula!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
         plan = plan_distributed(
             parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families
         ).compile()

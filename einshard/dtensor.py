@@ -1,4 +1,4 @@
-"""``DTensor`` interop: placements ↔ einshard layouts (SPEC §9).
+"""``DTensor`` interop: placements ↔ einshard layouts.
 
 A ``DTensor``'s placements are one of ``Shard(dim)``, ``Partial()`` or
 ``Replicate()`` per mesh dimension, exactly einshard's three states. Its

@@ -1,4 +1,4 @@
-"""Helpers (SPEC §4): split shapes, process-group start-up, plain collectives."""
+"""Helpers: split shapes, process-group start-up, plain collectives."""
 
 from __future__ import annotations
 

@@ -22,7 +22,16 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Layout", "MeshShape", "coarsen_splits", "interval_grid", "grouped"]
+__all__ = ["Layout", "MeshShape", "broadcast_size", "coarsen_splits", "interval_grid", "grouped"]
+
+
+def broadcast_size(a: int, b: int) -> int:
+    """The size two broadcast occurrences of an axis share: a size-1 one takes the other's (even 0).
+
+    >>> broadcast_size(1, 0), broadcast_size(5, 1), broadcast_size(1, 1)
+    (0, 5, 1)
+    """
+    return b if a == 1 else a
 
 
 @dataclass(frozen=True)

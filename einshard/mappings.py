@@ -1,4 +1,4 @@
-"""Autograd mappings: collectives whose backward is the exact adjoint (SPEC §3, §8).
+"""Autograd mappings: collectives whose backward is the exact adjoint.
 
 Each mapping is a ``torch.autograd.Function`` in the ``setup_context`` style,
 so it composes with ``torch.func.grad`` and ``torch.func.vjp``; its backward
@@ -136,7 +136,7 @@ def broadcast_forward_allreduce_backward(x: torch.Tensor, group, src: int = 0) -
     The output feeds per-rank computation (like
     :func:`identity_forward_allreduce_backward`), so the gradient of ``src``'s
     value is the sum of the ranks' gradients; every rank receives that sum (a
-    replicated input gets its full gradient everywhere, SPEC §3).
+    replicated input gets its full gradient everywhere).
 
     >>> w = broadcast_forward_allreduce_backward(w, dp_group, src=0)  # doctest: +SKIP
     """

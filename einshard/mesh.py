@@ -1,4 +1,4 @@
-"""Meshes: named mesh dimensions, compound groups and the ambient mesh (SPEC §4).
+"""Meshes: named mesh dimensions, compound groups and the ambient mesh.
 
 A :class:`Mesh` wraps a ``torch.distributed.device_mesh.DeviceMesh``. Besides
 the mesh's own dimensions it resolves *compound* dimensions such as
@@ -6,6 +6,13 @@ the mesh's own dimensions it resolves *compound* dimensions such as
 the other dimensions, ranks ordered by the mesh's own dimension order (so
 ``"dp-sp"`` and ``"sp-dp"`` are the same group). Compound groups are created
 lazily, once, and cached on the wrapper.
+
+A :class:`Mesh` can stand in for the ``DeviceMesh`` it wraps: it has
+``mesh_dim_names``, ``shape``, ``size()``, ``ndim``, ``device_type``,
+``mesh``, ``get_group``, ``get_all_groups``, ``get_local_rank``,
+``get_coordinate``, ``get_rank`` and indexing by one, several or compound
+names (``mesh["dp"]``, ``mesh["dp", "tp"]``, ``mesh["dp-sp"]``), which gives
+a cached sub-mesh whose groups are the parent's.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from collections.abc import Sequence
 
 from . import _context
 
-__all__ = ["Mesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh"]
+__all__ = ["Mesh", "SubMesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh"]
 
 _MESH_REQUIRED = "Distributed einshard operations require mesh=..."
 
@@ -42,6 +49,7 @@ class Mesh:
         "_groups",
         "_dims_cache",
         "_rank_grid",
+        "_submeshes",
         "__weakref__",
     )
 
@@ -63,16 +71,12 @@ class Mesh:
         self._groups: dict[tuple[str, ...], object] = {}
         self._dims_cache: dict[str, tuple[str, ...]] = {}
         self._rank_grid = rank_grid
+        self._submeshes: dict = {}
 
     # -- construction -----------------------------------------------------
     @classmethod
-    def from_device_mesh(cls, device_mesh, *, allow_compound: bool = True) -> "Mesh":
-        names = device_mesh.mesh_dim_names
-        if not names:
-            raise ValueError(
-                "einshard needs a DeviceMesh with mesh_dim_names, e.g. "
-                "init_device_mesh('cpu', (2, 4), mesh_dim_names=('dp', 'tp'))"
-            )
+    def from_device_mesh(cls, device_mesh, *, allow_compound: bool = True, names=None) -> "Mesh":
+        names = check_names(device_mesh, names)
         coordinate = device_mesh.get_coordinate()
         if coordinate is None:
             raise ValueError("this rank is not part of the given DeviceMesh")
@@ -93,6 +97,7 @@ class Mesh:
             coordinate = (0,) * len(shape)
         if len(names) != len(shape) or len(coordinate) != len(shape):
             raise ValueError("virtual mesh: shape, names and coordinate must have the same length")
+        _check_name_list(names, len(shape))
         return cls(None, names=names, shape=shape, coordinate=coordinate)
 
     # -- dimensions -------------------------------------------------------
@@ -123,7 +128,12 @@ class Mesh:
         """The canonical name of a set of atomic dimensions (mesh order, ``-`` joined)."""
         return "-".join(sorted(dims, key=self.names.index))
 
-    def size(self, name: str | Sequence[str]) -> int:
+    def size(self, name: str | int | Sequence[str] | None = None) -> int:
+        """The number of ranks along ``name`` (a (compound) name, a dimension index, or all with ``None``)."""
+        if name is None:
+            return math.prod(self.shape)
+        if isinstance(name, int):
+            return self.shape[name]
         dims = self.dims(name) if isinstance(name, str) else name
         return math.prod(self.shape[self.names.index(d)] for d in dims)
 
@@ -160,7 +170,7 @@ class Mesh:
         if self.device_mesh is None:
             raise ValueError("a virtual mesh has no process groups")
         if len(dims) == 1:
-            group = self.device_mesh.get_group(dims[0])
+            group = self.device_mesh.get_group(self.names.index(dims[0]))
         else:
             group = self._new_compound_group(dims)
         from . import comm_stats
@@ -180,6 +190,79 @@ class Mesh:
             return dist.group.WORLD
         return dist.new_group(ranks, use_local_synchronization=True)
 
+    # -- the DeviceMesh interface -------------------------------------------
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return self.names
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.device_mesh is None else self.device_mesh.device_type
+
+    @property
+    def mesh(self):
+        """The global ranks as a tensor of the mesh's shape (a virtual mesh numbers them in order)."""
+        import torch
+
+        if self._rank_grid is None:
+            return torch.arange(math.prod(self.shape)).reshape(self.shape)
+        return torch.as_tensor(self._rank_grid)
+
+    def _dim_name(self, mesh_dim) -> str:
+        if mesh_dim is None:
+            if len(self.names) != 1:
+                raise ValueError(f"this mesh has {len(self.names)} dimensions {list(self.names)}; name one")
+            return self.names[0]
+        if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, (int, str)):
+            raise TypeError(f"a mesh dimension is a name or an index, got {type(mesh_dim).__name__}")
+        if isinstance(mesh_dim, int):
+            if not -len(self.names) <= mesh_dim < len(self.names):
+                raise ValueError(f"mesh dimension index {mesh_dim} is out of range for {list(self.names)}")
+            return self.names[mesh_dim]
+        return mesh_dim
+
+    def get_group(self, mesh_dim: str | int | None = None):
+        """The process group of a (compound) dimension, like ``DeviceMesh.get_group``."""
+        return self.group(self._dim_name(mesh_dim))
+
+    def get_all_groups(self) -> list:
+        return [self.group(n) for n in self.names]
+
+    def get_local_rank(self, mesh_dim: str | int | None = None) -> int:
+        """This rank's index along a (compound) dimension."""
+        return self.index(self._dim_name(mesh_dim))
+
+    def get_coordinate(self) -> list[int]:
+        return list(self.coordinate)
+
+    def get_rank(self) -> int:
+        return int(self.mesh[tuple(self.coordinate)])
+
+    def __getitem__(self, names) -> "Mesh":
+        """A sub-mesh over one, several or compound names (``mesh["dp"]``, ``mesh["dp", "tp"]``, ``mesh["dp-sp"]``).
+
+        Cached: the same names (in any component order) give the same object;
+        its groups are this mesh's (compound ones created lazily, once).
+        """
+        key = (names,) if isinstance(names, str) else tuple(names) if isinstance(names, (tuple, list)) else None
+        if key is None or not key or any(not isinstance(n, str) for n in key):
+            raise TypeError(f"index a mesh with dimension names (str), got {names!r}")
+        parts = tuple(self.dims(n) for n in key)
+        flat = [d for p in parts for d in p]
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"mesh[{names!r}] names a mesh dimension twice; the mesh has {list(self.names)}")
+        if parts == tuple((n,) for n in self.names):
+            return self
+        sub = self._submeshes.get(parts)
+        if sub is None:
+            sub = SubMesh(self, parts)
+            self._submeshes[parts] = sub
+        return sub
+
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
         return f"Mesh({dims})"
@@ -196,36 +279,163 @@ class Mesh:
         return id(self.device_mesh) if self.device_mesh is not None else id(self)
 
 
+class SubMesh(Mesh):
+    """``mesh[...]``: some (compound) dimensions of a parent mesh, sharing its process groups.
+
+    Each of its dimensions is named by the parent's canonical label
+    (``"dp-sp"``); its ``device_mesh`` is built from the parent's groups on
+    first use.
+    """
+
+    __slots__ = ("parent", "parts", "_device_mesh")
+
+    def __init__(self, parent: Mesh, parts: tuple[tuple[str, ...], ...]):
+        import numpy as np
+
+        names = tuple(parent.label(p) for p in parts)
+        shape = tuple(parent.size(p) for p in parts)
+        coordinate = tuple(parent.index(p) for p in parts)
+        chosen = [d for p in parts for d in p]
+        index = tuple(slice(None) if n in chosen else c for n, c in zip(parent.names, parent.coordinate))
+        kept = [n for n in parent.names if n in chosen]  # the axes left after indexing, in mesh order
+        grid = np.asarray(parent.mesh)[index].transpose([kept.index(d) for d in chosen]).reshape(shape)
+        super().__init__(None, names=names, shape=shape, coordinate=coordinate, rank_grid=grid)
+        self.parent = parent
+        self.parts = parts
+        self._device_mesh = None
+
+    @property
+    def device_mesh(self):
+        """A ``DeviceMesh`` over the parent's groups (``None`` when the parent is virtual)."""
+        if self._device_mesh is None and self.parent.device_mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            groups = [self.parent.group(p) for p in self.parts]
+            self._device_mesh = DeviceMesh.from_group(
+                groups if len(groups) > 1 else groups[0],
+                self.parent.device_type,
+                mesh=self.mesh,
+                mesh_dim_names=self.names,
+            )
+        return self._device_mesh
+
+    @device_mesh.setter
+    def device_mesh(self, value) -> None:
+        pass  # set by Mesh.__init__; built lazily instead
+
+    @property
+    def device_type(self) -> str:
+        return self.parent.device_type
+
+    def dims(self, name: str) -> tuple[str, ...]:
+        if name in self.names:
+            return (name,)
+        try:  # "sp-dp" names the sub-mesh dimension "dp-sp"
+            label = self.parent.label(self.parent.dims(name))
+        except ValueError:
+            label = None
+        if label in self.names:
+            return (label,)
+        return super().dims(name)
+
+    def group(self, name: str | Sequence[str]):
+        dims = self.dims(name) if isinstance(name, str) else tuple(name)
+        parent_dims = [d for n in dims for d in self.parts[self.names.index(n)]]
+        return self.parent.group(tuple(parent_dims))
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def _check_name_list(names, ndim: int) -> tuple[str, ...]:
+    """Mesh dimension names: strings, non-empty, distinct, without '-', one per dimension."""
+    if isinstance(names, str):
+        raise TypeError(f"mesh_dim_names must be a sequence of names, got the string {names!r}")
+    names = tuple(names)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"mesh dimension names must be strings, got {n!r} in {names!r}")
+        if not n:
+            raise ValueError(f"mesh dimension names must not be empty: {names!r}")
+        if "-" in n:
+            raise ValueError(
+                f"mesh dimension name {n!r} contains '-', which joins compound dimensions ('dp-sp'); "
+                f"rename it (e.g. {n.replace('-', '_')!r})"
+            )
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"mesh dimension names must be distinct; {repeated} repeat in {names!r}")
+    if len(names) != ndim:
+        raise ValueError(f"the mesh has {ndim} dimension(s) but {len(names)} name(s) were given: {names!r}")
+    return names
+
+
+def check_names(device_mesh, names=None) -> tuple[str, ...]:
+    """The validated dimension names of ``device_mesh`` (``names`` overrides missing ones).
+
+    Checked before any group is created, on anything with ``mesh`` and ``mesh_dim_names``.
+    """
+    own = getattr(device_mesh, "mesh_dim_names", None)
+    ndim = len(tuple(device_mesh.mesh.shape))
+    if names is not None:
+        names = _check_name_list(names, ndim)
+        if own and tuple(own) != names:
+            raise ValueError(f"mesh_dim_names={names!r} contradicts the mesh's own names {tuple(own)!r}")
+        return names
+    if not own:
+        raise ValueError(
+            "einshard needs a DeviceMesh with mesh_dim_names, e.g. "
+            "init_device_mesh('cpu', (2, 4), mesh_dim_names=('dp', 'tp')), or wrap_mesh(mesh, mesh_dim_names=...)"
+        )
+    return _check_name_list(own, ndim)
+
+
 _WRAPPED: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
 _PLAIN: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
 
 
-def wrap_mesh(mesh) -> Mesh:
+def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
     """Wrap a ``DeviceMesh`` so compound dimensions (``"dp-sp"``) can be named.
 
-    Wrapping is idempotent and cached: the same ``DeviceMesh`` always gives
-    the same wrapper, so its lazily created compound groups are shared.
+    The result stands in for the ``DeviceMesh`` (``mesh_dim_names``, ``shape``,
+    ``size()``, ``get_group``, ``get_local_rank``, ``get_coordinate``, and
+    ``mesh["dp"]``, ``mesh["dp", "tp"]``, ``mesh["dp-sp"]``). Wrapping is
+    idempotent and cached: the same ``DeviceMesh`` always gives the same
+    wrapper, so its lazily created compound groups are shared, and
+    ``wrap_mesh(wrapped) is wrapped``. ``mesh_dim_names=`` names an unnamed
+    mesh; names are checked first (strings, non-empty, distinct, no ``-``,
+    one per dimension, agreeing with the mesh's own).
 
     >>> mesh = es.wrap_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+    >>> mesh["dp-tp"].get_group().size(), mesh.get_local_rank("tp")  # doctest: +SKIP
+    (8, 1)
     >>> es.einshard("a b/dp-tp -> a b", x, mesh=mesh)  # doctest: +SKIP
     """
     if isinstance(mesh, Mesh):
+        if mesh_dim_names is not None and _check_name_list(mesh_dim_names, mesh.ndim) != mesh.names:
+            raise ValueError(f"mesh_dim_names={tuple(mesh_dim_names)!r} contradicts the mesh's names {mesh.names!r}")
         if mesh.allow_compound:
             return mesh
         mesh = mesh.device_mesh
-    if not hasattr(mesh, "mesh_dim_names"):
+    if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
         raise ValueError(f"wrap_mesh needs a DeviceMesh, got {type(mesh).__name__}")
+    names = check_names(mesh, mesh_dim_names)
     wrapped = _WRAPPED.get(mesh)
     if wrapped is None:
-        wrapped = Mesh.from_device_mesh(mesh)
+        wrapped = Mesh.from_device_mesh(mesh, names=names)
         _WRAPPED[mesh] = wrapped
+    elif wrapped.names != names:
+        raise ValueError(f"mesh_dim_names={names!r} contradicts the names this mesh was wrapped with {wrapped.names!r}")
     return wrapped
 
 
 def _as_mesh(mesh) -> Mesh:
     if isinstance(mesh, Mesh):
         return mesh
-    if not hasattr(mesh, "mesh_dim_names"):
+    if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
         raise ValueError(f"mesh= must be a DeviceMesh or es.wrap_mesh(...), got {type(mesh).__name__}")
     wrapped = _PLAIN.get(mesh)
     if wrapped is None:

@@ -1,4 +1,4 @@
-"""Named collectives for per-shard code (SPEC §9), after JAX's ``jax.lax`` ones.
+"""Named collectives for per-shard code, after JAX's ``jax.lax`` ones.
 
 Every function takes mesh dimensions by name: one dimension (``"dp"``), a
 compound name (``"dp-tp"``) or a tuple of names (``("dp", "tp")``). Several
@@ -7,7 +7,7 @@ dimension order (as in the notation: ``a/dp-tp``), whatever order the names
 are given in. The mesh is the ambient one (``shard_map`` or ``es.use_mesh``)
 unless ``mesh=`` is passed.
 
-All are autograd-correct (SPEC §3). With variance tracking on
+All are autograd-correct. With variance tracking on
 (``shard_map(check_vma=True)``) they also follow JAX's typing: an input
 that is invariant over a dimension the collective works on is ``pvary``-ed
 first (so ``psum`` of an invariant value is ``size * x`` and its gradient is

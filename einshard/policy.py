@@ -1,4 +1,4 @@
-"""Plan policies: how the planner weighs the candidates it can choose from (SPEC §5).
+"""Plan policies: how the planner weighs the candidates it can choose from.
 
 Precedence: ``policy=``, then ``optimize=``, then the innermost
 ``with es.optimize(mode):`` scope, then ``es.set_default_policy(mode)``,

@@ -14,9 +14,9 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._split import compute_split_shapes
-from .layout import Layout
-from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec
+from ._split import compute_split_shapes, is_size
+from .layout import Layout, broadcast_size
+from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
 
 __all__ = ["Resolved", "resolve", "freeze_shapes", "ELLIPSIS_PREFIX"]
 
@@ -148,8 +148,8 @@ class _Splits:
 
     def _entry(self, shapes: Mapping, dims: tuple):
         wanted = frozenset(dims)
-        for key, value in shapes.items():
-            if isinstance(key, str) and frozenset(key.split("-")) == wanted:
+        for key, value in shapes.items():  # keys were checked against the mesh (a sub-mesh's may hold '-')
+            if isinstance(key, str) and frozenset(self.mesh.dims(key)) == wanted:
                 return value
         return None
 
@@ -158,10 +158,18 @@ class _Splits:
             raise ValueError(f"{self.text!r}: {what} must be a list of per-rank sizes, got {value!r}")
         out = []
         for v in value:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 0:
+            if not is_size(v):
                 raise ValueError(f"{self.text!r}: {what} must hold non-negative integers, got {list(value)!r}")
             out.append(int(v))
         return tuple(out)
+
+
+def _dims_at(mesh, text: str, name: str, position: int) -> tuple:
+    """``mesh.dims(name)``; an unknown dimension is an ``invalid`` error with a caret at ``position``."""
+    try:
+        return mesh.dims(name)
+    except ValueError as err:
+        raise invalid(text, position, str(err)) from None
 
 
 def resolve(
@@ -192,11 +200,13 @@ def resolve(
         return frozenset(out)
 
     labels = set()
-    for spec in formula.tensors:
+    for spec in formula.tensors:  # validates the names, with the expression and a caret
         for a in spec.axes:
             if a.mesh:
-                labels.add(mesh.label(dims_of(a)))
-        partial_of(spec)  # validates the names
+                at = text.find("/", a.pos) + 1 if text.startswith(a.name, a.pos) else a.pos
+                labels.add(mesh.label(_dims_at(mesh, text, a.mesh, at)))
+        for p in spec.partial:
+            _dims_at(mesh, text, p, text.find(p, text.find("//", spec.pos)))
     known = None if axes is None else {a.name for t in formula.tensors for a in t.axes} | set(axes)
     lookup = _Splits(text, shapes, ambient, mesh, labels, known)
 
@@ -320,7 +330,8 @@ def resolve(
                 elif product and dim_size % product and local_error is None:
                     local_error = (
                         f"{text!r}: dimension of size {dim_size} in operand {occ.operand} on this rank cannot be "
-                        f"factored as {group_text} with known factors of product {product}"
+                        f"factored as group {group_text}: the known factors have product {product}, which does "
+                        f"not divide {dim_size}, so the unknown factor {occ.axis!r} has no size"
                     )
                 inferred = dim_size // product if product else 0
                 occ.local = inferred
@@ -389,7 +400,7 @@ def resolve(
     ell_sizes = {}
     for occ in occurrences:
         if occ.axis.startswith(ELLIPSIS_PREFIX):
-            ell_sizes[occ.axis] = max(ell_sizes.get(occ.axis, 1), occ.local)
+            ell_sizes[occ.axis] = broadcast_size(ell_sizes.get(occ.axis, 1), occ.local)
     n_out_ell = max((n for n in ellipsis_ndims if n is not None), default=0)
     axes, gsizes, shard, spl = [], [], [], []
     merged: list[int] = []

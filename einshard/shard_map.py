@@ -1,4 +1,4 @@
-"""``es.shard_map``: per-shard programs over a device mesh (SPEC §9).
+"""``es.shard_map``: per-shard programs over a device mesh.
 
 ``shard_map(f, in_specs, out_specs)`` runs ``f`` on every rank with the local
 blocks of its arguments, like ``jax.shard_map``:
@@ -355,7 +355,7 @@ def _raise_agreed(mesh, errors) -> None:
     """Raise the first error; with ``es.set_checks(True)`` every rank raises when any rank has one.
 
     Errors about local shapes can be seen by some ranks only; without checks
-    those ranks raise while the others go on (SPEC §4: checks make them agree).
+    those ranks raise while the others go on (``es.set_checks(True)`` makes them agree).
     With checks on this is one collective, so it runs on every call (planned
     or not): a rank's plan cache can miss where another's hits (its local
     shapes changed).

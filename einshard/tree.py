@@ -1,4 +1,4 @@
-"""Whole model states ↔ sharded ones: ``es.tree_shard`` and ``es.tree_gather`` (SPEC §9).
+"""Whole model states ↔ sharded ones: ``es.tree_shard`` and ``es.tree_gather``.
 
 For checkpoints: a state dict, an optimizer state, any pytree of tensors.
 ``specs`` is a pytree prefix of the tree (optree rules, as for

@@ -1,4 +1,4 @@
-"""``es.visualize``: which ranks hold which block of a tensor (SPEC §11)."""
+"""``es.visualize``: which ranks hold which block of a tensor."""
 
 from __future__ import annotations
 

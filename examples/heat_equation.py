@@ -35,7 +35,7 @@ from einshard.testing import launch, local_block
 N_X, N_Y = 50, 61  # deliberately not multiples of the mesh: uneven blocks
 STEPS = 300
 ALPHA = 1.0
-SPEC = "x/dp y/tp"
+LAYOUT = "x/dp y/tp"
 
 
 def initial_condition() -> torch.Tensor:
@@ -62,7 +62,7 @@ def step_local(u: torch.Tensor, r: float) -> torch.Tensor:
 
 def step_sharded(u: torch.Tensor, r: float, mesh, shapes) -> torch.Tensor:
     """One step on this rank's block: halo exchange, then the same stencil."""
-    p = es.einhalo(SPEC, u, {"x": 1, "y": 1}, boundary="constant", fill=0.0, mesh=mesh, shapes=shapes)
+    p = es.einhalo(LAYOUT, u, {"x": 1, "y": 1}, boundary="constant", fill=0.0, mesh=mesh, shapes=shapes)
     lap = p[2:, 1:-1] + p[:-2, 1:-1] + p[1:-1, 2:] + p[1:-1, :-2] - 4 * u
     return u + r * lap
 
@@ -74,7 +74,7 @@ def simulate() -> dict:
     dt, r = time_step()
     u0 = initial_condition()
 
-    u = local_block(u0, SPEC, mesh, shapes=shapes).clone()
+    u = local_block(u0, LAYOUT, mesh, shapes=shapes).clone()
     start = time.perf_counter()
     with es.count_communication() as stats:
         for _ in range(STEPS):
@@ -84,7 +84,7 @@ def simulate() -> dict:
     ref = u0
     for _ in range(STEPS):
         ref = step_local(ref, r)
-    diff = torch.tensor([(u - local_block(ref, SPEC, mesh, shapes=shapes)).abs().max().item()], dtype=torch.float64)
+    diff = torch.tensor([(u - local_block(ref, LAYOUT, mesh, shapes=shapes)).abs().max().item()], dtype=torch.float64)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     heat = torch.tensor([u.sum().item()], dtype=torch.float64)
     dist.all_reduce(heat)
@@ -102,7 +102,7 @@ def simulate() -> dict:
 
 def report(results: list[dict]) -> None:
     first = results[0]
-    print(f"2-D heat equation, {N_X}x{N_Y} grid sharded '{SPEC}' over a 2x4 mesh, {STEPS} steps "
+    print(f"2-D heat equation, {N_X}x{N_Y} grid sharded '{LAYOUT}' over a 2x4 mesh, {STEPS} steps "
           f"(t = {first['t_end']:.4g})")
     for res in results:
         print(f"  rank {res['rank']}: block {res['block']}, {res['bytes_sent_per_step']:.0f} bytes sent per step")

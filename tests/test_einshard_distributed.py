@@ -1,4 +1,4 @@
-"""Distributed einshard: SPEC §5 examples, policies, explain, errors, caching, ambient mesh."""
+"""Distributed einshard: the documented examples, policies, explain, errors, caching, ambient mesh."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ import einshard as es
 from dist_reference import check_formula, check_many
 from einshard.testing import MeshSpec, RankError, run_on_ranks
 
-# Every SPEC §5 example, with uneven sizes (10, 7, 9 over groups of 2 and 4).
-SPEC_EXAMPLES = [
+# Every documented distributed example (docs/distributed.md), with uneven sizes (10, 7, 9 over groups of 2 and 4).
+DOC_EXAMPLES = [
     ("a/sp b/dp, b/dp c -> a/sp c", [(10, 6), (6, 7)]),
     ("b n c, h/tp c -> b n h/tp", [(3, 5, 6), (10, 6)]),
     ("b n c/tp, h c/tp -> b n h", [(3, 5, 10), (4, 10)]),
@@ -25,7 +25,7 @@ SPEC_EXAMPLES = [
     ("a k/dp m/tp, k/tp m/dp b -> a b", [(3, 6, 7), (6, 7, 5)]),
 ]
 
-# Unary transitions of every kind (SPEC §2, §5), uneven.
+# Unary transitions of every kind, uneven.
 TRANSITIONS = [
     ("a b -> a/tp b", [(10, 6)]),
     ("a/tp b -> a b", [(10, 6)]),
@@ -79,7 +79,7 @@ MESHES = [((8,), ("tp",)), ((2, 4), ("dp", "tp")), ((4, 2), ("sp", "dp")), ((2, 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=["8", "2x4", "4x2", "2x2x2"])
 def test_spec_examples_values_and_gradients(mesh):
-    cases = _cases(SPEC_EXAMPLES, mesh[1])
+    cases = _cases(DOC_EXAMPLES, mesh[1])
     assert cases
     run_on_ranks(8, check_many, _mesh_of(mesh), cases, timeout=240)
 

@@ -435,7 +435,7 @@ def test_partial_output_when_only_diagonal_or_ellipsis_axes_are_summed():
 
 
 def test_unplannable_partial_output_error_names_the_expression():
-    """BUG: the planner's ValueError lacks the expression (SPEC §5: errors name expression, operand, axis)."""
+    """BUG: the planner's ValueError lacks the expression (errors name the expression, operand and axis)."""
     mesh = es.Mesh.virtual((2, 4), ("dp", "tp"))
     for formula, shape in (("i i -> // tp", (3, 3)), ("... a -> a // tp", (3, 4))):
         try:
@@ -447,7 +447,7 @@ def test_unplannable_partial_output_error_names_the_expression():
 def test_shapes_naming_an_unknown_mesh_dimension_is_an_error():
     """BUG: ``shapes={"tpp": [...]}`` (a typo) is silently ignored.
 
-    SPEC §4: naming a dimension the mesh lacks is a ValueError listing its
+    Naming a dimension the mesh lacks is a ValueError listing its
     dimensions. Ignoring the key falls back to the even-split assumption, and
     on real ranks with an uneven split the ranks then disagree and hang.
     """

@@ -1,4 +1,4 @@
-"""``es.helpers`` (SPEC §4): split shapes and process-group start-up."""
+"""``es.helpers``: split shapes and process-group start-up."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_compute_split_shapes_examples(size, n, expected):
 
 
 def _reference_split(size, n):
-    """SPEC §4, written out independently."""
+    """The split-shape rule (docs/distributed.md), written out independently."""
     if n == 1:
         return [size]
     chunk = -(-size // n)

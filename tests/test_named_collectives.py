@@ -1,4 +1,4 @@
-"""Named collectives (SPEC §9): values and gradients against whole-tensor references.
+"""Named collectives: values and gradients against whole-tensor references.
 
 Every rank ``r`` (mesh 2 x 4, ``dp`` x ``tp``; ``r = 4 * dp + tp``) holds block
 ``X[r]`` of a whole tensor ``X``. A collective's expected local output on each

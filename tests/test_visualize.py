@@ -1,4 +1,4 @@
-"""es.visualize: which ranks hold which block (SPEC §11)."""
+"""es.visualize: which ranks hold which block."""
 
 import io
 

@@ -1,4 +1,4 @@
-"""The einshard notation (SPEC §2): parsing, family expansion and validation.
+"""The einshard notation: parsing, family expansion and validation.
 
 ``parse_sharding(text)`` returns an immutable, cached :class:`Formula`;
 ``expand(text, families)`` also replaces families ``*f`` and zips
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
-from .grammar import _PARSER, invalid, parse_text
+from .grammar import invalid, parse_axis, parse_text
 from .objects import Annotation, Axis, EllipsisItem, Family, Formula, Group, Item, TensorSpec, Zip
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "invalid",
 ]
 
+_MAX_AXES = 52  # torch.einsum's letters
 _ANNOTATION_KEYS = {"param": False, "grad": True, "init_sync": True}
 
 
@@ -116,20 +117,21 @@ def _parse_member(formula: str, family: str, member) -> Axis:
         raise ValueError(
             f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})"
         )
-    try:
-        parsed = _PARSER(member.strip()).axis()
-        if str(parsed) != "".join(member.split()):
-            raise ValueError
-    except Exception:
+    parsed = parse_axis(member)
+    if parsed is None or str(parsed) != "".join(member.split()):
         raise ValueError(
             f"Invalid einshard expression: families[{family!r}] entry {member!r} is not an axis "
             f"like 'h' or 'h/sp' (in {formula!r})"
-        ) from None
-    return Axis(parsed.name, parsed.mesh)
+        )
+    return parsed
 
 
 def _has_families(formula: Formula) -> bool:
-    return any(isinstance(i, (Family, Zip)) for t in formula.tensors for i in t.items)
+    return any(
+        isinstance(i, (Family, Zip)) or (isinstance(i, Group) and any(isinstance(a, Family) for a in i.axes))
+        for t in formula.tensors
+        for i in t.items
+    )
 
 
 def _family(formula: str, fam: Family, table) -> tuple[Axis, ...]:
@@ -151,6 +153,11 @@ def _expand_tensor(formula: str, tensor: TensorSpec, table) -> TensorSpec:
                 sizes = ", ".join(f"*{f.name} has {len(m)}" for f, m in zip(item.families, members))
                 raise invalid(formula, item.pos, f"zipped families must have equal lengths ({sizes})")
             items.extend(Group(tuple(column), item.pos) for column in zip(*members))
+        elif isinstance(item, Group) and any(isinstance(a, Family) for a in item.axes):
+            axes = [x for a in item.axes for x in (_family(formula, a, table) if isinstance(a, Family) else (a,))]
+            if not axes:
+                raise invalid(formula, item.pos, "a group needs at least one axis: its families are empty")
+            items.append(Group(tuple(axes), item.pos))
         else:
             items.append(item)
     return TensorSpec(tuple(items), tensor.partial, tensor.annotations, tensor.pos)
@@ -199,7 +206,10 @@ def _check_semantics(formula: Formula, einsum: bool = True) -> None:
                     raise invalid(
                         text,
                         axis.pos,
-                        f"mesh dimension {dim!r} shards both {used[dim]!r} and {axis.name!r} in {where}",
+                        f"mesh dimension {dim!r} shards both {used[dim]!r} and {axis.name!r} in {where}; "
+                        f"this is rejected by design: a mesh dimension splits at most one axis of a tensor "
+                        f"(rank i would hold block (i, i) and no rank the blocks off the diagonal); shard the "
+                        f"other axis over another mesh dimension",
                     )
                 used[dim] = axis.name
         partial_dims: list[str] = []
@@ -211,10 +221,20 @@ def _check_semantics(formula: Formula, einsum: bool = True) -> None:
                     raise invalid(
                         text,
                         tensor.pos,
-                        f"mesh dimension {dim!r} both shards {used[dim]!r} and is partial in {where}",
+                        f"mesh dimension {dim!r} both shards {used[dim]!r} and is partial in {where}; "
+                        f"this is rejected by design: a dimension's ranks either hold different blocks (shard) "
+                        f"or addends of one value (partial), not both; reduce first ('// {dim} -> ') or "
+                        f"shard another axis",
                     )
                 partial_dims.append(dim)
     if formula.output is not None and einsum:
+        names: dict[str, Axis] = {}
+        for axis in (a for t in formula.tensors for a in t.axes):
+            names.setdefault(axis.name, axis)
+            if len(names) > _MAX_AXES:
+                raise invalid(
+                    text, axis.pos, f"a formula may use at most {_MAX_AXES} distinct axis names (torch.einsum's limit)"
+                )
         known = {a.name for t in formula.inputs for a in t.axes}
         for axis in formula.output.axes:
             if axis.name not in known:

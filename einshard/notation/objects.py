@@ -26,7 +26,10 @@ class Axis:
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """A factored tensor dimension ``(h p)``: ``h`` outer, ``p`` inner (row-major)."""
+    """A factored tensor dimension ``(h p)``: ``h`` outer, ``p`` inner (row-major).
+
+    Before family expansion a member may be a :class:`Family` (``(b *spatial)``).
+    """
 
     axes: tuple[Axis, ...]
     pos: int = field(default=-1, compare=False, repr=False)
@@ -98,7 +101,7 @@ class TensorSpec:
             if isinstance(item, Axis):
                 out.append(item)
             elif isinstance(item, Group):
-                out.extend(item.axes)
+                out.extend(a for a in item.axes if isinstance(a, Axis))
         return tuple(out)
 
     @property

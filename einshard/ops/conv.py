@@ -1,4 +1,4 @@
-"""``es.einconv``: convolutions on spatially sharded grids (SPEC §7).
+"""``es.einconv``: convolutions on spatially sharded grids.
 
 ``b h/sp w c, o c kh kw -> b h/sp w o`` with ``windows={"h": "kh", "w": "kw"}``
 fetches the ghost rows each rank's block needs (:func:`einhalo`, width from
@@ -29,7 +29,7 @@ holds the ``C/G`` channels of one group and ``o`` is ordered group-major.
 
 The weight and bias are replicated: the result of every rank depends on
 them, so their gradients are summed over the mesh dimensions that shard
-the input (SPEC §3: a replicated input gets the full gradient everywhere).
+the input (a replicated input gets the full gradient everywhere).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""``es.einshard``: the entry point for local and distributed formulas (SPEC §5)."""
+"""``es.einshard``: the entry point for local and distributed formulas."""
 
 from __future__ import annotations
 
 from .. import vma as _vma
-from ..notation import expand, freeze_families
+from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
 from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
@@ -15,6 +15,7 @@ _LOCAL_PLANS: dict = {}
 _NO_KEY = ()
 # (formula, families key) known to be distributed: skip the parse on a local-cache miss
 _DISTRIBUTED: set = set()
+_MAX_DISTRIBUTED = 4096
 
 
 def einshard(
@@ -47,19 +48,28 @@ def einshard(
         raise ValueError("einshard: pass either optimize or policy, not both")
     try:
         in_shapes = [t.shape for t in tensors]
-    except AttributeError:  # a non-tensor operand: _plan_and_run reports it by position
-        in_shapes = [getattr(t, "shape", None) for t in tensors]
+    except AttributeError:  # a non-tensor operand: reported by position, whatever is cached
+        in_shapes = None
+    if in_shapes is None:
+        key = (formula, freeze_sizes(sizes), freeze_families(families))
+        return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
     if sizes is None and families is None:
         key = (formula, _NO_KEY, _NO_KEY, *in_shapes)
     else:
         key = (formula, freeze_sizes(sizes), freeze_families(families), *in_shapes)
     plan = _LOCAL_PLANS.get(key)
-    if plan is not None:
-        if optimize is not None or policy is not None:
-            resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
-        return plan.run(tensors)
-    if (formula, key[2]) in _DISTRIBUTED:
-        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    try:
+        if plan is not None:
+            if optimize is not None or policy is not None:
+                resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
+            return plan.run(tensors)
+        if (formula, key[2]) in _DISTRIBUTED:
+            return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    except (AttributeError, TypeError, RuntimeError):
+        # a cached plan met operands that are not tensors, or of mixed dtypes: the same
+        # ValueError as on the first call, then anything else as it is
+        _check_tensors(expand(formula, key[2]), tensors)
+        raise
     return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
 
 
@@ -67,7 +77,12 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
     parsed = expand(formula, key[2])
     _check_tensors(parsed, tensors)
+    scalar = _scalar_form(parsed, tensors)
+    if scalar is not None:  # 'loss // (sp, dp) -> loss' on 0-d tensors: the same as '// (sp, dp) -> '
+        return einshard(scalar, *tensors, mesh=mesh, shapes=shapes, optimize=optimize, policy=policy)
     if not parsed.is_local:
+        if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:  # bounded like the plan caches
+            _DISTRIBUTED.clear()
         _DISTRIBUTED.add((formula, key[2]))
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
@@ -77,9 +92,28 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     return plan.run(tensors)
 
 
+def _scalar_form(parsed, tensors) -> str | None:
+    """For 0-d tensors named by one unsharded axis everywhere (``loss // dp -> loss``), the formula without it."""
+    if parsed.output is None or not tensors or any(t.dim() != 0 for t in tensors):
+        return None
+    names = set()
+    for spec in parsed.tensors:
+        if len(spec.items) != 1 or not isinstance(spec.items[0], Axis) or spec.items[0].mesh is not None:
+            return None
+        names.add(spec.items[0].name)
+    if len(names) != 1:
+        return None
+    stripped = [str(TensorSpec((), s.partial)) for s in parsed.tensors]
+    return ", ".join(stripped[:-1]) + " -> " + stripped[-1]
+
+
 def _check_tensors(parsed, tensors) -> None:
+    """Operands must be tensors of one dtype (``ValueError`` naming the operand or the dtypes)."""
     import torch
 
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{parsed.text!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    if len(dtypes) > 1:  # torch.einsum would fail (after the operands' collectives, when distributed)
+        raise ValueError(f"{parsed.text!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")

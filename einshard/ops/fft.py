@@ -1,4 +1,4 @@
-"""``es.einfft``: named-axis ``fftn``/``ifftn``/``rfftn``/``irfftn`` on local or sharded tensors (SPEC §6).
+"""``es.einfft``: named-axis ``fftn``/``ifftn``/``rfftn``/``irfftn`` on local or sharded tensors.
 
 One call: parse and validate the formula and ``axes`` (errors before any
 collective), resolve the input and output layouts for this rank, plan once
@@ -90,6 +90,15 @@ def _check_spec(text: str, spec: TensorSpec, where: str) -> None:
                 f"{text!r}: factored axis '({names})' (axis {item.axes[0].name!r}) in the {where}: einfft needs "
                 f"plain axes; split the group first with es.einshard"
             )
+
+
+def _axes_form(formula: str, axes) -> str:
+    """The error for an ``axes=`` that is not a dict (a string like ``"xy"`` included)."""
+    hint = " (a string is not accepted: name each axis and its frequency axis)" if isinstance(axes, str) else ""
+    return (
+        f"{formula!r}: axes= must be a dict {{input axis: output axis}} such as {{'x': 'kx', 'y': 'ky'}}, "
+        f"got {axes!r}{hint}"
+    )
 
 
 def _expand_pairs(text, axes, in_names, table) -> tuple[tuple[str, str], ...]:
@@ -726,7 +735,7 @@ def einfft(
     fam_key = freeze_families(families)
     if _vma.ACTIVE and not explain and _vma.current() is not None:  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
-            raise ValueError(f"{formula!r}: axes= must be a dict {{input axis: output axis}}, got {axes!r}")
+            raise ValueError(_axes_form(formula, axes))
         proxy = _parse_cached(formula, axes_key, fam_key).proxy
 
         def untracked(_proxy, t, mesh=None):
@@ -774,7 +783,7 @@ def einfft(
 def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes):
     """Parse, validate, resolve and plan one call; returns ``(bound plan, spec)``."""
     if not isinstance(axes, Mapping):
-        raise ValueError(f"{formula!r}: axes= must be a dict {{input axis: output axis}}, got {axes!r}")
+        raise ValueError(_axes_form(formula, axes))
     spec = _parse_cached(formula, axes_key, fam_key)
     if real and not inverse and dtype.is_complex:
         raise ValueError(f"{formula!r}: real=True (rfftn) needs a real input, got {dtype}")

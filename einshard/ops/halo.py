@@ -1,4 +1,4 @@
-"""``es.einhalo``: ghost cells on named axes of sharded grids (SPEC §7).
+"""``es.einhalo``: ghost cells on named axes of sharded grids.
 
 A halo widens every rank's block of the named axes by ``left`` cells before
 and ``right`` cells after. Cells inside the global domain come from the

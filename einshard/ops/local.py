@@ -211,9 +211,11 @@ def infer_group_sizes(formula: Formula, index: int, group: Group, dim_size: int,
         )
     if unknown:
         if product == 0 or dim_size % product:
+            factors = ", ".join(f"{a.name}={known[a.name]}" for a in group.axes if a.name in known)
             raise ValueError(
                 f"{formula.text!r}: dimension of size {dim_size} in {operand_name(index)} cannot be "
-                f"factored as '{group}' with known factors of product {product}"
+                f"factored as group '{group}': the known factors ({factors}) have product {product}, which "
+                f"does not divide {dim_size}, so the unknown factor {unknown[0]!r} has no size"
             )
         known[unknown[0]] = dim_size // product
     elif product != dim_size:

@@ -1,4 +1,4 @@
-"""``es.einroll``: ``torch.roll`` on named axes of sharded tensors (SPEC §7).
+"""``es.einroll``: ``torch.roll`` on named axes of sharded tensors.
 
 On a sharded axis the rolled tensor keeps the input's layout (the same split
 shapes), so each rank's new block is made of at most two slices of the

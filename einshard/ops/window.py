@@ -1,4 +1,4 @@
-"""``es.einwindow``: sharding-aware unfold (SPEC §7).
+"""``es.einwindow``: sharding-aware unfold.
 
 ``b h/sp w c -> b h/sp w kh c`` with ``windows={"h": "kh"}`` and
 ``radius={"h": 1}`` gives, for every position a rank owns, its ``2r+1``

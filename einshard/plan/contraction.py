@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .._split import compute_split_shapes
-from ..layout import Layout, MeshShape
+from ..layout import Layout, MeshShape, broadcast_size
 from ..policy import PlanPolicy
 from .transition import Step, plan_transition, transition_cost
 
@@ -271,7 +271,7 @@ def _sizes_of(operands, axes):
     table = {}
     for op in operands:
         for a, s in zip(op.axes, op.sizes):
-            table[a] = max(table.get(a, 1), s)
+            table[a] = broadcast_size(table.get(a, 1), s)
     return tuple(table[a] for a in axes)
 
 

@@ -18,7 +18,7 @@ move the fewest bytes:
 Plans are rank-independent and cached; :meth:`Step.compile` binds one to a
 rank's coordinate and process groups. The backward of a transition is the
 reverse transition (``dst -> src``), which is its exact adjoint under the
-layouts' inner products (SPEC §3).
+layouts' inner products.
 """
 
 from __future__ import annotations
