@@ -147,12 +147,15 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
 def _run_without_mesh(key, tensors):
     """No mesh anywhere: a formula whose sharded axes do not move runs on the local blocks."""
     from .ops.einshard import _check_tensors
-    from .ops.stationary import is_stationary, stationary_plan
+    from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
 
     parsed = expand(key[0], key[2])
     _check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
         raise ValueError(_MESH_REQUIRED)
+    why = needs_mesh_for_grad(parsed, tensors)
+    if why is not None:
+        raise ValueError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
     return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
 
 

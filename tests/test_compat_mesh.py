@@ -147,6 +147,12 @@ def _check_drop_in(dm):
     # an unnamed mesh with names given, and names that contradict
     with pytest.raises(ValueError, match="contradicts"):
         es.wrap_mesh(dm, mesh_dim_names=tuple(f"x{i}" for i in range(dm.ndim)))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    unnamed = es.wrap_mesh(init_device_mesh("cpu", tuple(dm.shape)), mesh_dim_names=names)
+    assert unnamed.mesh_dim_names == names
+    for name in names:
+        assert _ranks(unnamed.get_group(name)) == _ranks(dm.get_group(name))
     return True
 
 

@@ -82,6 +82,10 @@ def test_family_values_as_lists_or_tuples(container):
     assert torch.equal(es.einroll("*s", x, {"s": container([1, 2])}, families=fam), torch.roll(x, (1, 2), (0, 1)))
     win = es.einwindow("*s -> *s kh kw", x, {"s": container(["kh", "kw"])}, {"s": container([1, 1])}, families=fam)
     assert win.shape == (3, 4, 3, 3)
+    mesh = es.Mesh.virtual((2,), ("sp",), coordinate=(1,))
+    sharded = {"s": container(["h/sp", "w"])}
+    block = es.tree_shard({"x": torch.arange(16.0).reshape(4, 4)}, {"x": "*s"}, mesh=mesh, families=sharded)["x"]
+    assert torch.equal(block, torch.arange(8.0, 16.0).reshape(2, 4))
 
 
 def test_einfft_rejects_a_string_axes_naming_the_form():
@@ -131,6 +135,51 @@ def test_stationary_formulas_run_without_a_mesh():
             es.einshard(moving, *[torch.ones(2, 2)] * (moving.split("->")[0].count(",") + 1))
     with pytest.raises(ValueError, match=r"require mesh"):  # sizes= of a sharded axis is a whole size
         es.einshard("b (h/sp p) -> b h/sp p", x, sizes={"h": 4})
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, names, formula, shapes, grad",
+    [
+        ((4,), ("sp",), "a/sp b, b c -> a/sp c", [(10, 3), (3, 5)], True),  # uneven over 4
+        ((2, 2), ("sp", "tp"), "a/sp b, b c/tp -> a/sp c/tp", [(5, 3), (3, 7)], False),  # both need a sum
+        ((2, 2), ("sp", "tp"), "a/sp-tp b, b c -> c a/tp-sp", [(9, 3), (3, 4)], True),
+    ],
+)
+def test_stationary_formulas_match_the_whole_computation(mesh_shape, names, formula, shapes, grad):
+    """Each rank's result without a mesh is its block of the whole result, and so is the gradient of an
+    operand sharded like the output (``grad``: the first operand is)."""
+    local_formula = formula.replace("/sp-tp", "").replace("/tp-sp", "").replace("/sp", "").replace("/tp", "")
+    whole = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    want = es.einshard(local_formula, *whole)
+    in_specs = [s.strip() for s in formula.split("->")[0].split(",")]
+    out_spec = formula.split("->")[1].strip()
+    split = {}
+    for spec, s in zip(in_specs, shapes):
+        for axis, size in zip(spec.split(), s):
+            if "/" in axis:
+                dim = axis.split("/")[1]
+                split[dim] = es.helpers.compute_split_shapes(size, 4 if "-" in dim else mesh_shape[names.index(dim)])
+    for coordinate in [(i,) for i in range(4)] if len(mesh_shape) == 1 else [(i, j) for i in range(2) for j in range(2)]:
+        mesh = es.Mesh.virtual(mesh_shape, names, coordinate=coordinate)
+        blocks = [local_block(w, spec, mesh, shapes=split).clone() for w, spec in zip(whole, in_specs)]
+        blocks[0].requires_grad_(grad)
+        out = es.einshard(formula, *blocks)
+        assert torch.allclose(out, local_block(want, out_spec, mesh, shapes=split))
+        if not grad:
+            continue
+        out.sum().backward()
+        whole_a = whole[0].clone().requires_grad_(True)
+        es.einshard(local_formula, whole_a, *whole[1:]).sum().backward()
+        assert torch.allclose(blocks[0].grad, local_block(whole_a.grad, in_specs[0], mesh, shapes=split))
+
+
+def test_without_a_mesh_a_replicated_operand_may_not_need_a_gradient():
+    """Its gradient is a sum over the ranks: that needs the mesh, so the call says so."""
+    a, w = torch.randn(2, 3), torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"require mesh=.*operand 1 needs a gradient.*\['sp'\]"):
+        es.einshard("a/sp b, b c -> a/sp c", a, w)
+    with torch.no_grad():
+        assert es.einshard("a/sp b, b c -> a/sp c", a, w).shape == (2, 4)
 
 
 # -- factored axes -----------------------------------------------------------------------------

@@ -7,14 +7,21 @@ neither ``mesh=`` nor an ambient mesh. A formula is *stationary* when every
 axis carries the same mesh dimension wherever it appears, every sharded axis
 reaches the output, nothing is partial (``//``), and ``sizes=`` names no
 sharded axis (its sizes would be whole-tensor sizes).
+
+Backward is another matter: an operand replicated over a dimension that
+shards the output (``b c`` above, over ``sp``) gets its gradient summed over
+that dimension, which needs the mesh. Without one, such an operand may not
+require a gradient (:func:`needs_mesh_for_grad` names it).
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..notation import Axis, Formula, Group, TensorSpec
 from .local import build_local_plan
 
-__all__ = ["is_stationary", "local_formula", "stationary_plan"]
+__all__ = ["is_stationary", "local_formula", "needs_mesh_for_grad", "stationary_plan"]
 
 _PLANS: dict = {}
 
@@ -28,15 +35,35 @@ def is_stationary(parsed: Formula, sizes: tuple = ()) -> bool:
     """
     if parsed.output is None or any(t.partial for t in parsed.tensors):
         return False
-    mesh_of: dict[str, str | None] = {}
+    mesh_of: dict[str, frozenset] = {}  # compound names in any order: 'sp-tp' is 'tp-sp'
     for tensor in parsed.tensors:
         for axis in tensor.axes:
-            if mesh_of.setdefault(axis.name, axis.mesh) != axis.mesh:
+            dims = frozenset(axis.mesh_components)
+            if mesh_of.setdefault(axis.name, dims) != dims:
                 return False
     out = {a.name for a in parsed.output.axes}
-    sharded = {name for name, mesh in mesh_of.items() if mesh is not None}
+    sharded = {name for name, dims in mesh_of.items() if dims}
     named = {key for key, _ in sizes}
     return sharded <= out and not (sharded & named)
+
+
+def needs_mesh_for_grad(parsed: Formula, tensors) -> str | None:
+    """Why backward would need the mesh (an operand needing a gradient summed over ranks), or ``None``.
+
+    >>> import torch
+    >>> from einshard.notation import expand
+    >>> w = torch.ones(3, 4, requires_grad=True)
+    >>> needs_mesh_for_grad(expand("a/sp b, b c -> a/sp c"), [torch.ones(2, 3), w])
+    "operand 1 needs a gradient, which backward sums over ['sp']"
+    """
+    if not torch.is_grad_enabled():
+        return None
+    sharded = {d for a in parsed.output.axes for d in a.mesh_components}
+    for i, (spec, t) in enumerate(zip(parsed.inputs, tensors)):
+        missing = sharded - {d for a in spec.axes for d in a.mesh_components}
+        if missing and t.requires_grad:
+            return f"operand {i} needs a gradient, which backward sums over {sorted(missing)}"
+    return None
 
 
 def _strip(spec: TensorSpec) -> TensorSpec:
