@@ -15,6 +15,14 @@ versions is the library's overhead above the collectives themselves::
 Prints one JSON line per case (medians in microseconds, on rank 0) on stdout
 and its progress on stderr. The defaults finish in about a minute on a
 2-core machine; raise ``--calls`` for steadier numbers on an idle one.
+
+The cases above run with checks off. Then, for a planned formula and for
+``es.psum``, the whole per-call wall time (collectives included: the check
+*is* a collective) with ``es.set_checks(True)`` against ``False``,
+interleaved, and their difference: what checks cost per call
+(``"bench": "checks"`` lines); ``"checks, outside collectives"`` lines give
+the same without the time spent inside ``torch.distributed`` (the Python side
+of a check, which a busy machine moves much less).
 """
 
 from __future__ import annotations
@@ -103,15 +111,57 @@ def _cases(mesh, n):
     ]
 
 
+def _wall(fn, calls):
+    """(wall time, wall time - time inside torch.distributed) per call, in µs."""
+    dist.barrier()
+    _IN_DIST[0] = 0.0
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    wall = (time.perf_counter() - t0) / calls * 1e6
+    return wall, wall - _IN_DIST[0] / calls * 1e6
+
+
+def _checks_cases(mesh, n):
+    a_shard = torch.randn(n // mesh.size("tp"), n)
+    x = torch.randn(8, n)
+    return [
+        ("planned formula 'a/tp b -> a b' (all-gather)", lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh)),
+        ("es.psum over tp", lambda: es.psum(x, "tp", mesh=mesh)),
+    ]
+
+
+def _run_checks(ranks, calls, repeats, n, index):
+    """Checks case ``index`` with checks on and off, interleaved: ``(name, on, off)``, each
+    ``(wall µs, µs outside torch.distributed)`` per call (medians)."""
+    _ensure_instrumented()
+    mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
+    name, fn = _checks_cases(mesh, n)[index]
+    times = {True: [], False: []}
+    for flag in (True, False):  # warm up both (plans, groups)
+        es.set_checks(flag)
+        fn()
+    for _ in range(repeats):
+        for flag in (True, False):
+            es.set_checks(flag)
+            times[flag].append(_wall(fn, calls))
+    on, off = ([statistics.median(t[k] for t in times[flag]) for k in (0, 1)] for flag in (True, False))
+    return name, on, off
+
+
+def _ensure_instrumented():
+    if not _INSTRUMENTED:
+        _instrument()
+        _INSTRUMENTED.append(True)
+
+
 def _case_names(ranks, n):
     return [name for name, _, _ in _cases(es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build()), n)]
 
 
 def _run(ranks, calls, repeats, n, index):
     """Case ``index`` on this rank: ``(name, einshard µs, direct µs)``."""
-    if not _INSTRUMENTED:
-        _instrument()
-        _INSTRUMENTED.append(True)
+    _ensure_instrumented()
     mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
     name, lib, direct = _cases(mesh, n)[index]
     lib(), direct()  # plan, create groups, warm up
@@ -138,20 +188,23 @@ def main():
         for i, case in enumerate(names):
             print(f"[{i + 1}/{len(names)}] {case}: {args.repeats} x {args.calls} calls of each",
                   file=sys.stderr, flush=True)
-            name, lib, direct = pool.run(_run, args.ranks, args.calls, args.repeats, args.size, i, timeout=900)[0]
-            _print_line(args, name, lib, direct)
+            name, lib, direct = pool.run(_run, args.ranks, args.calls, args.repeats, args.size, i, timeout=900,
+                                         checks=False)[0]
+            _print_line(args, "distributed", name, "einshard_us_outside_collectives", lib,
+                        "direct_us_outside_collectives", direct, "overhead_us")
+        for i in range(2):
+            print(f"[checks {i + 1}/2] {args.repeats} x {args.calls} calls with checks on and off",
+                  file=sys.stderr, flush=True)
+            name, on, off = pool.run(_run_checks, args.ranks, args.calls, args.repeats, args.size, i, timeout=900,
+                                     checks=False)[0]
+            _print_line(args, "checks", name, "checks_on_us", on[0], "checks_off_us", off[0], "check_cost_us")
+            _print_line(args, "checks, outside collectives", name, "checks_on_us", on[1], "checks_off_us", off[1],
+                        "check_cost_us")
 
 
-def _print_line(args, name, lib, direct):
-    line = {
-        "bench": "distributed",
-        "case": name,
-        "ranks": args.ranks,
-        "einshard_us_outside_collectives": round(lib, 2),
-        "direct_us_outside_collectives": round(direct, 2),
-        "overhead_us": round(lib - direct, 2),
-        "ratio": round(lib / direct, 3),
-    }
+def _print_line(args, bench, name, a_key, a, b_key, b, diff_key):
+    line = {"bench": bench, "case": name, "ranks": args.ranks, a_key: round(a, 2), b_key: round(b, 2),
+            diff_key: round(a - b, 2), "ratio": round(a / b, 3)}
     print(json.dumps(line), flush=True)
 
 if __name__ == "__main__":

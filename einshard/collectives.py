@@ -78,9 +78,23 @@ def _global_rank(group, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
-def _agree(group, err) -> None:
-    if err is not None or (_checks._ENABLED and _checks.agreement_needed()):
-        _checks.agree(group, err)
+def _agree(group, err, point: str = "", x: torch.Tensor | None = None, shape=None, extra=(), **kw) -> None:
+    """Raise ``err``; with checks on, agree first on it and on ``x``'s shape (or ``shape``), dtype and device.
+
+    Call it when ``err is not None or _checks.agreement_needed()`` only, so that nothing is built with
+    checks off.
+    """
+    facts = ()
+    if x is not None:
+        facts = (("shape", tuple(x.shape) if shape is None else shape), ("dtype", x.dtype), ("device", x.device))
+    _checks.agree(group, err, facts=facts + tuple(extra), point=point, **kw)
+
+
+def _masked(shape, dim):
+    """``shape`` with ``dim`` (a size that may differ across ranks) left out of the comparison."""
+    if dim is None:
+        return tuple(shape)
+    return tuple(shape[:dim]) + ("*",) + tuple(shape[dim + 1 :])
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -180,10 +194,13 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
     name = op.lower() if isinstance(op, str) else op
     if name not in _REDUCE_OPS:
         raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    err = None  # depends on the dtype, which may differ on one rank: agreed
     if x.is_complex() and name in ("max", "min"):
-        raise ValueError(f"all_reduce: op={op!r} is not defined for complex tensors")
-    if name in ("avg", "mean") and not (x.is_floating_point() or x.is_complex()):
-        raise ValueError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
+        err = ValueError(f"all_reduce: op={op!r} is not defined for complex tensors")
+    elif name in ("avg", "mean") and not (x.is_floating_point() or x.is_complex()):
+        err = ValueError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "all_reduce", x, extra=(("op", name),))
     size = dist.get_world_size(group)
     x = x.detach()
     if name in ("avg", "mean"):
@@ -215,6 +232,8 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     size = dist.get_world_size(group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
         raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {size})")
+    if _checks.agreement_needed():
+        _agree(group, None, "broadcast", x, extra=(("src", src),))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -246,7 +265,8 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
     d, err = _dim(dim, x.dim(), "split")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
-    _agree(group, err)
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "split")
     rank = dist.get_rank(group) if size > 1 else 0
     return x.detach().narrow(d, sum(shapes[:rank]), shapes[rank])
 
@@ -272,7 +292,9 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
             f"all_gather: this rank (group rank {rank}) holds {x.shape[d]} elements along dim {dim} "
             f"but shapes[{rank}] = {shapes[rank]} (shapes {shapes})"
         )
-    _agree(group, err)
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "all_gather", x, _masked(x.shape, d if shapes is not None and err is None else None),
+               (("dim", d), ("shapes", shapes)))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -313,7 +335,8 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     d, err = _dim(dim, x.dim(), "reduce_scatter")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "reduce_scatter: shapes", f"dim {dim}")
-    _agree(group, err)
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "reduce_scatter", x, extra=(("dim", d), ("shapes", shapes)))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -382,7 +405,10 @@ def all_to_all(
             )
     if err is None:
         dst_shapes, err = _whole_split(dst_shapes, x.shape[dd], size, "all_to_all: dst_shapes", f"dst_dim {dst_dim}")
-    _agree(group, err)
+    if err is not None or _checks.agreement_needed():
+        uneven = err is None and src_shapes is not None and any(s != src_shapes[0] for s in src_shapes)
+        _agree(group, err, "all_to_all", x, _masked(x.shape, sd if uneven else None),
+               (("dims", (sd, dd)), ("src_shapes", src_shapes), ("dst_shapes", dst_shapes)))
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
@@ -453,7 +479,8 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
             f"all_to_all_v: this rank (group rank {rank}) keeps {chunks[rank].numel()} elements for itself "
             f"but recv_numels[{rank}] = {recv_numels[rank]}"
         )
-    _agree(group, err)
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "all_to_all_v", extra=(("dtype", dtype), ("device", chunks[rank].device)))
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
@@ -524,7 +551,10 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
     err = None
     if src == rank and math.prod(recv_shape) != x.numel():
         err = ValueError(f"ppermute: rank {rank} sends to itself but recv_shape {recv_shape} != {tuple(x.shape)}")
-    _agree(group, err)
+    if err is not None or _checks.agreement_needed():
+        _agree(group, err, "ppermute", extra=(("dtype", x.dtype), ("device", x.device), ("perm", pairs)),
+               sent=x.numel() if dst is not None else -1, received=math.prod(recv_shape) if src is not None else -1,
+               pairs=pairs)
     if src is None:
         out = x.new_zeros(recv_shape)
     elif src == rank:

@@ -192,9 +192,9 @@ def count_communication() -> Iterator[CommStats]:
     >>> print(stats)  # doctest: +SKIP
     """
     stats = CommStats()
-    with _LOCK:
-        _ACTIVE.append(stats)
-    try:
+    try:  # appended inside the try, so that no exit path skips the removal
+        with _LOCK:
+            _ACTIVE.append(stats)
         yield stats
     finally:
         with _LOCK:

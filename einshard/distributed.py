@@ -42,6 +42,15 @@ class DistributedPlan:
         # equal on every rank when they agree on global sizes and split shapes (checked with checks on)
         self.fingerprint = zlib.crc32(repr((problem.operands, problem.output)).encode())
 
+    def describe(self) -> str:
+        """The global sizes and split shapes this rank derived (for cross-rank error messages)."""
+        seen: dict = {}
+        for layout in (*self.problem.operands, self.problem.output):
+            for axis, size, dims, splits in zip(layout.axes, layout.sizes, layout.shard, layout.splits):
+                if axis not in seen:
+                    seen[axis] = f"{axis}={size}" + (f" split {list(splits)} over {'-'.join(dims)}" if dims else "")
+        return "global sizes " + ", ".join(seen.values())
+
     def compile(self) -> "DistributedPlan":
         mesh = self.mesh
         layouts = list(self.problem.operands)
@@ -139,7 +148,10 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
             _agree_group(mesh),
             None if plan.local_error is None else ValueError(plan.local_error),
             fingerprint=plan.fingerprint,
-            what=f"the layouts of {key[0]!r}",
+            what=f"the operands of {key[0]!r}",
+            describe=plan.describe,
+            facts=(("dtypes", tuple(t.dtype for t in tensors)), ("devices", tuple(t.device for t in tensors))),
+            point="einshard",
         )
     return plan.run(tensors)
 
@@ -171,7 +183,7 @@ def _new_plan(full_key, key, tensors, mesh, shapes, pol):
         ).compile()
     except ValueError as err:
         if checks.checks_enabled():
-            checks.agree(_agree_group(mesh), err)
+            checks.agree(_agree_group(mesh), err, point="einshard")
         raise
     if len(_PLANS) > 16384:
         _PLANS.clear()

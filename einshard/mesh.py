@@ -452,11 +452,13 @@ def use_mesh(mesh):
     ...     y = es.einshard("a/tp b -> a b", x)
     """
     mesh = _as_mesh(mesh)
-    token = _context.push(mesh=mesh)
-    try:
+    token = None
+    try:  # pushed inside the try, so that no exit path (a compiler splitting the frame) skips the pop
+        token = _context.push(mesh=mesh)
         yield mesh
     finally:
-        _context.pop(token)
+        if token is not None:
+            _context.pop(token)
 
 
 def current_mesh() -> Mesh | None:

@@ -29,9 +29,12 @@ pvary          identity                     input's dims plus ``dims``       sum
 
 from __future__ import annotations
 
+import functools
+
 import optree
 import torch
 
+from . import checks as _checks
 from . import collectives as C
 from . import mappings as M
 from . import vma as _vma
@@ -79,6 +82,28 @@ class _Axes:
     @property
     def size(self) -> int:
         return self.mesh.size(self.dims)
+
+
+def _agreeing(fn):
+    """With checks on, a ``ValueError`` raised by ``fn`` on some ranks only (a tensor's dtype,
+    rank or shape) is agreed on: every rank of the group raises it (the others at the agreement
+    of their collective)."""
+
+    @functools.wraps(fn)
+    def wrapper(x, dims, *args, mesh=None, **kwargs):
+        try:
+            return fn(x, dims, *args, mesh=mesh, **kwargs)
+        except ValueError as err:
+            if not _checks._ENABLED or _checks.was_agreed(err):
+                raise
+            try:
+                group = _Axes(dims, mesh, fn.__name__).group
+            except ValueError:  # the dimensions themselves are wrong: every rank sees that
+                raise err from None
+            _checks.agree(group, err, point=fn.__name__)
+            raise
+
+    return wrapper
 
 
 def _atomic(mesh, names, what) -> tuple[str, ...]:
@@ -138,6 +163,7 @@ def _map(fn, tree):
 # -- reductions ----------------------------------------------------------------------------
 
 
+@_agreeing
 def psum(x, dims, *, mesh=None):
     """Sum over the ranks of ``dims``; the result is invariant over them (JAX's ``psum``).
 
@@ -162,6 +188,7 @@ def psum(x, dims, *, mesh=None):
     return _map(one, x)
 
 
+@_agreeing
 def pmean(x, dims, *, mesh=None):
     """Mean over the ranks of ``dims`` (``psum(x, dims) / size``); invariant over them.
 
@@ -208,7 +235,8 @@ class _PExtreme(torch.autograd.Function):
         return _vma.pvary_tensor(grad, ctx.group) * (hit / count), None, None
 
 
-def _extreme(name, op, x, dims, mesh):
+@_agreeing
+def _extreme(x, dims, name, op, mesh=None):
     ax = _Axes(dims, mesh, name)
 
     def one(t):
@@ -231,7 +259,7 @@ def pmax(x, dims, *, mesh=None):
 
     >>> m = es.pmax(x.abs().amax(), "tp")  # doctest: +SKIP
     """
-    return _extreme("pmax", "max", x, dims, mesh)
+    return _extreme(x, dims, "pmax", "max", mesh=mesh)
 
 
 def pmin(x, dims, *, mesh=None):
@@ -242,12 +270,13 @@ def pmin(x, dims, *, mesh=None):
 
     >>> m = es.pmin(x.amin(), ("dp", "tp"))  # doctest: +SKIP
     """
-    return _extreme("pmin", "min", x, dims, mesh)
+    return _extreme(x, dims, "pmin", "min", mesh=mesh)
 
 
 # -- gathers and scatters ------------------------------------------------------------------------
 
 
+@_agreeing
 def all_gather(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, mesh=None):
     """Concatenate every rank's ``x`` along ``axis`` (JAX's ``all_gather``); invariant over ``dim_name``.
 
@@ -286,6 +315,7 @@ def _shapes(shapes, ax, what):
     return shapes
 
 
+@_agreeing
 def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, mesh=None):
     """This rank's block of the sum over ``dim_name`` (JAX's ``psum_scatter``); varies over it.
 
@@ -317,6 +347,7 @@ def _scatter_squeezed(x, group, axis):
     return M.reducescatter_forward_allgather_backward(x, group, axis, None).squeeze(axis)
 
 
+@_agreeing
 def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = True, mesh=None):
     """Split ``split_axis`` into one block per rank, send block ``j`` to rank ``j``, concatenate along ``concat_axis``.
 
@@ -372,6 +403,7 @@ def _a2a_untiled(x, group, split_axis, concat_axis):
     return y.squeeze(0).movedim(0, concat_axis)
 
 
+@_agreeing
 def ppermute(x, dim_name, perm, *, mesh=None):
     """Send ``x`` along the ``(src, dst)`` pairs of ``perm`` (indices within the ``dim_name`` group).
 

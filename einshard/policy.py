@@ -92,11 +92,14 @@ def optimize(mode):
     >>> with es.optimize("memory"):  # doctest: +SKIP
     ...     y = es.einshard("a b, b c -> a c/tp", x, w, mesh=mesh)
     """
-    token = _SCOPE.set(_as_policy(mode))
-    try:
+    policy = _as_policy(mode)
+    token = None
+    try:  # set inside the try, so that no exit path (a compiler splitting the frame) skips the reset
+        token = _SCOPE.set(policy)
         yield
     finally:
-        _SCOPE.reset(token)
+        if token is not None:
+            _SCOPE.reset(token)
 
 
 def set_default_policy(mode) -> None:

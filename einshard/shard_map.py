@@ -53,11 +53,12 @@ _UNSET = object()
 class _Body:
     """What the ambient context's ``shard_map`` field holds while a body runs."""
 
-    __slots__ = ("tracker", "shard_map")
+    __slots__ = ("tracker", "shard_map", "group")
 
-    def __init__(self, tracker, shard_map):
+    def __init__(self, tracker, shard_map, group=None):
         self.tracker = tracker
         self.shard_map = shard_map
+        self.group = group  # checks on: the mesh's whole group, where every agreement in the body runs
 
 
 class _InPlan:
@@ -148,16 +149,20 @@ class ShardMap:
             plan = self._plan_inputs(key, args, leaves, mesh)
         elif checks._ENABLED:  # ranks may miss the cache on different calls: agree on every call
             _raise_agreed(mesh, ())
+        group = mesh.group(tuple(mesh.names)) if checks._ENABLED and mesh.device_mesh is not None else None
         body_args = args
         body_leaves = leaves
-        if plan.actions:
-            body_leaves = list(leaves)
-            for i, fn in plan.actions:
-                body_leaves[i] = fn(leaves[i])
-            body_args = treedef.unflatten(body_leaves)
-        tracker = _vma.Tracker(mesh) if self.check_vma else None
-        token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self))
+        token = None
         try:
+            if plan.actions:
+                body_leaves = list(leaves)
+                for i, fn in plan.actions:
+                    body_leaves[i] = fn(leaves[i])
+                body_args = treedef.unflatten(body_leaves)
+            tracker = _vma.Tracker(mesh) if self.check_vma else None
+            # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
+            # push) must not resume after the push outside the block that pops it
+            token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self, group))
             if tracker is None:
                 out = self.f(*body_args, **kwargs)
                 return self._finish(out, mesh, plan, None)
@@ -178,8 +183,13 @@ class ShardMap:
                         if isinstance(x, _Tensor):
                             x.__dict__.pop(_vma._ATTR, None)
                 tracker.memo.clear()
+        except BaseException as exc:
+            if group is not None:  # raised here only: the peers raise at their next agreement
+                checks.report_failure(group, exc)
+            raise
         finally:
-            _context.pop(token)
+            if token is not None:
+                _context.pop(token)
 
     def _finish(self, out, mesh, plan, tracker):
         leaves, treedef = optree.tree_flatten(out, none_is_leaf=True)
@@ -362,7 +372,7 @@ def _raise_agreed(mesh, errors) -> None:
     """
     error = ValueError(errors[0]) if errors else None
     if checks.checks_enabled() and mesh.device_mesh is not None:
-        checks.agree(mesh.group(tuple(mesh.names)), error)
+        checks.agree(mesh.group(tuple(mesh.names)), error, point="shard_map")
     elif error is not None:
         raise error
 
@@ -380,11 +390,13 @@ def _from_dtensor(apply_from_dtensor, src, target, mesh, x):
 
 def _dtensor_convert(first, einshard, formula, mesh, opts, entries, x):
     local = first(x)
-    token = _context.push(shapes={**_context.current().shapes, **entries})
+    token = None
     try:
+        token = _context.push(shapes={**_context.current().shapes, **entries})
         return einshard(formula, local, mesh=mesh, **opts)
     finally:
-        _context.pop(token)
+        if token is not None:
+            _context.pop(token)
 
 
 def _to_dtensor(to_dtensor, layout, mesh, where, x):

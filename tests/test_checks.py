@@ -71,10 +71,10 @@ def _raises_agreed(fn, rank_prefix: str, fragment: str) -> str:
 def test_agree_on_ranks(mesh_2x2x2):
     rank = dist.get_rank()
     with _checks_on():
-        # nobody failed: one small collective (flag + fingerprint range, 3 int64), no error
+        # nobody failed: one small all-gather (a record of 8 int64 per rank), no error
         with comm_stats.count_communication() as s:
             checks.agree(None, None)
-        assert s.by_kind() == {"check": comm_stats.CommRecord(1, 2 * 7 * 24 // 8, 2 * 7 * 24 // 8)}, str(s)
+        assert s.by_kind() == {"check": comm_stats.CommRecord(1, 7 * 64, 7 * 64)}, str(s)
 
         # equal fingerprints pass; different ones raise the same error everywhere
         checks.agree(None, None, fingerprint=1234, what="the shapes")
@@ -84,7 +84,7 @@ def test_agree_on_ranks(mesh_2x2x2):
         # ranks 5 and 2 fail: every rank raises rank 2's message
         err = ValueError(f"bad size on rank {rank}") if rank in (2, 5) else None
         msg = _raises_agreed(lambda: checks.agree(None, err), "rank 2: ", "bad size on rank 2")
-        assert msg == "rank 2: bad size on rank 2"
+        assert msg == "rank 2: bad size on rank 2 (reported by ranks 2, 5)"
 
         # other exception types are reported by name
         err = TypeError("not a tensor") if rank == 7 else None
@@ -139,4 +139,64 @@ def test_checked_collectives_raise_everywhere(mesh_2x4):
             got = C.all_gather(torch.full((2, 1), float(rank)), group, 0, shapes)
         assert got.flatten().tolist() == [float(q) for q in range(8) for _ in range(2)]
         assert set(s.by_kind()) == {"check", "all_gather"}, str(s)
+    assert checks.checks_enabled()  # einshard.testing runs ranks with checks on (restored by _checks_on)
+
+
+@pytest.mark.ranks(2, checks=False)
+def test_ranks_marker_can_opt_out_of_checks():
     assert not checks.checks_enabled()
+    with comm_stats.count_communication() as s:
+        C.all_reduce(torch.ones(1), None)
+    assert set(s.by_kind()) == {"all_reduce"}, str(s)
+
+
+@pytest.mark.ranks(2)
+def test_ranks_run_with_checks_on_by_default():
+    assert checks.checks_enabled()
+    with comm_stats.count_communication() as s:
+        C.all_reduce(torch.ones(1), None)
+    assert set(s.by_kind()) == {"check", "all_reduce"}, str(s)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the checks must not (un)pickle anything")
+
+
+@pytest.mark.ranks(4)
+def test_error_path_exchanges_plain_bytes_only():
+    """Messages and values travel as UTF-8 bytes in a tensor: no object collective, no unpickling."""
+    import pickle
+
+    rank = dist.get_rank()
+    saved = dist.all_gather_object, dist.broadcast_object_list, pickle.loads
+    dist.all_gather_object = dist.broadcast_object_list = pickle.loads = _refuse
+    try:
+        err = ValueError(f"bad size on rank {rank} ünïcode") if rank == 2 else None
+        msg = _raises_agreed(lambda: checks.agree(None, err), "rank 2: ", "bad size on rank 2 ünïcode")
+        with pytest.raises(ValueError) as info:
+            checks.agree(None, None, facts=(("dtype", torch.float64 if rank == 3 else torch.float32),), point="op")
+        shape_msg = str(info.value)
+    finally:
+        dist.all_gather_object, dist.broadcast_object_list, pickle.loads = saved
+    assert msg == "rank 2: bad size on rank 2 ünïcode"
+    assert shape_msg == "the ranks disagree on op: dtype: ranks 0, 1, 2 have float32; rank 3 has float64", shape_msg
+    assert C.all_reduce(torch.ones(1), None).item() == 4  # still in step
+
+
+@pytest.mark.ranks(4)
+def test_ranks_at_different_operations():
+    rank = dist.get_rank()
+    with pytest.raises(ValueError, match=r"different collective operations: ranks 0, 1, 2 at psum; rank 3 at all_gather"):
+        checks.agree(None, None, point="all_gather" if rank == 3 else "psum")
+    assert C.all_reduce(torch.ones(1), None).item() == 4
+
+
+def test_rank_failed_error_carries_the_failure():
+    import pickle
+
+    err = checks.RankFailedError(3, "RuntimeError: boom", (3, 5))
+    assert (err.rank, err.message, err.ranks) == (3, "RuntimeError: boom", (3, 5))
+    assert str(err) == "rank 3 raised in a shard_map body (ranks 3, 5 failed): RuntimeError: boom"
+    again = pickle.loads(pickle.dumps(err))  # the test harness sends it to the parent
+    assert (type(again), again.rank, again.ranks, str(again)) == (checks.RankFailedError, 3, (3, 5), str(err))
+    assert str(checks.RankFailedError(1, "KeyboardInterrupt")) == "rank 1 raised in a shard_map body: KeyboardInterrupt"

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from einshard import checks
 from einshard import collectives as C
 from einshard import comm_stats
 from einshard._split import compute_split_shapes
@@ -227,16 +228,25 @@ def test_argument_errors_raise_everywhere_before_communicating(mesh_2x4):
         ("ppermute two receives", lambda: C.ppermute(x, group, [(0, 1), (2, 1)]), "receives more than once"),
         ("all_to_all_v chunks", lambda: C.all_to_all_v([x], [0] * 4, group), "1 chunks"),
     ]
-    with comm_stats.count_communication() as stats:
-        for name, fn, fragment in bad:
-            with pytest.raises(ValueError, match=fragment):
-                fn()
-    assert stats.calls == 0, f"communicated before raising:\n{stats}"
+    before = checks.checks_enabled()
+    try:
+        for flag in (False, True):
+            checks.set_checks(flag)
+            with comm_stats.count_communication() as stats:
+                for name, fn, fragment in bad:
+                    with pytest.raises(ValueError, match=fragment):
+                        fn()
+            if flag:  # rank-local ones (a dim, a dtype) are agreed on: only the small check collective
+                assert set(stats.by_kind()) <= {"check"}, f"communicated before raising:\n{stats}"
+            else:
+                assert stats.calls == 0, f"communicated before raising:\n{stats}"
+    finally:
+        checks.set_checks(before)
     # the ranks are still in step: a collective afterwards works
     assert C.all_reduce(torch.ones(1), group).item() == 4
 
 
-@pytest.mark.ranks(8)
+@pytest.mark.ranks(8, checks=False)
 def test_rank_local_mismatch_without_checks_raises_locally(mesh_2x4):
     """With checks off a rank-local error raises on that rank only; here every rank is wrong in its
     own way (so nobody is left waiting), and each sees its own message."""

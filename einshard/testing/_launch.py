@@ -7,7 +7,7 @@ import os
 __all__ = ["launch"]
 
 
-def launch(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 300.0) -> list | None:
+def launch(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 300.0, checks: bool = True) -> list | None:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks and collect the results.
 
     Under ``torchrun`` or ``srun`` (``RANK`` is set) this process is one rank:
@@ -22,20 +22,24 @@ def launch(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 30
         if results is not None:
             print(results[0])
 
-    ``fn`` must be a module-level function (it is pickled by reference).
+    ``fn`` runs with cross-rank checks set to ``checks`` (default on; see
+    ``es.set_checks``). ``fn`` must be a module-level function (it is
+    pickled by reference).
     """
     kwargs = dict(kwargs or {})
     if "RANK" not in os.environ:
         from ._pool import spawn
 
-        return spawn(fn, world_size, args=args, kwargs=kwargs, timeout=timeout)
+        return spawn(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, checks=checks)
     import torch.distributed as dist
 
+    from ..checks import set_checks
     from ..helpers import init_process_group
 
     _, rank, world = init_process_group("gloo", use_cuda=False)
     if world != world_size:
         raise ValueError(f"{getattr(fn, '__name__', fn)} needs {world_size} ranks, but the job has {world}")
+    set_checks(checks)
     try:
         result = fn(*args, **kwargs)
         gathered: list = [None] * world

@@ -464,7 +464,7 @@ class RankPool:
             raise
 
     # -- running tasks -------------------------------------------------------------
-    def run(self, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+    def run(self, fn, *args, timeout: float = 120.0, checks: bool = True, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
         ``fn`` must be a module-level (importable) function; it and the
@@ -472,17 +472,20 @@ class RankPool:
         replaced by their built ``DeviceMesh`` on every rank. Raises
         :class:`RankError` if any rank raised and :class:`RankTimeout` if
         not every rank finished within ``timeout`` seconds (the pool is then
-        restarted on the next call). To pass a keyword named ``timeout`` to
-        ``fn``, bind it with ``functools.partial``.
+        restarted on the next call). ``checks`` (default on): the ranks run
+        ``fn`` with ``es.set_checks(checks)``, so a rank-local error raises
+        the same error on every rank instead of hanging the others. To pass a
+        keyword named ``timeout`` or ``checks`` to ``fn``, bind it with
+        ``functools.partial``.
 
         >>> get_pool(2).run(torch.distributed.get_rank)     # doctest: +SKIP
         [0, 1]
         """
-        return self._run(fn, args, kwargs, timeout)
+        return self._run(fn, args, kwargs, timeout, checks)
 
-    def _run(self, fn, args=(), kwargs=None, timeout=120.0):
+    def _run(self, fn, args=(), kwargs=None, timeout=120.0, checks=True):
         kwargs = dict(kwargs or {})
-        context, payload = _prepare_task(fn, args, kwargs)
+        context, payload = _prepare_task(fn, args, kwargs, checks)
         with self._lock:
             self._ensure_ready(self.startup_timeout)
             try:
@@ -657,7 +660,7 @@ def _target(fn):
     return fn
 
 
-def _prepare_task(fn, args, kwargs):
+def _prepare_task(fn, args, kwargs, checks=True):
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
     target = _target(fn)
@@ -685,6 +688,7 @@ def _prepare_task(fn, args, kwargs):
         "module": module,
         "file": file,
         "rewrite": rewrite,
+        "checks": bool(checks),
     }
     return context, payload
 
@@ -722,27 +726,29 @@ def get_pool(world_size: int) -> RankPool:
         return pool
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, checks: bool = True, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on every rank of the shared pool; return per-rank results.
 
-    Same as ``get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)``.
+    Same as ``get_pool(world_size).run(fn, *args, timeout=timeout, checks=checks, **kwargs)``
+    (checks on by default).
 
     >>> def rank_times(x):          # module level, importable
     ...     return torch.distributed.get_rank() * x
     >>> run_on_ranks(4, rank_times, 10)      # doctest: +SKIP
     [0, 10, 20, 30]
     """
-    return get_pool(world_size)._run(fn, args, kwargs, timeout)
+    return get_pool(world_size)._run(fn, args, kwargs, timeout, checks)
 
 
-def spawn(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 300.0) -> list:
+def spawn(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 300.0, checks: bool = True) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh rank processes, then tear them down.
 
     Like ``torch.multiprocessing.spawn``, but ``torch.distributed`` (gloo) is
     already initialised in every process, ``fn`` is *not* passed the rank
     (use ``torch.distributed.get_rank()``), results come back in rank order,
     and failures raise :class:`RankError` / :class:`RankTimeout`. ``timeout``
-    covers start-up and the call. Works with functions defined in a script's
+    covers start-up and the call; ``checks`` (default on) is
+    ``es.set_checks`` in the ranks while ``fn`` runs. Works with functions defined in a script's
     ``__main__`` if the script has an ``if __name__ == "__main__":`` guard.
 
     >>> def hello():
@@ -758,7 +764,7 @@ def spawn(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 300
     try:
         pool.start()
         remaining = max(0.001, timeout - (time.monotonic() - start))
-        return pool._run(fn, args, kwargs, remaining)
+        return pool._run(fn, args, kwargs, remaining, checks)
     finally:
         pool.close()
 

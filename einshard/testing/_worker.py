@@ -146,6 +146,7 @@ def _run_task(rank, task_id, context, payload, log_path):
     ok, value, exc_bytes = True, None, None
     try:
         _prepare(context)
+        _set_checks(context.get("checks", True))
         fn, args, kwargs = pickle.loads(payload)
         args, kwargs = _materialise(args, kwargs)
         result = fn(*args, **kwargs)
@@ -274,6 +275,13 @@ def _install_reprcompare():
 
     if util._reprcompare is None:
         util._reprcompare = callbinrepr
+
+
+def _set_checks(flag):
+    """Cross-rank checks for this task (on unless the task opted out)."""
+    from ..checks import set_checks
+
+    set_checks(flag)
 
 
 def _materialise(args, kwargs):

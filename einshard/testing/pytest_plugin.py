@@ -9,7 +9,10 @@ reference and called on every rank of the shared pool
 ``einshard.testing.get_pool(n)`` with its fixture and parametrize values as
 keyword arguments. A failure on any rank fails the test with that rank's
 remote traceback; a hang fails it after the timeout (marker ``timeout=``,
-else ``--ranks-timeout`` / ini ``ranks_timeout``, else 120 s).
+else ``--ranks-timeout`` / ini ``ranks_timeout``, else 120 s). The ranks run
+the test with cross-rank checks on (``es.set_checks(True)``: a rank-local
+error raises on every rank instead of hanging the others) unless the marker
+says ``checks=False``.
 
 Fixtures: ``mesh_8``, ``mesh_2x4``, ``mesh_2x2x2`` (``MeshSpec`` objects that
 every rank receives as built ``DeviceMesh`` objects) and ``mesh``,
@@ -28,7 +31,10 @@ from ._mesh import MeshSpec
 from ._pool import _mp_context, close_all_pools, get_pool
 
 DEFAULT_TIMEOUT = 120.0
-_MARKER_LINE = "ranks(n, timeout=None): run the test on n gloo CPU ranks (einshard.testing)"
+_MARKER_LINE = (
+    "ranks(n, timeout=None, checks=True): run the test on n gloo CPU ranks (einshard.testing), "
+    "with es.set_checks(checks)"
+)
 
 MESH_8 = MeshSpec((8,), ("tp",))
 MESH_2X4 = MeshSpec((2, 4), ("dp", "tp"))
@@ -94,13 +100,16 @@ def _marker_params(item, marker):
     timeout = kwargs.pop("timeout", None)
     if timeout is None and args:
         timeout = args.pop(0)
+    checks = kwargs.pop("checks", True)
+    if not isinstance(checks, bool):
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.ranks(checks=...) needs True or False, got {checks!r}")
     if args or kwargs:
         raise pytest.UsageError(f"{item.nodeid}: unexpected arguments to @pytest.mark.ranks: {args} {kwargs}")
     if not isinstance(n, int) or n < 1:
         raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.ranks(n) needs a positive int, got {n!r}")
     if timeout is None:
         timeout = _default_timeout(item.config)
-    return n, float(timeout)
+    return n, float(timeout), checks
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -108,7 +117,7 @@ def pytest_pyfunc_call(pyfuncitem):
     marker = pyfuncitem.get_closest_marker("ranks")
     if marker is None:
         return None
-    n, timeout = _marker_params(pyfuncitem, marker)
+    n, timeout, checks = _marker_params(pyfuncitem, marker)
     fn = pyfuncitem.obj
     if getattr(fn, "is_hypothesis_test", False):
         pytest.fail(
@@ -128,7 +137,7 @@ def pytest_pyfunc_call(pyfuncitem):
             )
     failure = pickling_error = None
     try:
-        get_pool(n)._run(fn, (), kwargs, timeout)
+        get_pool(n)._run(fn, (), kwargs, timeout, checks)
     except RankError as err:  # RankTimeout included
         failure = err
     except TypeError as err:
