@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cfg = gpt.Config(vocab=512, seq=args.seq, width=args.width, heads=4, head_width=args.width // 4,
                      hidden=4 * args.width, layers=args.layers, batch=args.batch, dtype=torch.float32)
-    results = launch(on_rank, 8, args=(cfg, args.steps, args.warmup), timeout=1200)
+    results = launch(on_rank, 8, args=(cfg, args.steps, args.warmup), timeout=1200, checks=False)
     for row in next(r for r in results if r is not None):
         print(json.dumps(row), flush=True)
     return 0
