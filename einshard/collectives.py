@@ -54,13 +54,26 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # -- small helpers -------------------------------------------------------------
 
 
+def _size(group) -> int:
+    """``dist.get_world_size(group)`` without its Python checks for a ``ProcessGroup`` (the hot path)."""
+    if type(group) is dist.ProcessGroup:
+        return group.size()
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    if type(group) is dist.ProcessGroup:
+        return group.rank()
+    return dist.get_rank(group)
+
+
 def group_size(group=None) -> int:
     """The number of ranks in ``group`` (``None``: the world).
 
     >>> group_size(mesh.get_group("tp"))  # doctest: +SKIP
     4
     """
-    return dist.get_world_size(group)
+    return _size(group)
 
 
 def group_rank(group=None) -> int:
@@ -69,7 +82,7 @@ def group_rank(group=None) -> int:
     >>> group_rank(mesh.get_group("tp"))  # doctest: +SKIP
     2
     """
-    return dist.get_rank(group)
+    return _rank(group)
 
 
 def _global_rank(group, rank: int) -> int:
@@ -201,7 +214,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         err = ValueError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "all_reduce", x, extra=(("op", name),))
-    size = dist.get_world_size(group)
+    size = _size(group)
     x = x.detach()
     if name in ("avg", "mean"):
         y = (x / size).contiguous() if size > 1 else _contiguous_clone(x)
@@ -229,7 +242,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     >>> y  # on every rank  # doctest: +SKIP
     tensor([1., 1.])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
         raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {size})")
     if _checks.agreement_needed():
@@ -237,7 +250,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
-    rank = dist.get_rank(group)
+    rank = _rank(group)
     y = _contiguous_clone(x) if rank == src else torch.empty_like(x, memory_format=torch.contiguous_format)
     if _stats._ACTIVE:
         n = y.numel() * y.element_size()
@@ -259,7 +272,7 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
     >>> split(torch.arange(10), group, 0)  # rank 3 of 4 → shapes [3, 3, 3, 1]  # doctest: +SKIP
     tensor([9])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if shapes is not None:
         shapes = _sizes(shapes, "split: shapes", size)
     d, err = _dim(dim, x.dim(), "split")
@@ -267,7 +280,7 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
         shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "split")
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     return x.detach().narrow(d, sum(shapes[:rank]), shapes[rank])
 
 
@@ -282,11 +295,11 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
             [1., 1.]])
     >>> all_gather(x, group, dim=1, shapes=[3, 3, 3, 0])  # doctest: +SKIP
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if shapes is not None:
         shapes = _sizes(shapes, "all_gather: shapes", size)
     d, err = _dim(dim, x.dim(), "all_gather")
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     if err is None and shapes is not None and x.shape[d] != shapes[rank]:
         err = ValueError(
             f"all_gather: this rank (group rank {rank}) holds {x.shape[d]} elements along dim {dim} "
@@ -329,7 +342,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     >>> reduce_scatter(torch.ones(4), group, 0)  # 2 ranks  # doctest: +SKIP
     tensor([2., 2.])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if shapes is not None:
         shapes = _sizes(shapes, "reduce_scatter: shapes", size)
     d, err = _dim(dim, x.dim(), "reduce_scatter")
@@ -340,7 +353,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
-    rank = dist.get_rank(group)
+    rank = _rank(group)
     m = max(shapes)
     if all(s == m for s in shapes):
         buf = x.unflatten(d, (size, m)).movedim(d, 0).contiguous()
@@ -384,12 +397,12 @@ def all_to_all(
     >>> all_to_all(x, group, 0, 1).shape   # every row, columns 2r, 2r+1  # doctest: +SKIP
     torch.Size([8, 2])
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     if src_shapes is not None:
         src_shapes = _sizes(src_shapes, "all_to_all: src_shapes", size)
     if dst_shapes is not None:
         dst_shapes = _sizes(dst_shapes, "all_to_all: dst_shapes", size)
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     sd, err = _dim(src_dim, x.dim(), "all_to_all", "src_dim")
     dd, err2 = _dim(dst_dim, x.dim(), "all_to_all", "dst_dim")
     err = err or err2
@@ -412,8 +425,14 @@ def all_to_all(
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
-    # Blocks for the destination ranks are contiguous once dst_dim is in front.
-    xt = x.movedim(dd, 0).contiguous()
+    # Pack the blocks for the destination ranks one after the other, each in x's own dimension order, so
+    # that the received blocks are this rank's result pieces along src_dim (no unpacking when nothing
+    # precedes src_dim).
+    m = max(dst_shapes)
+    if all(s == m for s in dst_shapes):
+        send = x.unflatten(dd, (size, m)).movedim(dd, 0).reshape(-1)  # one copy (a view for dd == 0)
+    else:
+        send = torch.cat([x.narrow(dd, off, s).reshape(-1) for off, s in zip(_offsets(dst_shapes), dst_shapes)])
     other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
     mine = dst_shapes[rank]
     factor = _real_factor(x)
@@ -432,7 +451,7 @@ def all_to_all(
             )
         dist.all_to_all_single(
             _flat(out),
-            _flat(xt),
+            _flat(send.contiguous()),
             [s * factor for s in out_splits],
             [s * factor for s in in_splits],
             group=group,
@@ -440,36 +459,41 @@ def all_to_all(
     result_shape = list(x.shape)
     result_shape[sd] = sum(src_shapes)
     result_shape[dd] = mine
-    result = x.new_empty(result_shape)
-    moved = list(xt.shape)  # block layout: dst_dim first, the others in order
-    sd_moved = sd + 1 if sd < dd else sd
-    moved[0] = mine
-    for j, (off, part) in enumerate(zip(_offsets(src_shapes), out.split(out_splits))):
-        if src_shapes[j] == 0:
-            continue
-        moved[sd_moved] = src_shapes[j]
-        result.narrow(sd, off, src_shapes[j]).copy_(part.view(moved).movedim(0, dd))
-    return result
+    if math.prod(x.shape[:sd]) == 1:  # the pieces, one after the other, are the result
+        return out.view(result_shape)
+    piece = list(result_shape)
+    parts = []
+    for s, part in zip(src_shapes, out.split(out_splits)):
+        if s:
+            piece[sd] = s
+            parts.append(part.view(piece))
+    return torch.cat(parts, sd)
 
 
-def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group) -> list[torch.Tensor]:
+def all_to_all_v(
+    chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group, *, pairwise: bool = False
+) -> list[torch.Tensor]:
     """General exchange: ``chunks[j]`` goes to group rank ``j``; returns what each rank sent here.
 
     Chunks may have any shape (they are flattened) and must share one dtype;
     ``recv_numels[j]`` is the element count rank ``j`` sends to this rank.
     Returns flat 1-D tensors, one per source rank. This rank's own chunk is
     passed through without communication (the result may share its memory).
-    One ``all_to_all_single`` with split sizes.
+    One ``all_to_all_single`` with split sizes; with ``pairwise=True``
+    (every rank of the group must pass the same), batched point-to-point
+    ``isend``/``irecv`` with only the ranks it exchanges data with: no
+    packing of the send blocks (contiguous chunks are sent as they are), and
+    ranks that exchange nothing do not take part.
 
     >>> got = all_to_all_v([torch.full((j,), float(rank)) for j in range(P)], [rank] * P, group)  # doctest: +SKIP
     >>> got[j]  # rank j's chunk for this rank: `rank` elements equal to j  # doctest: +SKIP
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     chunks = list(chunks)
     if len(chunks) != size:
         raise ValueError(f"all_to_all_v: got {len(chunks)} chunks but the group has {size} ranks")
     recv_numels = _sizes(recv_numels, "all_to_all_v: recv_numels", size)
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     err = None
     dtype = chunks[rank].dtype
     if any(c.dtype != dtype for c in chunks):
@@ -484,6 +508,8 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
+    if pairwise:
+        return _pairwise(chunks, recv_numels, group, rank, own)
     in_splits = [0 if j == rank else c.numel() for j, c in enumerate(chunks)]
     out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
     send = [c.detach().reshape(-1) for j, c in enumerate(chunks) if j != rank and c.numel()]
@@ -502,6 +528,30 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
         group=group,
     )
     result = list(out.split(out_splits))
+    result[rank] = own
+    return result
+
+
+def _pairwise(chunks, recv_numels, group, rank, own) -> list[torch.Tensor]:
+    """The transport of ``all_to_all_v(pairwise=True)``: one batched isend/irecv per peer with data."""
+    out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
+    out = own.new_empty(sum(out_splits))
+    result = list(out.split(out_splits))
+    ops, sent = [], 0
+    for j, c in enumerate(chunks):
+        if j != rank and c.numel():
+            flat = _flat(c.detach().contiguous())  # a view when the chunk is already contiguous
+            sent += c.numel()
+            ops.append(dist.P2POp(dist.isend, flat, _global_rank(group, j), group))
+    for j, buf in enumerate(result):
+        if j != rank and buf.numel():
+            ops.append(dist.P2POp(dist.irecv, _flat(buf), _global_rank(group, j), group))
+    if _stats._ACTIVE:
+        isz = own.element_size()
+        _stats.record("all_to_all_v", group, sent * isz, sum(out_splits) * isz)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     result[rank] = own
     return result
 
@@ -541,11 +591,11 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
     >>> ring = [(i, (i + 1) % P) for i in range(P)]  # doctest: +SKIP
     >>> ppermute(torch.tensor([float(rank)]), group, ring)  # rank r gets r-1  # doctest: +SKIP
     """
-    size = dist.get_world_size(group)
+    size = _size(group)
     pairs = _check_perm(perm, size)
     x = x.detach()
     recv_shape = tuple(x.shape) if recv_shape is None else tuple(int(s) for s in recv_shape)
-    rank = dist.get_rank(group) if size > 1 else 0
+    rank = _rank(group) if size > 1 else 0
     dst = next((d for s, d in pairs if s == rank), None)
     src = next((s for s, d in pairs if d == rank), None)
     err = None

@@ -29,7 +29,8 @@ _PLANS: dict = {}
 class DistributedPlan:
     """A chosen schedule bound to this rank: call ``run`` with the local tensors."""
 
-    __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint")
+    __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint",
+                 "_compiled", "_traced_run")
 
     def __init__(self, problem, schedules, resolved, mesh):
         self.problem = problem
@@ -39,6 +40,8 @@ class DistributedPlan:
         self.mesh = mesh
         self.local_error = resolved.local_error
         self.run = None
+        self._compiled = None
+        self._traced_run = None
         # equal on every rank when they agree on global sizes and split shapes (checked with checks on)
         self.fingerprint = zlib.crc32(repr((problem.operands, problem.output)).encode())
 
@@ -62,21 +65,40 @@ class DistributedPlan:
                 assert steps[0] == layouts[i]
                 chain = [transition(a, b, mesh) for a, b in zip(steps, steps[1:])]
                 chains.append(tuple(t for t in chain if not t.trivial))
-            core = Contraction([t.axes for t in cand.targets], cand.result.axes).run
+            contraction = Contraction([t.axes for t in cand.targets], cand.result.axes)
+            embedding = None
             if cand.embedded is not None and cand.embedded != cand.result:
                 root = tuple(d for d, r in zip(mesh.names, cand.roles) if r == ("E", None))
-                core = _then(core, Embedding(cand.result, cand.embedded, root, mesh))
-            compiled.append((tuple(indices), tuple(chains), core))
+                embedding = Embedding(cand.result, cand.embedded, root, mesh)
+            compiled.append((tuple(indices), tuple(chains), contraction, embedding))
             layouts = [op for j, op in enumerate(layouts) if j not in indices] + [cand.embedded or cand.result]
         finish = transition(layouts[-1], self.problem.output, mesh)
-        finish = None if finish.trivial else finish
+        self._compiled = (tuple(compiled), None if finish.trivial else finish)
+        self.run = self._runner(traced=False)
+        return self
+
+    def _runner(self, traced: bool):
+        """The replay: eager (autograd mappings on raw collectives) or traced (functional collectives)."""
+        compiled, finish = self._compiled
+        stages = []
+        for indices, chains, contraction, embedding in compiled:
+            if traced:
+                chains = tuple(tuple(t.prepare_traced().traced for t in chain) for chain in chains)
+                core = contraction.run_traced
+            else:
+                core = contraction.run
+            if embedding is not None:
+                core = _then(core, embedding.traced if traced else embedding)
+            stages.append((indices, chains, core))
+        if finish is not None and traced:
+            finish = finish.prepare_traced().traced
         in_shapes = self.resolved.in_shapes
         out_shape = self.resolved.out_shape
-        single = len(compiled) == 1
+        single = len(stages) == 1
 
         def run(tensors):
             xs = [x if shape is None else x.reshape(shape) for x, shape in zip(tensors, in_shapes)]
-            for indices, chains, core in compiled:
+            for indices, chains, core in stages:
                 args = []
                 for i, chain in zip(indices, chains):
                     x = xs[i]
@@ -90,16 +112,17 @@ class DistributedPlan:
                 y = finish(y)
             return y if out_shape is None else y.reshape(out_shape)
 
-        self.run = run
-        return self
+        return run
+
+    def traced_run(self):
+        """The replay for code that dynamo traces (built once, at trace time)."""
+        if self._traced_run is None:
+            self._traced_run = self._runner(traced=True)
+        return self._traced_run
 
 
 def _then(core, embedding):
     return lambda tensors: embedding(core(tensors))
-
-
-def _itemsize(tensors) -> int:
-    return max(t.element_size() for t in tensors)
 
 
 def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=()):
@@ -122,6 +145,26 @@ def _agree_group(mesh):
     return mesh.group(tuple(mesh.names))
 
 
+def _frozen_shapes(key, shapes):
+    try:
+        return None if shapes is None else freeze_shapes(shapes)
+    except ValueError as err:
+        raise ValueError(f"{key[0]!r}: {err}") from None
+
+
+def _agree_on_plan(plan, mesh, key, facts) -> None:
+    """Raise this rank's layout error; with checks on, every rank raises when any rank has one."""
+    checks.agree(
+        _agree_group(mesh),
+        None if plan.local_error is None else ValueError(plan.local_error),
+        fingerprint=plan.fingerprint,
+        what=f"the operands of {key[0]!r}",
+        describe=plan.describe,
+        facts=facts,
+        point="einshard",
+    )
+
+
 def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     """Run a distributed formula (called by :func:`einshard.einshard`).
 
@@ -135,24 +178,22 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
-    try:
-        frozen_shapes = None if shapes is None else freeze_shapes(shapes)
-    except ValueError as err:
-        raise ValueError(f"{key[0]!r}: {err}") from None
+    frozen_shapes = _frozen_shapes(key, shapes)
     full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *[t.dtype for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
-        plan = _new_plan(full_key, key, tensors, mesh, shapes, pol)
+        from .ops.einshard import _check_tensors
+
+        try:
+            _check_tensors(expand(key[0], key[2]), tensors)
+        except ValueError as err:
+            if checks.checks_enabled():
+                checks.agree(_agree_group(mesh), err, point="einshard")
+            raise
+        plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol)
     if plan.local_error is not None or checks._ENABLED:
-        checks.agree(
-            _agree_group(mesh),
-            None if plan.local_error is None else ValueError(plan.local_error),
-            fingerprint=plan.fingerprint,
-            what=f"the operands of {key[0]!r}",
-            describe=plan.describe,
-            facts=(("dtypes", tuple(t.dtype for t in tensors)), ("devices", tuple(t.device for t in tensors))),
-            point="einshard",
-        )
+        _agree_on_plan(plan, mesh, key, (("dtypes", tuple(t.dtype for t in tensors)),
+                                         ("devices", tuple(t.device for t in tensors))))
     return plan.run(tensors)
 
 
@@ -171,16 +212,15 @@ def _run_without_mesh(key, tensors):
     return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
 
 
-def _new_plan(full_key, key, tensors, mesh, shapes, pol):
-    from .ops.einshard import _check_tensors
-
+def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol):
     formula, sizes, families = key[0], key[1], key[2]
     parsed = expand(formula, families)
     try:
-        _check_tensors(parsed, tensors)
-        plan = plan_distributed(
-            parsed, [tuple(t.shape) for t in tensors], _itemsize(tensors), mesh, shapes, sizes, pol, families
-        ).compile()
+        names = sorted({str(d) for d in dtypes})
+        if len(names) > 1:  # torch.einsum would fail after the operands' collectives
+            raise ValueError(f"{formula!r}: the operands have different dtypes ({', '.join(names)}); convert them first")
+        itemsize = max(d.itemsize for d in dtypes)
+        plan = plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, pol, families).compile()
     except ValueError as err:
         if checks.checks_enabled():
             checks.agree(_agree_group(mesh), err, point="einshard")
@@ -189,3 +229,30 @@ def _new_plan(full_key, key, tensors, mesh, shapes, pol):
         _PLANS.clear()
     _PLANS[full_key] = plan
     return plan
+
+
+def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
+    """The traced replay of a distributed formula (called at trace time, see ``einshard._traced``).
+
+    ``key`` is einshard's ``(formula, sizes key, families key, *local shapes)``.
+    Errors are raised here, while tracing; with checks on, the ranks agree on
+    them as in eager mode (every rank traces the same program).
+    """
+    if mesh is None:  # no mesh anywhere: only a stationary formula runs (on the local blocks)
+        from .ops.stationary import is_stationary, stationary_plan
+
+        parsed = expand(key[0], key[2])
+        if not is_stationary(parsed, key[1]):
+            raise ValueError(_MESH_REQUIRED)
+        return stationary_plan(key, parsed, [tuple(s) for s in key[3:]]).run_traced
+    if not isinstance(mesh, Mesh):
+        mesh = resolve_mesh(mesh)
+    pol = resolve_policy(optimize, policy)
+    frozen_shapes = _frozen_shapes(key, shapes)
+    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *dtypes)
+    plan = _PLANS.get(full_key)
+    if plan is None:
+        plan = _new_plan(full_key, key, [tuple(s) for s in key[3:]], list(dtypes), mesh, shapes, pol)
+    if plan.local_error is not None or checks._ENABLED:
+        _agree_on_plan(plan, mesh, key, (("dtypes", tuple(dtypes)),))
+    return plan.traced_run()

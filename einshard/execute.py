@@ -12,6 +12,7 @@ import torch
 
 from . import checks as _checks
 from . import collectives as C
+from . import collectives as _eager_collectives
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 
@@ -32,8 +33,12 @@ def _narrow(x: torch.Tensor, rel) -> torch.Tensor:
     return x
 
 
-def compile_step(step, mesh):
-    """A callable ``x -> y`` running ``step`` on this rank."""
+def compile_step(step, mesh, C=C):
+    """A callable ``x -> y`` running ``step`` on this rank.
+
+    ``C``: the collectives to call, :mod:`einshard.collectives` (eager) or
+    :mod:`einshard._traced_collectives` (under ``torch.compile``).
+    """
     shape = MeshShape.of(mesh)
     coord = mesh.coordinate
     kind = step.kind
@@ -58,7 +63,7 @@ def compile_step(step, mesh):
         dst_sizes = [b - a for a, b in (step.dst.interval(j, m, shape) for m in members)]
         return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
     if kind == "exchange":
-        return _compile_exchange(step.src, step.dst, step.dims, shape, coord, group, members)
+        return _compile_exchange(step.src, step.dst, step.dims, shape, coord, group, members, C)
     raise AssertionError(kind)
 
 
@@ -72,7 +77,7 @@ def _intersect(a, b):
     return tuple(out)
 
 
-def _compile_exchange(src: Layout, dst: Layout, dims, shape: MeshShape, coord, group, members):
+def _compile_exchange(src: Layout, dst: Layout, dims, shape: MeshShape, coord, group, members, C=C):
     """Every rank sends each peer the part of its block the peer needs and lacks.
 
     The peer that supplies a region is the one that holds it and agrees with
@@ -95,11 +100,22 @@ def _compile_exchange(src: Layout, dst: Layout, dims, shape: MeshShape, coord, g
         piece = _intersect(src.box(m, shape), my_dst)
         recvs.append(None if piece is None else _rel_slices(piece, my_dst))
     recv_numels = [0 if r is None else _numel(r) for r in recvs]
+    # eager: point-to-point with the peers that have data, sending views (functional: all_to_all_single)
+    kwargs = {"pairwise": True} if C is _eager_collectives else {}
+    # the whole output comes from one peer (an ownership swap): its buffer is the output, no unpacking
+    whole = [j for j, n in enumerate(recv_numels) if n and n == _numel([(0, n) for n in out_shape])]
+    whole = whole[0] if whole else None
+    # ... from this rank itself (a diagonal rank of a swap): the output is the input block
+    keep = whole is not None and tuple(members[whole]) == tuple(coord) and my_src == my_dst
 
     def run(x: torch.Tensor) -> torch.Tensor:
         empty = x.new_empty(0)
         chunks = [empty if s is None else _narrow(x, s) for s in sends]
-        got = C.all_to_all_v(chunks, recv_numels, group)
+        got = C.all_to_all_v(chunks, recv_numels, group, **kwargs)
+        if keep:
+            return x
+        if whole is not None:
+            return got[whole].view(out_shape)
         out = x.new_empty(out_shape)
         for r, flat in zip(recvs, got):
             if r is not None:
@@ -119,7 +135,7 @@ def _numel(rel) -> int:
 class Transition:
     """A compiled ``src -> dst`` transition on this rank; call it on a local tensor."""
 
-    __slots__ = ("src", "dst", "mesh", "shape", "steps", "_reverse", "trivial")
+    __slots__ = ("src", "dst", "mesh", "shape", "planned", "steps", "traced_steps", "_reverse", "trivial")
 
     def __init__(self, src: Layout, dst: Layout, mesh, steps=None):
         from .plan.transition import plan_transition
@@ -127,7 +143,9 @@ class Transition:
         self.src, self.dst, self.mesh = src, dst, mesh
         self.shape = MeshShape.of(mesh)
         planned = plan_transition(src, dst, self.shape) if steps is None else steps
+        self.planned = tuple(planned)
         self.steps = [s.compile(mesh) for s in planned]
+        self.traced_steps = None  # built by prepare_traced (when a plan is first traced)
         self._reverse = None
         # no forward steps and no reverse steps: autograd needs nothing either
         self.trivial = not self.steps and not plan_transition(dst, src, self.shape)
@@ -147,6 +165,26 @@ class Transition:
         for step in self.steps:
             x = step(x)
         return x
+
+    def prepare_traced(self) -> "Transition":
+        """Build the functional-collective steps of this transition and of its reverse (for backward)."""
+        from . import _traced_collectives as TC
+
+        for t in (self, self.reverse()):
+            if t.traced_steps is None:
+                t.traced_steps = tuple(compile_step(s, t.mesh, TC) for s in t.planned)
+        return self
+
+    def run_traced(self, x: torch.Tensor) -> torch.Tensor:
+        for step in self.traced_steps:
+            x = step(x)
+        return x
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The transition in code that dynamo traces (call :meth:`prepare_traced` first, untraced)."""
+        if self.trivial:
+            return x
+        return _TracedTransition.apply(x, self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.trivial:
@@ -180,6 +218,20 @@ def _run_transition(x: torch.Tensor, ex: Transition) -> torch.Tensor:
 _apply_transition = make_mapping("Transition", _run_transition, lambda grad, ex: ex.reverse()(grad))
 
 
+class _TracedTransition(torch.autograd.Function):
+    """A transition under ``torch.compile``: functional collectives forward, the reverse transition backward."""
+
+    @staticmethod
+    def forward(ctx, x, ex):
+        ctx.ex = ex
+        y = ex.run_traced(x)
+        return x.view_as(x) if y is x else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.ex.reverse().run_traced(grad), None
+
+
 class Embedding:
     """The local result turned into per-rank contributions over ``dims`` (this rank's part).
 
@@ -205,12 +257,28 @@ class Embedding:
             _narrow(out, self.rel).copy_(x)
         return out
 
-    def adjoint_raw(self, g: torch.Tensor) -> torch.Tensor:
+    def adjoint_raw(self, g: torch.Tensor, C=C) -> torch.Tensor:
         block = _narrow(g, self.rel).contiguous()
         return block if self.group is None else C.broadcast(block, self.group, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _embed(x, self)
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        return _TracedEmbed.apply(x, self)
+
+
+class _TracedEmbed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, e):
+        ctx.e = e
+        return e.forward_raw(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from . import _traced_collectives as TC
+
+        return ctx.e.adjoint_raw(grad, TC), None
 
 
 _embed = make_mapping("Embed", lambda x, e: e.forward_raw(x), lambda g, e: _embed_adjoint(g, e))

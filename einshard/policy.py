@@ -11,6 +11,8 @@ import contextlib
 import contextvars
 from dataclasses import dataclass
 
+from torch.compiler import is_compiling as _compiling
+
 __all__ = ["PlanPolicy", "optimize", "set_default_policy", "resolve_policy", "MODES"]
 
 
@@ -76,6 +78,8 @@ MODES: dict[str, PlanPolicy] = {
 }
 
 _SCOPE: contextvars.ContextVar[PlanPolicy | None] = contextvars.ContextVar("einshard_policy", default=None)
+# the scoped policy mirrored in a plain list that ``torch.compile`` can read (it cannot trace ContextVar.get)
+_SCOPE_MIRROR: list[PlanPolicy | None] = [None]
 _DEFAULT: list[PlanPolicy | None] = [None]
 
 
@@ -96,10 +100,12 @@ def optimize(mode):
     token = None
     try:  # set inside the try, so that no exit path (a compiler splitting the frame) skips the reset
         token = _SCOPE.set(policy)
+        _SCOPE_MIRROR[0] = policy
         yield
     finally:
         if token is not None:
             _SCOPE.reset(token)
+            _SCOPE_MIRROR[0] = _SCOPE.get()
 
 
 def set_default_policy(mode) -> None:
@@ -120,7 +126,7 @@ def resolve_policy(optimize=None, policy=None) -> PlanPolicy:
         return policy
     if optimize is not None:
         return PlanPolicy.from_mode(optimize)
-    scoped = _SCOPE.get()
+    scoped = _SCOPE_MIRROR[0] if _compiling() else _SCOPE.get()
     if scoped is not None:
         return scoped
     return _DEFAULT[0] or MODES["training"]

@@ -27,8 +27,9 @@ import functools
 
 import optree
 import torch
+import torch.utils._pytree as _pytree
 
-from . import _context, checks
+from . import _context, _trace, checks
 from . import vma as _vma
 from ._specs import (
     explicit_entries,
@@ -46,6 +47,8 @@ from .notation import expand
 
 __all__ = ["shard_map", "ShardMap"]
 
+_compiling = torch.compiler.is_compiling
+
 _Tensor = torch.Tensor
 _UNSET = object()
 
@@ -62,9 +65,10 @@ class _Body:
 
 
 class _InPlan:
-    __slots__ = ("actions", "masks", "shapes", "dtensor")
+    __slots__ = ("actions", "masks", "shapes", "dtensor", "mesh", "source")
 
     def __init__(self, actions, masks, shapes, dtensor):
+        self.mesh = self.source = None  # planned at trace time: the mesh, the plan in optree's leaf order
         self.actions = actions  # ((leaf index, fn), ...)
         self.masks = masks  # ((leaf index, vma mask), ...) for tracked tensors that vary
         self.shapes = shapes  # ambient split shapes {(dims, axis): splits}
@@ -133,6 +137,8 @@ class ShardMap:
 
     # -- the call -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if _compiling():
+            return self._call_traced(args, kwargs)
         outer = _context.current().shard_map
         if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
             raise ValueError(
@@ -154,11 +160,7 @@ class ShardMap:
         body_leaves = leaves
         token = None
         try:
-            if plan.actions:
-                body_leaves = list(leaves)
-                for i, fn in plan.actions:
-                    body_leaves[i] = fn(leaves[i])
-                body_args = treedef.unflatten(body_leaves)
+            body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, treedef)
             tracker = _vma.Tracker(mesh) if self.check_vma else None
             # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
             # push) must not resume after the push outside the block that pops it
@@ -203,17 +205,7 @@ class ShardMap:
         if tracker is not None:
             for i, declared, spec in oplan.checks:
                 x = leaves[i]
-                m = tracker.mask_of(x)
-                bad = m & ~declared
-                if bad:
-                    dim = tracker.info.dims(bad)[0]
-                    raise ValueError(
-                        f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
-                        f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
-                        f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
-                        f"sharded or partial over {dim!r} in out_specs"
-                    )
-                missing = declared & ~m
+                m, missing = _output_vma(tracker, out, i, x, declared, spec)
                 if missing and x.requires_grad and torch.is_grad_enabled():
                     if not changed:
                         leaves = list(leaves)
@@ -236,6 +228,59 @@ class ShardMap:
                 if isinstance(x, _Tensor):
                     x.__dict__.pop(_vma._ATTR, None)
         return treedef.unflatten(leaves) if changed else out
+
+    # -- under torch.compile ------------------------------------------------------------
+    def _call_traced(self, args, kwargs):
+        """The call while dynamo traces: plans are made at trace time, the body and pvary-s are traced.
+
+        Variance is tracked by a :class:`~einshard.vma.TracedTracker` while the
+        body is traced, so the compiled step pays nothing for ``check_vma``.
+        Pytrees are flattened with ``torch.utils._pytree`` (which dynamo
+        traces); the plans, made in optree's leaf order, are translated.
+        """
+        outer = _context.current().shard_map
+        if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
+            raise ValueError(f"shard_map: {self!r} is called inside the body of another shard_map")
+        mesh = self.mesh if self.mesh is not None else _context.current().mesh
+        leaves, spec = _pytree.tree_flatten(args)
+        struct = spec.unflatten(list(range(len(leaves))))  # the structure, as constants
+        plan = _trace.lookup(_in_plan_for_trace(self, struct, _trace_leaves(leaves), mesh))
+        mesh = plan.mesh
+        body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, spec)
+        tracker = _vma.TracedTracker(mesh) if self.check_vma else None
+        token = None
+        try:  # pushed inside the try, as in eager mode
+            token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self))
+            if tracker is None:
+                out = self.f(*body_args, **kwargs)
+            else:
+                for i, mask in plan.masks:
+                    tracker.tag(body_leaves[i], mask)
+                with _vma.tracking(tracker):
+                    out = self.f(*body_args, **kwargs)
+                for i, _mask in plan.masks:
+                    tracker.untag(body_leaves[i])
+            out_leaves, out_spec = _pytree.tree_flatten(out)
+            struct = out_spec.unflatten(list(range(len(out_leaves))))
+            oplan = _trace.lookup(_out_plan_for_trace(self, struct, _trace_leaves(out_leaves), mesh, plan))
+            return self._finish_traced(out, out_leaves, out_spec, oplan, tracker)
+        finally:
+            if token is not None:
+                _context.pop(token)
+
+    def _finish_traced(self, out, leaves, treedef, oplan, tracker):
+        leaves = list(leaves)
+        if tracker is not None:
+            for i, declared, spec in oplan.checks:
+                x = leaves[i]
+                m, missing = _output_vma(tracker, out, i, x, declared, spec)
+                if missing and x.requires_grad and torch.is_grad_enabled():
+                    leaves[i] = tracker.pvary(x, m, missing)
+                tracker.untag(x)
+            tracker.suspended += 1  # the body is over: exit conversions are not tracked
+        for i, fn in oplan.actions:
+            leaves[i] = fn(leaves[i])
+        return treedef.unflatten(leaves)
 
     # -- planning (once per argument structure and local shapes) ---------------------
     def _opts(self, parsed_formula):
@@ -375,6 +420,86 @@ def _raise_agreed(mesh, errors) -> None:
         checks.agree(mesh.group(tuple(mesh.names)), error, point="shard_map")
     elif error is not None:
         raise error
+
+
+def _convert_inputs(actions, args, leaves, treedef):
+    """The body's arguments and leaves after the planned entry conversions (unchanged when there are none)."""
+    if not actions:
+        return args, leaves
+    converted = list(leaves)
+    for i, fn in actions:
+        converted[i] = fn(leaves[i])
+    return treedef.unflatten(converted), converted
+
+
+def _output_vma(tracker, out, i, x, declared, spec):
+    """``(vma mask, declared dims it lacks)`` of output leaf ``i``; ``ValueError`` when it varies undeclared."""
+    m = tracker.mask_of(x)
+    bad = m & ~declared
+    if bad:
+        dim = tracker.info.dims(bad)[0]
+        raise ValueError(
+            f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
+            f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
+            f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
+            f"sharded or partial over {dim!r} in out_specs"
+        )
+    return m, declared & ~m
+
+
+# -- plans made at trace time (see einshard._trace) ---------------------------------------------
+
+
+def _trace_leaves(leaves) -> tuple:
+    """What planning needs of each leaf, as constants: ``(shape, dtype)`` for a tensor, else ``None``."""
+    out = []
+    for x in leaves:
+        if isinstance(x, _Tensor):
+            if maybe_dtensor(x):
+                raise ValueError("shard_map under torch.compile: DTensor arguments are not supported; "
+                                 "pass local tensors (x.to_local())")
+            out.append((_trace.static_shape(x), x.dtype))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _stand_ins(leaves) -> list:
+    return [None if d is None else torch.empty(d[0], dtype=d[1], device="meta") for d in leaves]
+
+
+def _optree_view(struct, leaves):
+    """``struct`` (torch pytree leaf indices as leaves) in optree's order: (treedef, stand-ins, torch indices)."""
+    order, treedef = optree.tree_flatten(struct, none_is_leaf=True)
+    fake = _stand_ins([None if i is None else leaves[i] for i in order])
+    return treedef, fake, order
+
+
+@torch.compiler.assume_constant_result
+def _in_plan_for_trace(sm, struct, leaves, mesh) -> str:
+    treedef, fake, order = _optree_view(struct, leaves)
+    mesh = wrap_mesh(resolve_mesh(mesh))
+    key = (treedef, mesh, *[_leaf_key(x) for x in fake])
+    plan = sm._in_plans.get(key)
+    if plan is None:
+        plan = sm._plan_inputs(key, treedef.unflatten(fake), fake, mesh)
+    traced = _InPlan(tuple((order[i], fn) for i, fn in plan.actions), tuple((order[i], m) for i, m in plan.masks),
+                     plan.shapes, plan.dtensor)
+    traced.mesh = mesh
+    traced.source = plan
+    return _trace.register(traced)
+
+
+@torch.compiler.assume_constant_result
+def _out_plan_for_trace(sm, struct, leaves, mesh, plan) -> str:
+    treedef, fake, order = _optree_view(struct, leaves)
+    key = (treedef, plan.source, *[_leaf_key(x) for x in fake])
+    oplan = sm._out_plans.get(key)
+    if oplan is None:
+        oplan = sm._plan_outputs(key, treedef.unflatten(fake), fake, plan.mesh, plan.source)
+    traced = _OutPlan(tuple((order[i], d, spec) for i, d, spec in oplan.checks),
+                      tuple((order[i], fn) for i, fn in oplan.actions))
+    return _trace.register(traced)
 
 
 # -- per-leaf actions (module level so plans hold no closures over the ShardMap) ---------------

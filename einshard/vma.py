@@ -78,12 +78,17 @@ _grad_enabled = torch.is_grad_enabled
 class _MeshInfo:
     """Bit masks of a mesh's dimensions, groups per mask, formula rules (cached per mesh)."""
 
-    __slots__ = ("mesh", "names", "bit", "groups", "formulas", "__weakref__")
+    __slots__ = ("mesh", "names", "bit", "groups", "formulas", "trivial", "__weakref__")
 
     def __init__(self, mesh):
         self.mesh = mesh
         self.names = tuple(mesh.names)
         self.bit = {n: 1 << i for i, n in enumerate(self.names)}
+        # the dimensions of size 1: pvary over them is the identity, forward and backward
+        self.trivial = 0
+        for i, n in enumerate(self.names):
+            if mesh.size(n) == 1:
+                self.trivial |= 1 << i
         self.groups: dict[int, object] = {}
         self.formulas: dict = {}
 
@@ -232,7 +237,10 @@ class Tracker:
             hit = self.memo.get(key)
             if hit is not None and hit[0] is t and hit[1] == version:  # not modified in place since
                 return hit[2]
-            y = pvary_tensor(t, self.info.group(missing))
+            if missing & ~self.info.trivial:
+                y = pvary_tensor(t, self.info.group(missing))
+            else:  # over dimensions of size 1: an alias (the gradient sum is over one rank)
+                y = t.view_as(t)
         y.__dict__[_ATTR] = self.serial | mask | missing
         self.memo[key] = (t, version, y)
         return y
@@ -437,12 +445,16 @@ class suspended:
 
     def __enter__(self):
         self.tracker.suspended += 1
-        self._disable = _DisableTorchFunction()
-        self._disable.__enter__()
+        if self.tracker.serial:
+            self._disable = _DisableTorchFunction()
+            self._disable.__enter__()
+        # else a TracedTracker: its mode passes calls through while suspended (dynamo traces no
+        # DisableTorchFunction)
 
     def __exit__(self, *exc):
         try:
-            self._disable.__exit__(*exc)
+            if self.tracker.serial:
+                self._disable.__exit__(*exc)
         finally:
             self.tracker.suspended -= 1
         return False
@@ -540,37 +552,43 @@ def formula_op(fn, formula: str, tensors, **kwargs):
     mesh = kwargs.get("mesh")
     if mesh is None:
         mesh = _context.current().mesh  # a nested es.use_mesh(other) in the body
-    if not same_mesh(info, mesh):  # another mesh: its dimensions are not the body's
-        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-    try:
-        rule = _formula_rule(info, formula, kwargs.get("families"))
-    except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
-        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-    if len(rule.declared) != len(tensors):
+    if tracker.serial == 0:  # a TracedTracker: no ValueError fallbacks, the rule is a trace-time constant
+        if mesh is not info.mesh:
+            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+        declared, mentioned, out_mask, texts = _traced_rule(info, formula, kwargs.get("families"))
+    else:
+        if not same_mesh(info, mesh):  # another mesh: its dimensions are not the body's
+            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+        try:
+            rule = _formula_rule(info, formula, kwargs.get("families"))
+        except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
+            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+        declared, mentioned, out_mask, texts = rule.declared, rule.mentioned, rule.out, rule.texts
+    if len(declared) != len(tensors):
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
     with suspended(tracker):  # tensor attributes (requires_grad) would go through the mode otherwise
         masks = [tracker.mask_of(t) if isinstance(t, _Tensor) else 0 for t in tensors]
         passthrough = 0
         for k, m in enumerate(masks):
-            bad = m & rule.mentioned & ~rule.declared[k]
+            bad = m & mentioned & ~declared[k]
             if bad:
                 dim = info.dims(bad)[0]
                 raise ValueError(
-                    f"{formula!r}: operand {k} ('{rule.texts[k]}') varies over mesh dimension {dim!r}, but its "
+                    f"{formula!r}: operand {k} ('{texts[k]}') varies over mesh dimension {dim!r}, but its "
                     f"spec says it is replicated over {dim!r}. Declare it sharded or partial over {dim!r} "
-                    f"(e.g. '{rule.texts[k]} // {dim}'), or make it invariant first (es.psum / es.all_gather)"
+                    f"(e.g. '{texts[k]} // {dim}'), or make it invariant first (es.psum / es.all_gather)"
                 )
-            passthrough |= m & ~rule.mentioned
+            passthrough |= m & ~mentioned
         xs = tensors
         if _grad_enabled():
             for k, t in enumerate(tensors):
-                missing = (rule.declared[k] | passthrough) & ~masks[k]
+                missing = (declared[k] | passthrough) & ~masks[k]
                 if missing and isinstance(t, _Tensor) and t.requires_grad:
                     if xs is tensors:
                         xs = list(tensors)
                     xs[k] = tracker.pvary(t, masks[k], missing)
         out = fn(formula, *xs, **kwargs)
-    return tracker.tag_tree(out, rule.out | passthrough)
+    return tracker.tag_tree(out, out_mask | passthrough)
 
 
 def _union_mask(tracker, tensors) -> int:
@@ -583,3 +601,113 @@ def _union_mask(tracker, tensors) -> int:
 
 def names_mask(tracker: Tracker, names: Iterable[str]) -> int:
     return tracker.info.mask(names)
+
+
+# -- under torch.compile -------------------------------------------------------------------------
+
+
+class TracedTracker(Tracker):
+    """The tracker of a ``shard_map`` body that dynamo traces: variance decided at trace time.
+
+    Same rules as :class:`Tracker`; tags are plain tensor attributes (which
+    dynamo tracks) holding the mask alone (serial 0, so eager trackers ignore
+    them), there is no memo (a repeated pvary is a free identity forward),
+    and pvary is the traced identity-forward, all-reduce-backward Function.
+    The pvary insertions become graph nodes; the compiled step runs no
+    tracking code at all.
+
+    Limit: tracking sees the calls dynamo routes through torch function
+    modes. Tensors dynamo makes without them (iterating or unpacking a
+    tensor, multi-output ops such as ``unbind``) carry no tag and count as
+    invariant, like tensors captured from outside the body; see
+    ``docs/shard_map.md``.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, mesh):
+        from . import _trace
+
+        self.info = _trace.lookup(_traced_info(mesh))
+        self.serial = 0
+        self.suspended = 0
+        self.memo = {}
+        self.mode = None
+        self.inplace = False
+
+    def mask_of(self, t) -> int:
+        tag = getattr(t, _ATTR, 0)
+        return tag if tag <= _MASK else 0
+
+    def tag(self, t, mask: int) -> None:
+        setattr(t, _ATTR, mask)
+
+    def untag(self, t) -> None:
+        setattr(t, _ATTR, 0)
+
+    def tag_tree(self, out, mask: int):
+        if isinstance(out, _Tensor):
+            setattr(out, _ATTR, mask)
+        # the elements of a sequence (unbind, split) cannot be tagged in traced code (dynamo refuses)
+        return out
+
+    def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
+        if missing & ~self.info.trivial:
+            y = _TracedPVary.apply(t, self.info.group(missing))
+        else:
+            y = t.view_as(t)
+        setattr(y, _ATTR, mask | missing)
+        return y
+
+    def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
+        raise ValueError(
+            "shard_map under torch.compile: an in-place op writes varying data into an invariant tensor that "
+            "requires grad; use an out-of-place op (or es.pvary the tensor first)"
+        )
+
+    def dispatch(self, func, args, kwargs):
+        if self.suspended:
+            return func(*args, **kwargs)
+        masks = [self.mask_of(a) for a in _tensor_args(args, kwargs)]
+        union = 0
+        for m in masks:
+            union |= m
+        if not union:
+            return func(*args, **kwargs)
+        mixed = any(m != masks[0] for m in masks)
+        if mixed and _grad_enabled():
+            args, kwargs = self._widen_args(func, args, kwargs, union)
+        out = func(*args, **kwargs)
+        self.tag_tree(out, union)
+        if mixed and _is_inplace(func) and args and isinstance(args[0], _Tensor):
+            self.tag(args[0], union)
+        return out
+
+
+class _TracedPVary(torch.autograd.Function):
+    """pvary in traced code: identity forward, all-reduce (a functional collective) backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ._traced_collectives import all_reduce
+
+        return all_reduce(grad, ctx.group), None
+
+
+@torch.compiler.assume_constant_result
+def _traced_info(mesh) -> str:
+    from . import _trace
+
+    return _trace.register(mesh_info(mesh))
+
+
+@torch.compiler.assume_constant_result
+def _traced_rule(info: _MeshInfo, formula: str, families):
+    """The variance rule of a formula as constants: (declared masks, mentioned, out mask, spec texts)."""
+    rule = _formula_rule(info, formula, families)
+    return rule.declared, rule.mentioned, rule.out, rule.texts

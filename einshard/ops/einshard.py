@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from .. import _context, _trace
 from .. import vma as _vma
 from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
@@ -44,6 +47,8 @@ def einshard(
     if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): set the output's vma
         return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes, families=families,
                                optimize=optimize, policy=policy)
+    if _compiling():
+        return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
         raise ValueError("einshard: pass either optimize or policy, not both")
     try:
@@ -117,3 +122,69 @@ def _check_tensors(parsed, tensors) -> None:
     dtypes = sorted({str(t.dtype) for t in tensors})
     if len(dtypes) > 1:  # torch.einsum would fail (after the operands' collectives, when distributed)
         raise ValueError(f"{parsed.text!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
+
+
+# -- under torch.compile ------------------------------------------------------------------------
+
+_compiling = torch.compiler.is_compiling
+
+
+def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
+    """``einshard`` while dynamo traces: plan at trace time, trace only the replay.
+
+    :func:`_plan_for_trace` runs as ordinary Python while dynamo traces and
+    returns the name of the plan's replay function (a constant of the graph), so parsing, checks and planning cost
+    nothing at run time; the plan's replay (reshapes, the einsum, functional
+    collectives) is what dynamo traces.
+    """
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
+    ambient = _context.current()
+    name = _plan_for_trace(
+        formula,
+        tuple(_trace.static_shape(t) for t in tensors),
+        tuple(t.dtype for t in tensors),
+        mesh if mesh is not None else ambient.mesh,
+        shapes,
+        sizes,
+        families,
+        optimize,
+        policy,
+        ambient.mesh,
+        ambient.shapes,
+    )
+    return _trace.lookup(name)(tensors)
+
+
+@torch.compiler.assume_constant_result
+def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes):
+    with _context.at_trace_time(amb_mesh, amb_shapes) as ambient:
+        return _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy,
+                                   ambient)
+
+
+def _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, ambient):
+    if optimize is not None and policy is not None:
+        raise ValueError("einshard: pass either optimize or policy, not both")
+    key = (formula, freeze_sizes(sizes), freeze_families(families), *[torch.Size(s) for s in shapes])
+    plan = _LOCAL_PLANS.get(key)
+    if plan is None and (formula, key[2]) not in _DISTRIBUTED:
+        resolve_policy(optimize, policy)
+        parsed = expand(formula, key[2])
+        scalar = _scalar_form(parsed, [torch.empty(s, device="meta") for s in shapes])
+        if scalar is not None:  # 'loss // dp -> loss' on 0-d tensors: '// dp -> '
+            return _plan_at_trace_time(scalar, shapes, dtypes, mesh, split_shapes, None, None, optimize, policy,
+                                       ambient)
+        if parsed.is_local:
+            plan = build_local_plan(parsed, list(shapes), key[1], key[2])
+            _LOCAL_PLANS[key] = plan
+        else:
+            if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:
+                _DISTRIBUTED.clear()
+            _DISTRIBUTED.add((formula, key[2]))
+    if plan is not None:
+        return _trace.register(plan.run_traced)
+    from ..distributed import traced_run
+
+    return _trace.register(traced_run(key, dtypes, mesh, split_shapes, optimize, policy, ambient))

@@ -289,7 +289,7 @@ class BoxExchange:
     def forward_raw(self, x: torch.Tensor) -> torch.Tensor:
         empty = x.new_empty(0)
         chunks = [empty if s is None else _take(x, self.axes, s, 0) for s in self.sends]
-        got = C.all_to_all_v(chunks, self.recv_numels, self.group)
+        got = C.all_to_all_v(chunks, self.recv_numels, self.group, pairwise=True)
         out = x.new_empty(self.out_shape)
         for r, shape, flat in zip(self.recvs, self.recv_shapes, got):
             if r is not None and flat.numel():
@@ -299,7 +299,7 @@ class BoxExchange:
     def adjoint_raw(self, g: torch.Tensor) -> torch.Tensor:
         empty = g.new_empty(0)
         chunks = [empty if r is None else _take(g, self.axes, r, 1) for r in self.recvs]
-        got = C.all_to_all_v(chunks, self.send_numels, self.group)
+        got = C.all_to_all_v(chunks, self.send_numels, self.group, pairwise=True)
         out = g.new_zeros(self.in_shape)
         for s, shape, flat in zip(self.sends, self.send_shapes, got):
             if s is not None and flat.numel():

@@ -49,7 +49,7 @@ class Contraction:
     the ellipsis. The callable picks the cheapest torch call once.
     """
 
-    __slots__ = ("run", "equation", "path", "kind")
+    __slots__ = ("run", "run_traced", "equation", "path", "kind")
 
     def __init__(self, inputs: Sequence[tuple], output: tuple, ellipsis_ndims: Sequence[int] = ()):
         names = [n for axes in list(inputs) + [output] for n in axes if n is not None]
@@ -61,6 +61,10 @@ class Contraction:
         self.equation = ",".join(term(a) for a in inputs) + "->" + term(output)
         self.path = None
         self.kind, self.run = self._lower(list(inputs), tuple(output), list(ellipsis_ndims))
+        self.run_traced = self.run
+        if self.kind == "einsum":  # dynamo traces torch.einsum, not its C++ entry point
+            equation = self.equation
+            self.run_traced = lambda tensors: torch.einsum(equation, *tensors)
 
     def _lower(self, inputs, output, ellipsis_ndims):
         if len(inputs) == 1:
@@ -241,16 +245,16 @@ def check_size(formula: Formula, index: int, axis: str, size: int, known: dict) 
 class LocalPlan:
     """Replays a local formula: input reshapes, the contraction, the output reshape."""
 
-    __slots__ = ("in_shapes", "contraction", "out_shape", "run")
+    __slots__ = ("in_shapes", "contraction", "out_shape", "run", "run_traced")
 
     def __init__(self, in_shapes, contraction, out_shape):
         self.in_shapes = in_shapes  # per input: None or the expanded shape
         self.contraction = contraction
         self.out_shape = out_shape  # None or the merged output shape
-        self.run = self._compile()
+        self.run = self._compile(contraction.run)
+        self.run_traced = self._compile(contraction.run_traced)
 
-    def _compile(self):
-        core = self.contraction.run
+    def _compile(self, core):
         reshapes = self.in_shapes
         out_shape = self.out_shape
         if not any(s is not None for s in reshapes):

@@ -1,0 +1,124 @@
+"""The raw collectives of :mod:`einshard.collectives`, as functional collectives for traced code.
+
+Under ``torch.compile`` a plan's transitions call these instead of the
+in-place ``torch.distributed`` ones: each is built on
+``torch.distributed._functional_collectives`` (a graph node that returns a
+new tensor), so a whole layer is one graph and inductor may reorder and
+overlap its communication. Same signatures and results as the eager
+functions (uneven blocks padded to the largest, as there); arguments were
+checked when the plan was made, so there is no validation here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed._functional_collectives as fc
+
+__all__ = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v"]
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x.contiguous()) if x.is_complex() else x.contiguous()
+
+
+def _back(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(y) if like.is_complex() else y
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``x`` over ``group``."""
+    if group.size() == 1:
+        return x.clone()
+    return _back(fc.all_reduce(_real(x), "sum", group), x)
+
+
+def broadcast(x: torch.Tensor, group, src: int = 0) -> torch.Tensor:
+    """Group rank ``src``'s ``x`` on every rank."""
+    if group.size() == 1:
+        return x.clone()
+    return _back(fc.broadcast(_real(x), src, group), x)
+
+
+def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    extra = length - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def all_gather(x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (``shapes``: per-rank sizes)."""
+    size = group.size()
+    if size == 1:
+        return x.clone()
+    m = max(shapes)
+    blocks = _back(fc.all_gather_tensor(_real(_pad(x, dim, m)).unsqueeze(0), 0, group), x)
+    if all(s == m for s in shapes):
+        return blocks.movedim(0, dim).reshape(x.shape[:dim] + (size * m,) + x.shape[dim + 1 :])
+    return torch.cat([blocks[j].narrow(dim, 0, s) for j, s in enumerate(shapes) if s], dim)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
+    """This rank's block along ``dim`` of the sum of ``x`` over ``group``."""
+    size = group.size()
+    if size == 1:
+        return x.clone()
+    m = max(shapes)
+    if all(s == m for s in shapes):
+        buf = x.unflatten(dim, (size, m)).movedim(dim, 0)
+    else:
+        offsets = [sum(shapes[:j]) for j in range(size)]
+        buf = torch.stack([_pad(x.narrow(dim, o, s), dim, m) for o, s in zip(offsets, shapes)])
+    out = _back(fc.reduce_scatter_tensor(_real(buf), "sum", 0, group), x)[0]
+    mine = shapes[group.rank()]
+    return out if mine == m else out.narrow(dim, 0, mine)
+
+
+def all_to_all(x: torch.Tensor, group, src_dim: int, dst_dim: int, src_shapes, dst_shapes) -> torch.Tensor:
+    """Sharded along ``src_dim`` -> sharded along ``dst_dim`` (one ``all_to_all_single``)."""
+    size = group.size()
+    if size == 1:
+        return x.clone()
+    sd, dd = src_dim, dst_dim
+    rank = group.rank()
+    other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
+    mine = dst_shapes[rank]
+    factor = 2 if x.is_complex() else 1
+    in_splits = [s * other * x.shape[sd] * factor for s in dst_shapes]
+    out_splits = [mine * other * s * factor for s in src_shapes]
+    flat = _real(x.movedim(dd, 0)).reshape(-1)
+    out = fc.all_to_all_single(flat, out_splits, in_splits, group)
+    if x.is_complex():
+        out = torch.view_as_complex(out.view(-1, 2))
+    moved = [mine] + [x.shape[k] for k in range(x.dim()) if k != dd]
+    sd_moved = sd + 1 if sd < dd else sd
+    pieces = []
+    for s, part in zip(src_shapes, out.split([n // factor for n in out_splits])):
+        if s:
+            moved[sd_moved] = s
+            pieces.append(part.view(moved).movedim(0, dd))
+    return torch.cat(pieces, sd)
+
+
+def all_to_all_v(chunks, recv_numels, group) -> list:
+    """``chunks[j]`` to group rank ``j``; returns the flat chunks every rank sent here."""
+    size = group.size()
+    rank = group.rank() if size > 1 else 0
+    own = chunks[rank].reshape(-1)
+    if size == 1:
+        return [own]
+    factor = 2 if own.is_complex() else 1
+    in_splits = [0 if j == rank else c.numel() for j, c in enumerate(chunks)]
+    out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
+    send = [_real(c).reshape(-1) for j, c in enumerate(chunks) if j != rank and c.numel()]
+    inp = torch.cat(send) if send else _real(own).reshape(-1)[:0]
+    out = fc.all_to_all_single(inp, [s * factor for s in out_splits], [s * factor for s in in_splits], group)
+    if own.is_complex():
+        out = torch.view_as_complex(out.view(-1, 2))
+    result = list(out.split(out_splits))
+    result[rank] = own
+    return result

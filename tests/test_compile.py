@@ -1,0 +1,191 @@
+"""``torch.compile``: local formulas, distributed ``es.einshard`` and ``shard_map`` bodies.
+
+Every compiled result and gradient is compared with the same code run
+eagerly (itself checked against whole tensors elsewhere). ``fullgraph=True``
+everywhere: a graph break is a failure. Compiles are slow, so the cases are
+few and tiny; inductor runs once per kind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import einshard as es
+
+DT = torch.float64
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+
+
+def _grads(fn, tensors):
+    xs = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*xs)
+    out.square().sum().backward()
+    return out.detach(), [x.grad for x in xs]
+
+
+def _compare(fn, tensors, backend):
+    want, want_grads = _grads(fn, tensors)
+    got, got_grads = _grads(torch.compile(fn, fullgraph=True, backend=backend), tensors)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+LOCAL_CASES = [
+    ("contraction", "i j, j k -> i k", [(3, 4), (4, 5)], {}),
+    ("three operands", "i j, j k, k l -> i l", [(3, 4), (4, 5), (5, 2)], {}),
+    ("permutation", "a b c -> c a b", [(2, 3, 4)], {}),
+    ("sum", "i j -> j", [(3, 4)], {}),
+    ("factored split", "b (h p) -> b h p", [(2, 8)], {"sizes": {"p": 4}}),
+    ("factored merge", "b h p -> b (p h)", [(2, 3, 4)], {}),
+    ("families", "b [*s *w] c -> b *s *w c", [(2, 8, 12, 3)],
+     {"families": {"s": ("h", "w"), "w": ("kh", "kw")}, "sizes": {"w": (2, 3)}}),
+    ("ellipsis", "... i, i -> ...", [(2, 3, 4), (4,)], {}),
+]
+
+
+@pytest.mark.parametrize("name, formula, shapes, kwargs", LOCAL_CASES, ids=[c[0] for c in LOCAL_CASES])
+def test_local_formulas_compile_fullgraph(name, formula, shapes, kwargs):
+    torch._dynamo.reset()
+    tensors = [_randn(*s, seed=i) for i, s in enumerate(shapes)]
+    _compare(lambda *xs: es.einshard(formula, *xs, **kwargs), tensors, "aot_eager")
+
+
+def test_local_formula_compiles_with_inductor_and_dynamic_shapes():
+    torch._dynamo.reset()
+
+    def fn(a, b):
+        return es.einshard("b (h p), p c -> b h c", a, b, sizes={"p": 4})
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for n in (2, 3):  # shapes are specialised (plans depend on them): one graph per shape, no error
+        a, b = _randn(n, 8, seed=n), _randn(4, 5, seed=9)
+        torch.testing.assert_close(compiled(a, b), fn(a, b))
+
+
+# -- distributed (2 ranks) -----------------------------------------------------------------------
+
+
+def _collective_ops(ops):
+    """A backend that records every call target (also inside autograd-Function subgraphs), then runs eagerly."""
+
+    def backend(gm, example_inputs):
+        for mod in gm.modules():
+            graph = getattr(mod, "graph", None)
+            if graph is not None:
+                ops.extend(str(n.target) for n in graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    return backend
+
+
+def _tp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return es.wrap_mesh(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+
+
+def _tp_mlp(x, w1, w2):
+    h = torch.tanh(es.einshard("b c, f/tp c -> b f/tp", x, w1))
+    return es.einshard("b f/tp, c f/tp -> b c", h, w2)
+
+
+@pytest.mark.ranks(2, timeout=600)
+def test_distributed_einshard_traces_functional_collectives():
+    mesh = _tp_mesh()
+    r = dist.get_rank()
+    x, w1, w2 = _randn(4, 6, seed=1), _randn(8, 6, seed=2), _randn(6, 8, seed=3)
+    tensors = [x, w1[4 * r : 4 * r + 4], w2[:, 4 * r : 4 * r + 4]]
+    with es.use_mesh(mesh):
+        ops = []
+        torch._dynamo.reset()
+        _compare(_tp_mlp, tensors, _collective_ops(ops))
+        assert "_c10d_functional.all_reduce" in ops and "_c10d_functional.wait_tensor" in ops
+        assert not any("_c10d_functional" not in o and "c10d" in o for o in ops)  # no in-place collective
+        # uneven blocks (f = 7: [4, 3]): padded functional all-gather / reduce-scatter
+        w3 = _randn(7, 6, seed=4)
+        shapes = [4, 3]
+        local = w3[:4] if r == 0 else w3[4:]
+
+        def gather(x, w):
+            y = es.einshard("b c, f/tp c -> b f/tp", x, w, shapes=shapes)
+            return es.einshard("b f/tp -> b f", y, shapes=shapes)
+
+        def scatter(x, w):
+            y = es.einshard("b c, f c -> b f // tp", x, w)
+            return es.einshard("b f // tp -> b f/tp", y, shapes=shapes)
+
+        torch._dynamo.reset()
+        _compare(gather, [x, local], "aot_eager")
+        _compare(scatter, [x, w3], "aot_eager")
+
+
+SPECS = {"w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c"}
+
+
+def _sm_body(p, x):
+    h = F.gelu(es.einshard("b n c, f/tp c -> b n f/tp", x, p["w1"]) + p["b1"])
+    return es.einshard("b n f/tp, c f/tp -> b n c", h, p["w2"]) + p["b2"]
+
+
+def _dp_body(p, x):  # plain torch ops on replicated parameters: check_vma pvary-s them over dp
+    y = torch.tanh(x @ p["w"].T + p["b"])
+    return es.einshard("b/tp h -> // tp", y.square())
+
+
+def _run_step(step, params, x):
+    p = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    out = step(p, x)
+    out.square().sum().backward()
+    return out.detach(), {k: v.grad for k, v in p.items()}
+
+
+@pytest.mark.ranks(2, timeout=900)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_shard_map_step_compiles_with_vma(backend):
+    mesh = _tp_mesh()
+    r = dist.get_rank()
+    sl = slice(4 * r, 4 * r + 4)
+    full = {"w1": _randn(8, 6, seed=1), "b1": _randn(8, seed=2), "w2": _randn(6, 8, seed=3), "b2": _randn(6, seed=4)}
+    params = {"w1": full["w1"][sl], "b1": full["b1"][sl], "w2": full["w2"][:, sl], "b2": full["b2"]}
+    x = _randn(2, 3, 6, seed=5)
+    cases = [(_sm_body, (SPECS, "b n c"), "b n c", params, x)]
+    if backend == "aot_eager":  # a body where variance tracking inserts pvary (gradients summed over tp)
+        cases.append((_dp_body, ({"w": "h c", "b": "h"}, "b/tp c"), "// tp",
+                       {"w": _randn(5, 6, seed=6), "b": _randn(5, seed=7)}, _randn(3, 6, seed=8 + r)))
+    for body, in_specs, out_specs, ps, xs in cases:
+        step = es.shard_map(body, in_specs=in_specs, out_specs=out_specs, mesh=mesh, check_vma=True)
+        want, want_grads = _run_step(step, ps, xs)
+        torch._dynamo.reset()
+        got, got_grads = _run_step(torch.compile(step, fullgraph=True, backend=backend), ps, xs)
+        torch.testing.assert_close(got, want)
+        for k in want_grads:
+            torch.testing.assert_close(got_grads[k], want_grads[k])
+
+
+def _breaking_body(p, x):
+    y = es.einshard("b n c, f/tp c -> b n f/tp", x, p["w1"])
+    torch._dynamo.graph_break()
+    return y
+
+
+@pytest.mark.ranks(2, timeout=600)
+def test_failed_compile_leaves_no_context_behind():
+    from einshard import _context
+    from einshard import vma as _vma
+
+    mesh = _tp_mesh()
+    step = es.shard_map(_breaking_body, in_specs=({"w1": "f/tp c"}, "b n c"), out_specs="b n f/tp", mesh=mesh)
+    p, x = {"w1": _randn(4, 6, seed=1)}, _randn(2, 3, 6, seed=2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception):  # dynamo's error for a graph break under fullgraph=True
+        torch.compile(step, fullgraph=True, backend="aot_eager")(p, x)
+    assert _context.current() is _context._EMPTY and _context._STATE.ambient is _context._EMPTY
+    assert _vma.ACTIVE == 0 and _vma.current() is None
+    torch.testing.assert_close(step(p, x), torch.einsum("bnc,fc->bnf", x, p["w1"]))  # eager still works
