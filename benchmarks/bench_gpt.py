@@ -12,6 +12,7 @@ timed interleaved in one job (a barrier before every step):
   (``dp x sp x tp`` = 4 x 1 x 2: batch over dp, sequence parallelism over tp);
 - ``einshard_hooks``: the example's ``--style einshard`` step (no ``shard_map``; gradient duties
   summed by bucketed asynchronous all-reduces started during backward) on 4 x 1 x 2;
+- ``einshard_compiled``: the ``shard_map`` loss compiled with ``torch.compile`` (inductor) on 4 x 1 x 2;
 - ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too).
 
 Before timing, every variant trains the same first steps from the same initial values and their
@@ -136,10 +137,10 @@ def peak_memory(step) -> int:
 # -- the variants ------------------------------------------------------------------------------------
 
 
-def einshard_variant(cfg, values, dims, style="shard_map"):
+def einshard_variant(cfg, values, dims, style="shard_map", compile=False):
     mesh = gpt.make_mesh(dims)
     model = gpt.sharded_model(mesh, values, cfg, style)
-    step_fn = gpt.make_step(model, mesh, style)
+    step_fn = gpt.make_step(model, mesh, style, compile=compile)
     optimizer = torch.optim.Adam(model.parameters(), lr=gpt.LR)
 
     def step(i):
@@ -291,6 +292,7 @@ def on_rank(cfg, steps: int, warmup: int) -> list[dict] | None:
         "torch": torch_variant(cfg, values, dp=4, tp=2),
         "einshard": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2))),
         "einshard_hooks": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard"),
+        "einshard_compiled": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), compile=True),
         "einshard_3d": einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
     }
     rank = dist.get_rank()

@@ -119,7 +119,8 @@ class Block(nn.Module):
     def forward(self, x, mask):
         # sequence parallelism + column-parallel in one formula: the sequence is all-gathered over tp
         # in forward, and the input's gradient reduce-scattered back over tp in backward
-        q, k, v = es.einshard(f"{X}, t h/tp d c -> t b/dp h/tp n/sp d", self.ln1(x), self.wqkv).unbind(0)
+        qkv = es.einshard(f"{X}, t h/tp d c -> t b/dp h/tp n/sp d", self.ln1(x), self.wqkv)
+        q, k, v = qkv[0], qkv[1], qkv[2]
         # queries stay split over sp; the formula gathers the keys (and below the values) over sp
         s = es.einshard("b/dp h/tp q/sp d, b/dp h/tp k/sp d -> b/dp h/tp q/sp k", q, k) * self.scale
         p = (s + mask).softmax(-1)
@@ -246,14 +247,15 @@ def sharded_model(mesh, values, cfg: Config = CONFIG, style: str = "shard_map") 
 # -- the sharded training step, two ways ----------------------------------------------------------------
 
 
-def make_step(model: GPT, mesh, style: str = "shard_map"):
+def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False):
     """``step(tokens, targets)``: forward and backward on whole batches; returns the loss.
 
-    ``shard_map``: the step is one ``shard_map`` body; replicated parameters meeting per-rank
-    data are marked varying there, so their gradients are summed by the body's backward.
-    ``einshard``: the model runs under ``es.use_mesh``; every parameter carries its gradient
-    duty (:func:`grad_duties`), the formulas leave those gradients partial, and bucketed
-    asynchronous all-reduces started during backward sum them.
+    ``shard_map``: the loss is one ``shard_map`` body; replicated parameters meeting per-rank
+    data are marked varying there, so backward sums their gradients. With ``compile=True``
+    the body is compiled with ``torch.compile`` (variance decided while tracing; the
+    collectives become graph nodes). ``einshard``: the model runs under ``es.use_mesh``;
+    every parameter carries its gradient duty (:func:`grad_duties`), the formulas leave those
+    gradients partial, and bucketed asynchronous all-reduces started during backward sum them.
     """
     mask = causal_mask(mesh, model.cfg)
     if style == "einshard":
@@ -275,12 +277,18 @@ def make_step(model: GPT, mesh, style: str = "shard_map"):
         mesh=mesh,
         check_vma=True,
     )
-    def body(params, tokens, targets):
-        loss = torch.func.functional_call(model, params, (tokens, targets, mask), strict=True)
+    def loss_fn(params, tokens, targets):
+        return torch.func.functional_call(model, params, (tokens, targets, mask), strict=True)
+
+    if compile:
+        loss_fn = torch.compile(loss_fn)
+
+    def step(tokens, targets):
+        loss = loss_fn(dict(model.named_parameters()), tokens, targets)
         loss.backward()  # the gradients land on the parameters' .grad, summed where they are replicated
         return loss.detach()
 
-    return lambda tokens, targets: body(dict(model.named_parameters()), tokens, targets)
+    return step
 
 
 def train(mesh, model: GPT, optimizer, steps: range, style: str = "shard_map") -> list[float]:
