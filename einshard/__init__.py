@@ -74,3 +74,50 @@ __all__ = [
     "tree_gather",
     "get_vma",
 ]
+
+# -- parameter metadata (layouts and duties on nn.Parameter objects) --
+from . import params
+from .params import (
+    PARAM_STATE_ATTR,
+    NativeGradReductionHandle,
+    ParameterGradComm,
+    ParameterInitSync,
+    ParameterState,
+    ParamShardMetadata,
+    einshard_like,
+    finalize_module_parameter_grad_comm_,
+    finalize_parameter_grad_comm_,
+    get_parameter_state,
+    init_param_,
+    init_params_,
+    iter_parameter_states,
+    param_local_shape,
+    param_local_slices,
+    param_shard_dims,
+    param_shard_metadata,
+    parameter_operand_state,
+    reduce_grad_,
+    reduce_module_grads_,
+    register_conv_parameters_,
+    register_grad_reduction_hook_,
+    register_linear_parameters_,
+    register_module_parameter_layouts_,
+    register_native_grad_reduction_hooks_,
+    register_norm_parameters_,
+    register_parameter_layout,
+    register_parameter_operand,
+    register_parameter_state,
+    set_parameter_state,
+    sync_module_params_,
+    sync_param_,
+    validate_module_parameter_states_,
+)
+
+__all__ += ["params", "PARAM_STATE_ATTR"] + [n for n in params.__all__ if n not in ("PARAM_STATE_ATTR", "TensorState")]
+
+# -- one source of truth for parameter layouts: spec pytrees, DTensors, checkpoints, bucketed reduction --
+from .params.buckets import GradBucketer
+from .params.checkpoint import from_dtensor, load_from_dtensor_, to_dtensor
+from .params.specs import param_specs
+
+__all__ += ["param_specs", "to_dtensor", "from_dtensor", "load_from_dtensor_", "GradBucketer"]

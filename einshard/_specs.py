@@ -112,10 +112,17 @@ def match(spec_leaves, spec_def, tree, spec_name: str, tree_name: str, specs_obj
         subtrees = spec_def.flatten_up_to(tree)
     except (ValueError, TypeError):
         raise ValueError(mismatch_message(specs_obj, tree, spec_name, tree_name)) from None
+    del subtrees  # the structure matches; pair leaves by path (a dict of specs and an OrderedDict
+    # state_dict flatten their keys in different orders): each leaf takes the spec at the longest
+    # prefix of its path
+    at = {tuple(path): k for k, path in enumerate(optree.treespec_paths(spec_def))}
     out = []
-    for spec, sub in zip(spec_leaves, subtrees):
-        n = len(optree.tree_leaves(sub, none_is_leaf=True))
-        out.extend([spec] * n)
+    for path in optree.tree_paths(tree, none_is_leaf=True):
+        for n in range(len(path), -1, -1):
+            k = at.get(tuple(path[:n]))
+            if k is not None:
+                out.append(spec_leaves[k])
+                break
     return out
 
 

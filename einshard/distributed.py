@@ -30,7 +30,25 @@ class DistributedPlan:
     """A chosen schedule bound to this rank: call ``run`` with the local tensors."""
 
     __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint",
-                 "_compiled", "_traced_run")
+                 "_compiled", "_traced_run", "_partials")
+
+    def grad_partials(self) -> tuple:
+        """Per operand: the mesh dimensions its gradient comes back partial over (a gradient duty's groups)."""
+        if getattr(self, "_partials", None) is None:
+            self._partials = self._grad_partials()
+        return self._partials
+
+    def _grad_partials(self) -> tuple:
+        n = len(self.problem.operands)
+        out = [frozenset()] * n
+        origin = list(range(n))  # the original operand at each position of the running operand list
+        for indices, _axes, cand in self.chosen.steps:
+            for k, i in enumerate(indices):
+                grad = cand.grad_of(k)
+                if grad is not None and origin[i] is not None:
+                    out[origin[i]] = grad.partial - self.problem.operands[origin[i]].partial
+            origin = [o for j, o in enumerate(origin) if j not in indices] + [None]
+        return tuple(out)
 
     def __init__(self, problem, schedules, resolved, mesh):
         self.problem = problem
@@ -63,7 +81,8 @@ class DistributedPlan:
             for k, i in enumerate(indices):
                 steps = cand.chains[k]
                 assert steps[0] == layouts[i]
-                chain = [transition(a, b, mesh) for a, b in zip(steps, steps[1:])]
+                grad = cand.grad_of(k)
+                chain = [transition(a, b, mesh, grad if n == 0 else None) for n, (a, b) in enumerate(zip(steps, steps[1:]))]
                 chains.append(tuple(t for t in chain if not t.trivial))
             contraction = Contraction([t.axes for t in cand.targets], cand.result.axes)
             embedding = None
@@ -125,11 +144,24 @@ def _then(core, embedding):
     return lambda tensors: embedding(core(tensors))
 
 
-def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=()):
-    """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled)."""
+def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=(), duties=()):
+    """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled).
+
+    ``duties``: per operand, the mesh dimensions its gradient may stay partial over
+    (``None``: none, ``plan.contraction.ANY``: wherever it varies), see :mod:`einshard.params`.
+    """
     ambient = _context.shapes_for(mesh)
     sizes = expand_sizes(parsed, sizes, families)
     resolved = resolve(parsed, local_shapes, mesh, shapes=shapes, sizes=sizes, ambient=ambient)
+    if duties:
+        from .params.formula import duty_dims
+
+        duties = duty_dims(duties, mesh, parsed.text)
+        for k, (duty, layout) in enumerate(zip(duties, resolved.operands)):
+            if duty is not None and layout.partial:
+                raise ValueError(
+                    f"{parsed.text!r}: operand {k} carries a gradient duty, so it must not be partial (// ...)"
+                )
     problem = Problem(
         resolved.operands,
         resolved.output,
@@ -137,6 +169,7 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
         itemsize,
         resolved.summed,
         resolved.fixed,
+        grad_duties=tuple(duties) if any(d is not None for d in duties) else (),
     )
     return DistributedPlan(problem, plan_schedule(problem, policy), resolved, mesh)
 
@@ -165,10 +198,12 @@ def _agree_on_plan(plan, mesh, key, facts) -> None:
     )
 
 
-def run_distributed(key, tensors, mesh, shapes, optimize, policy):
+def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), plan_out=None):
     """Run a distributed formula (called by :func:`einshard.einshard`).
 
-    ``key`` is einshard's ``(formula, sizes key, families key, *local shapes)``.
+    ``key`` is einshard's ``(formula, sizes key, families key, *local shapes)``;
+    ``duties`` the operands' gradient duties (see :func:`plan_distributed`);
+    ``plan_out``: a list the plan run is appended to.
     """
     ambient = _context.current()
     if mesh is None:
@@ -179,7 +214,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
     frozen_shapes = _frozen_shapes(key, shapes)
-    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, *[t.dtype for t in tensors])
+    full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, duties, *[t.dtype for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
         from .ops.einshard import _check_tensors
@@ -190,7 +225,10 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy):
             if checks.checks_enabled():
                 checks.agree(_agree_group(mesh), err, point="einshard")
             raise
-        plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol)
+        plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol,
+                         duties)
+    if plan_out is not None:
+        plan_out.append(plan)
     if plan.local_error is not None or checks._ENABLED:
         _agree_on_plan(plan, mesh, key, (("dtypes", tuple(t.dtype for t in tensors)),
                                          ("devices", tuple(t.device for t in tensors))))
@@ -212,7 +250,7 @@ def _run_without_mesh(key, tensors):
     return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
 
 
-def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol):
+def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol, duties=()):
     formula, sizes, families = key[0], key[1], key[2]
     parsed = expand(formula, families)
     try:
@@ -220,7 +258,7 @@ def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol):
         if len(names) > 1:  # torch.einsum would fail after the operands' collectives
             raise ValueError(f"{formula!r}: the operands have different dtypes ({', '.join(names)}); convert them first")
         itemsize = max(d.itemsize for d in dtypes)
-        plan = plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, pol, families).compile()
+        plan = plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, pol, families, duties).compile()
     except ValueError as err:
         if checks.checks_enabled():
             checks.agree(_agree_group(mesh), err, point="einshard")

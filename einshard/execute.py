@@ -45,6 +45,10 @@ def compile_step(step, mesh, C=C):
     if kind == "slice":
         rel = _rel_slices(step.dst.box(coord, shape), step.src.box(coord, shape))
         return lambda x: _narrow(x, rel)
+    if kind == "keep_root":  # contributions: the value on group rank 0, zeros elsewhere
+        if shape.index(step.dims, coord) == 0:
+            return lambda x: x
+        return torch.zeros_like
     group = mesh.group(step.dims)
     members = shape.group_coords(step.dims, coord)
     if kind == "all_reduce":
@@ -135,12 +139,14 @@ def _numel(rel) -> int:
 class Transition:
     """A compiled ``src -> dst`` transition on this rank; call it on a local tensor."""
 
-    __slots__ = ("src", "dst", "mesh", "shape", "planned", "steps", "traced_steps", "_reverse", "trivial")
+    __slots__ = ("src", "dst", "mesh", "shape", "planned", "steps", "traced_steps", "_reverse", "trivial", "back")
 
-    def __init__(self, src: Layout, dst: Layout, mesh, steps=None):
+    def __init__(self, src: Layout, dst: Layout, mesh, steps=None, back: Layout | None = None):
         from .plan.transition import plan_transition
 
         self.src, self.dst, self.mesh = src, dst, mesh
+        # the layout the gradient goes back to: ``src``, or ``src`` left partial for a gradient duty
+        self.back = src if back is None else back
         self.shape = MeshShape.of(mesh)
         planned = plan_transition(src, dst, self.shape) if steps is None else steps
         self.planned = tuple(planned)
@@ -148,12 +154,19 @@ class Transition:
         self.traced_steps = None  # built by prepare_traced (when a plan is first traced)
         self._reverse = None
         # no forward steps and no reverse steps: autograd needs nothing either
-        self.trivial = not self.steps and not plan_transition(dst, src, self.shape)
+        self.trivial = not self.steps and not plan_transition(dst, src, self.shape) and self.back == src
 
     def reverse(self) -> "Transition":
         if self._reverse is None:
-            self._reverse = transition(self.dst, self.src, self.mesh)
-            self._reverse._reverse = self
+            if self.back == self.src:
+                self._reverse = transition(self.dst, self.src, self.mesh)
+                self._reverse._reverse = self
+            else:  # a gradient left partial for its duty (uncached: its own reverse is the plain one)
+                from .plan.transition import plan_gradient
+
+                rev = Transition(self.dst, self.back, self.mesh, plan_gradient(self.dst, self.back, self.shape))
+                rev._reverse = transition(self.back, self.dst, self.mesh)
+                self._reverse = rev
         return self._reverse
 
     def run_raw(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,12 +210,15 @@ class Transition:
 _TRANSITIONS: dict = {}
 
 
-def transition(src: Layout, dst: Layout, mesh) -> Transition:
-    """The compiled transition ``src -> dst`` for this rank (cached)."""
-    key = (src, dst, id(mesh), mesh.coordinate)
+def transition(src: Layout, dst: Layout, mesh, back: Layout | None = None) -> Transition:
+    """The compiled transition ``src -> dst`` for this rank (cached).
+
+    ``back``: the layout its backward returns the gradient in (default ``src``).
+    """
+    key = (src, dst, id(mesh), mesh.coordinate, back)
     found = _TRANSITIONS.get(key)
     if found is None or found.mesh is not mesh:
-        found = Transition(src, dst, mesh)
+        found = Transition(src, dst, mesh, back=back)
         if len(_TRANSITIONS) > 16384:
             _TRANSITIONS.clear()
         _TRANSITIONS[key] = found

@@ -41,6 +41,8 @@ class Explanation:
     local: bool
     rows: tuple[Row, ...]
     alternatives: tuple[tuple[str, dict], ...]
+    # (operand index, mesh dims): gradients the formula leaves partial for their gradient duty to sum
+    grad_partials: tuple[tuple[int, str], ...] = ()
 
     @property
     def forward_bytes(self) -> float:
@@ -66,6 +68,8 @@ class Explanation:
             f"  total: forward {self.forward_bytes:,.0f} B, backward {self.backward_bytes:,.0f} B, "
             f"{self.collectives} collective(s)"
         )
+        for k, dims in self.grad_partials:
+            lines.append(f"  operand {k}: gradient left partial over {dims}; its gradient duty sums it")
         if len(self.alternatives) > 1:
             lines.append("alternatives (best first):")
             for text, cost in self.alternatives[: min(len(self.alternatives), 8)]:
@@ -153,8 +157,11 @@ def explain(
     from .distributed import plan_distributed
 
     mesh = resolve_mesh(mesh)
+    from .params.formula import explain_duties
+
     plan = plan_distributed(
-        parsed, local_shapes, max(itemsizes, default=default_itemsize), mesh, shapes, freeze_sizes(sizes), pol, frozen
+        parsed, local_shapes, max(itemsizes, default=default_itemsize), mesh, shapes, freeze_sizes(sizes), pol, frozen,
+        explain_duties(parsed, tensors_or_shapes),
     )
     if plan.local_error is not None:
         raise ValueError(plan.local_error)
@@ -171,4 +178,7 @@ def explain(
         )
         for s in plan.schedules
     )
-    return Explanation(formula, pol, False, _schedule_rows(plan), alternatives)
+    partials = tuple(
+        (k, "-".join(d for d in shape.names if d in dims)) for k, dims in enumerate(plan.grad_partials()) if dims
+    )
+    return Explanation(formula, pol, False, _schedule_rows(plan), alternatives, partials)

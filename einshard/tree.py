@@ -55,12 +55,25 @@ def _einshard():
     return einshard
 
 
-def tree_shard(tree, specs, *, mesh=None, shapes=None, sizes=None, families=None):
+def _registered(tree, specs, where):
+    """A module becomes its ``state_dict(keep_vars=True)``; no ``specs``: the registered layouts."""
+    from .params.specs import as_param_tree, specs_or_registered
+
+    tree = as_param_tree(tree)
+    return tree, specs_or_registered(tree, specs, where)
+
+
+def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families=None):
     """This rank's blocks of the whole tensors in ``tree``, laid out as ``specs``.
+
+    ``tree`` may be a module (its ``state_dict(keep_vars=True)``); without
+    ``specs`` the parameters' registered layouts are used (``es.param_specs``).
 
     >>> specs = {"w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c"}      # doctest: +SKIP
     >>> local = es.tree_shard(torch.load("ckpt.pt"), specs, mesh=mesh)        # doctest: +SKIP
+    >>> local = es.tree_shard(torch.load("ckpt.pt"), es.param_specs(model), mesh=mesh)  # doctest: +SKIP
     """
+    tree, specs = _registered(tree, specs, "tree_shard")
     mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_shard")
     einshard = _einshard()
     out = []
@@ -103,12 +116,17 @@ def _parsed(formula, families):
     return expand(formula, families)
 
 
-def tree_gather(tree, specs, *, mesh=None, shapes=None, sizes=None, families=None):
+def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families=None):
     """The whole tensors, on every rank, from this rank's blocks laid out as ``specs``.
 
+    ``tree`` may be a module (its ``state_dict(keep_vars=True)``); without
+    ``specs`` the parameters' registered layouts are used (``es.param_specs``).
+
     >>> whole = es.tree_gather(model_state, specs, mesh=mesh)   # doctest: +SKIP
+    >>> whole = es.tree_gather(model, mesh=mesh)                # doctest: +SKIP
     >>> if dist.get_rank() == 0: torch.save(whole, "ckpt.pt")   # doctest: +SKIP
     """
+    tree, specs = _registered(tree, specs, "tree_gather")
     mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_gather")
     einshard = _einshard()
     found = None if shapes is not None else _discover(mesh, leaves, per_leaf, sizes, families)

@@ -10,7 +10,7 @@ The grammar, with ``ws`` (spaces, tabs, newlines) allowed between tokens::
     family     := '*' NAME
     partial    := '//' (MESHDIM | '(' MESHDIM (',' MESHDIM)* ')')
     annotation := '[' annitem (',' annitem)* ']'
-    annitem    := NAME ('=' MESHDIM)?
+    annitem    := NAME ('=' MESHDIM (':' NAME)?)?
     NAME       := (letter | '_') (letter | digit | '_')*
     MESHDIM    := NAME ('-' NAME)*
 
@@ -150,10 +150,17 @@ class _Parser:
         dim, k = self.meshdim(j)
         return (dim,), k
 
+    def annvalue(self, i: int) -> tuple[str, int]:
+        """``MESHDIM (':' NAME)?``: a group and an optional suffix (``dp:async``)."""
+        _, j = self.meshdim(i)
+        if j < self.n and self.text[j] == ":":
+            _, j = self.name(j + 1)
+        return self.text[i:j], j
+
     def annitem(self, i: int) -> tuple[Annotation, int]:
         key, j = self.name(i)
         try:
-            value, k = self.meshdim(self.ws(self.lit(self.ws(j), "=")))
+            value, k = self.annvalue(self.ws(self.lit(self.ws(j), "=")))
             return Annotation(key, value), k
         except _Fail:
             return Annotation(key, None), j

@@ -10,15 +10,19 @@ from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
 from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
+from ..params.formula import ANY, formula_names, recorder_for, resolve_pending, state_duties
 
 __all__ = ["einshard"]
 
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
 _LOCAL_PLANS: dict = {}
 _NO_KEY = ()
-# (formula, families key) known to be distributed: skip the parse on a local-cache miss
-_DISTRIBUTED: set = set()
+# (formula, families key) known to be distributed -> its [param] recorder (None: no [param])
+_DISTRIBUTED: dict = {}
 _MAX_DISTRIBUTED = 4096
+_MISSING = object()
+_VMA_RECORDERS: dict = {}
+_SATISFIED: list = []  # non-empty while a [param] formula runs inside shard_map(check_vma=True)
 
 
 def einshard(
@@ -45,9 +49,21 @@ def einshard(
     torch.Size([2, 2, 4])
     """
     if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): set the output's vma
-        return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes, families=families,
-                               optimize=optimize, policy=policy)
-    if _compiling():
+        recorder = _vma_recorder(formula, families)
+        if recorder is None:
+            return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
+                                   families=families, optimize=optimize, policy=policy)
+        # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
+        prepared = recorder.prepare(tensors, formula_names(mesh), backend="vma")
+        _SATISFIED.append(True)
+        try:
+            out = _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
+                                  families=families, optimize=optimize, policy=policy)
+        finally:
+            _SATISFIED.pop()
+        recorder.commit(tensors, prepared)
+        return out
+    if _compiling():  # traced: gradient duties are not planned here (see the parameters guide)
         return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
         raise ValueError("einshard: pass either optimize or policy, not both")
@@ -68,8 +84,11 @@ def einshard(
             if optimize is not None or policy is not None:
                 resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
             return plan.run(tensors)
-        if (formula, key[2]) in _DISTRIBUTED:
-            return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+        recorder = _DISTRIBUTED.get((formula, key[2]), _MISSING)
+        if recorder is None:  # a distributed formula without [param]: only attached states can carry duties
+            return _run_with_states(key, tensors, mesh, shapes, optimize, policy)
+        if recorder is not _MISSING:
+            return _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy)
     except (AttributeError, TypeError, RuntimeError):
         # a cached plan met operands that are not tensors, or of mixed dtypes: the same
         # ValueError as on the first call, then anything else as it is
@@ -81,6 +100,10 @@ def einshard(
 def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy):
     resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
     parsed = expand(formula, key[2])
+    recorder = recorder_for(formula, parsed)
+    prepared = None
+    if recorder is not None and parsed.is_local and not _SATISFIED:
+        prepared = recorder.prepare(tensors, formula_names(mesh))  # metadata errors first
     _check_tensors(parsed, tensors)
     scalar = _scalar_form(parsed, tensors)
     if scalar is not None:  # 'loss // (sp, dp) -> loss' on 0-d tensors: the same as '// (sp, dp) -> '
@@ -88,13 +111,82 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     if not parsed.is_local:
         if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:  # bounded like the plan caches
             _DISTRIBUTED.clear()
-        _DISTRIBUTED.add((formula, key[2]))
-        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+        _DISTRIBUTED[(formula, key[2])] = recorder
+        if recorder is not None:
+            return _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy)
+        return _run_with_states(key, tensors, mesh, shapes, optimize, policy)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
+    if recorder is not None:
+        plan = _RecordingPlan(plan, recorder, mesh)
     if len(_LOCAL_PLANS) > 65536:
         _LOCAL_PLANS.clear()
     _LOCAL_PLANS[key] = plan
+    if recorder is not None:
+        out = plan.plan.run(tensors)
+        if not _SATISFIED:
+            recorder.commit(tensors, prepared)
+        return out
     return plan.run(tensors)
+
+
+def _vma_recorder(formula, families):
+    key = (formula, freeze_families(families))
+    found = _VMA_RECORDERS.get(key, _MISSING)
+    if found is _MISSING:
+        try:
+            found = recorder_for(formula, expand(formula, key[1]))
+        except ValueError:
+            found = None  # the op reports a bad formula itself
+        _VMA_RECORDERS[key] = found
+    return found
+
+
+def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
+    """A distributed formula with [param] operands: states prepared first, attached after success."""
+    if _SATISFIED:  # inside shard_map(check_vma=True): recorded by the caller, the formula reduces
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    names = formula_names(mesh)
+    prepared = recorder.prepare(tensors, names)
+    plans: list = []
+    out = run_distributed(key, tensors, mesh, shapes, optimize, policy, recorder.duties(tensors, prepared), plans)
+    if plans:
+        recorder.commit(tensors, prepared, plans[0].grad_partials(), plans[0].mesh.names)
+    else:  # no mesh: a stationary formula ran on the local blocks (rank-local inference only)
+        recorder.commit(tensors, prepared)
+    return out
+
+
+def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
+    """A distributed formula without [param]: the operands' attached states may carry gradient duties."""
+    duties = state_duties(tensors)
+    if ANY not in duties:
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties)
+    plans: list = []  # attached pending duties: the plan resolves them after success
+    out = run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, plans)
+    if plans:
+        resolve_pending(tensors, duties, plans[0].grad_partials(), plans[0].mesh.names)
+    return out
+
+
+class _RecordingPlan:
+    """A local plan whose [param] operands record their states after each successful run."""
+
+    __slots__ = ("plan", "recorder", "mesh")
+
+    def __init__(self, plan, recorder, mesh):
+        self.plan, self.recorder, self.mesh = plan, recorder, mesh
+
+    @property
+    def run_traced(self):  # traced (torch.compile): nothing is recorded
+        return self.plan.run_traced
+
+    def run(self, tensors):
+        if _SATISFIED:
+            return self.plan.run(tensors)
+        prepared = self.recorder.prepare(tensors, formula_names(self.mesh))
+        out = self.plan.run(tensors)
+        self.recorder.commit(tensors, prepared)
+        return out
 
 
 def _scalar_form(parsed, tensors) -> str | None:
@@ -182,7 +274,7 @@ def _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, fami
         else:
             if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:
                 _DISTRIBUTED.clear()
-            _DISTRIBUTED.add((formula, key[2]))
+            _DISTRIBUTED[(formula, key[2])] = recorder_for(formula, parsed)
     if plan is not None:
         return _trace.register(plan.run_traced)
     from ..distributed import traced_run

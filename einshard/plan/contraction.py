@@ -28,7 +28,7 @@ from functools import lru_cache
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape, broadcast_size
 from ..policy import PlanPolicy
-from .transition import Step, plan_transition, transition_cost
+from .transition import Step, plan_gradient, plan_transition, transition_cost
 
 __all__ = ["Problem", "Candidate", "Schedule", "plan_contraction", "plan_schedule"]
 
@@ -50,6 +50,15 @@ class Problem:
     summed: frozenset = frozenset()
     fixed: frozenset = frozenset()
     free_output: bool = False  # an intermediate: keep whatever layout the einsum produces
+    # per operand (empty: none): the mesh dimensions its gradient may come back partial over
+    # (a gradient duty reduces it later), ``ANY`` for a pending duty, ``None`` for no duty
+    grad_duties: tuple = ()
+
+    def duty(self, k: int):
+        return self.grad_duties[k] if self.grad_duties else None
+
+
+ANY = "any"  # a pending gradient duty: the planner leaves the gradient partial wherever it varies
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,10 @@ class Candidate:
     moves: tuple[Move, ...]
     cost: Cost
     embedded: Layout | None = None  # the result after embedding it as contributions (E roles)
+    grads: tuple = ()  # per operand: the layout its gradient comes back in, when a duty changes it
+
+    def grad_of(self, k: int) -> Layout | None:
+        return self.grads[k] if self.grads else None
 
     def describe_roles(self, mesh: MeshShape) -> str:
         parts = []
@@ -156,9 +169,10 @@ def _layout_for(base: Layout, roles, names, problem: Problem, partial_dims) -> L
     return Layout(base.axes, base.sizes, tuple(shard), tuple(splits), frozenset(partial_dims))
 
 
-def _move(what: str, src: Layout, dst: Layout, mesh: MeshShape, itemsize: int) -> tuple[Move, Cost]:
+def _move(what: str, src: Layout, dst: Layout, mesh: MeshShape, itemsize: int, back=None) -> tuple[Move, Cost]:
+    """``src -> dst`` forward; backward ``dst -> back`` (default ``src``; a gradient duty's partial layout)."""
     fwd = plan_transition(src, dst, mesh)
-    bwd = plan_transition(dst, src, mesh)
+    bwd = plan_transition(dst, src, mesh) if back is None else plan_gradient(dst, back, mesh)
     fb, fc, fp = transition_cost(fwd, mesh, itemsize)
     bb, bc, bp = transition_cost(bwd, mesh, itemsize)
     return Move(what, src, dst, fwd, bwd), Cost(fb, bb, fc, bc, max(fp, bp) * itemsize)
@@ -180,6 +194,7 @@ def _candidate(problem: Problem, roles) -> Candidate | None:
     targets = []
     live_bytes = 0.0
     chains = []
+    grads = []
     for k, op in enumerate(problem.operands):
         own_partial = [d for d, r in zip(names, roles) if r == ("P", k)]
         target = _layout_for(op, roles, names, problem, own_partial)
@@ -192,8 +207,11 @@ def _candidate(problem: Problem, roles) -> Candidate | None:
         # one transition straight to the marked layout (so its reverse can reduce-scatter),
         # unless the operand is truly partial over a dim it must first reduce, then pvary
         chain = (op, target, marked) if varying & op.partial else (op, marked)
+        grad = _grad_layout(op, problem.duty(k), varying)
+        grads.append(grad)
         for n, (src, dst) in enumerate(zip(chain, chain[1:])):
-            move, c = _move(f"operand {k}" + (" (pvary)" if n else ""), src, dst, mesh, problem.itemsize)
+            back = grad if n == 0 and grad is not None else src
+            move, c = _move(f"operand {k}" + (" (pvary)" if n else ""), src, dst, mesh, problem.itemsize, back)
             if move.forward or move.backward:
                 moves.append(move)
             cost += c
@@ -220,7 +238,24 @@ def _candidate(problem: Problem, roles) -> Candidate | None:
         cost += c
     live_bytes += max(result.mean_numel(mesh), embedded.mean_numel(mesh)) * problem.itemsize
     cost = Cost(cost.fwd_bytes, cost.bwd_bytes, cost.fwd_calls, cost.bwd_calls, max(cost.peak_bytes, live_bytes))
-    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost, embedded)
+    grads = tuple(grads) if any(g is not None for g in grads) else ()
+    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost, embedded, grads)
+
+
+def _grad_layout(op: Layout, duty, varying) -> Layout | None:
+    """The layout operand ``op``'s gradient comes back in under a gradient duty (``None``: ``op``).
+
+    A duty over dimensions ``G`` leaves the gradient partial over ``G`` (the duty's
+    executor sums it later): the adjoint of ``pvary`` is skipped there, and where
+    the operand was not varying its gradient is kept on group rank 0 only
+    (replicated to partial, no communication). A pending duty (``ANY``) keeps
+    the gradient partial exactly where the operand varies.
+    """
+    if duty is None or op.partial:
+        return None
+    sharding = {d for dims in op.shard for d in dims}
+    keep = (set(varying) if duty == ANY else set(duty)) - sharding
+    return op.with_partial(keep) if keep else None
 
 
 def _embedded(result: Layout, dims: tuple[str, ...]) -> Layout:
@@ -286,6 +321,7 @@ def _pair_problem(problem: Problem, i: int, j: int) -> tuple[Problem, tuple[str,
     pair = Problem(
         (problem.operands[i], problem.operands[j]), free, problem.mesh, problem.itemsize,
         fixed=problem.fixed, free_output=True,
+        grad_duties=(problem.duty(i), problem.duty(j)) if problem.grad_duties else (),
     )
     return pair, axes
 
@@ -326,7 +362,11 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
                     continue
                 seen.add(cand.result)
                 rest = tuple(op for k, op in enumerate(problem.operands) if k not in (i, j)) + (cand.result,)
-                sub = Problem(rest, problem.output, problem.mesh, problem.itemsize, problem.summed, problem.fixed)
+                duties = ()
+                if problem.grad_duties:
+                    duties = tuple(problem.duty(k) for k in range(n) if k not in (i, j)) + (None,)
+                sub = Problem(rest, problem.output, problem.mesh, problem.itemsize, problem.summed, problem.fixed,
+                              grad_duties=duties)
                 best = plan_schedule(sub, policy)[0]
                 schedules.append(Schedule((((i, j), axes, cand),) + best.steps, cand.cost + best.cost))
                 if len(seen) == beam:

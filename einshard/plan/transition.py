@@ -30,7 +30,7 @@ import numpy as np
 
 from ..layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
 
-__all__ = ["Step", "plan_transition", "transition_cost"]
+__all__ = ["Step", "plan_transition", "plan_gradient", "transition_cost"]
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,13 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        if self.kind in ("slice", "embed"):
+        if self.kind in ("slice", "embed", "keep_root"):
             return False
         return self.kind != "embed_adjoint" or bool(self.dims)
 
     def bytes_per_rank(self, mesh: MeshShape, itemsize: int) -> float:
         """Bytes each rank sends, averaged over the ranks."""
-        if self.kind in ("slice", "embed"):
+        if self.kind in ("slice", "embed", "keep_root"):
             return 0.0
         if self.kind == "embed_adjoint":  # a broadcast from group rank 0 over ``dims``
             return self.dst.mean_numel(mesh) * itemsize / mesh.size(self.dims) if self.dims else 0.0
@@ -86,6 +86,7 @@ class Step:
             "exchange": "exchange (all-to-all, per-rank sizes)",
             "embed": "embed as contributions (zero-padded)",
             "embed_adjoint": "broadcast from group rank 0" if self.dims else "local slice",
+            "keep_root": "kept on group rank 0, zeros elsewhere",
         }[self.kind]
         return what
 
@@ -121,6 +122,22 @@ def transition_cost(steps, mesh: MeshShape, itemsize: int) -> tuple[float, int, 
     calls = sum(1 for s in steps if s.is_collective)
     peak = max((s.peak_numel(mesh) for s in steps), default=0.0)
     return sent, calls, peak
+
+
+@lru_cache(maxsize=4096)
+def plan_gradient(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]:
+    """Steps for a gradient whose layout ``dst`` is partial where ``src`` was not (a gradient duty).
+
+    Like :func:`plan_transition`, except that a dimension becoming partial turns
+    the value into real contributions (it is kept on group rank 0, zeros
+    elsewhere) instead of marking a copy varying, so summing it gives it once.
+    """
+    fresh = dst.partial - src.partial
+    if not fresh:
+        return plan_transition(src, dst, mesh)
+    mid = dst.with_partial(dst.partial & src.partial)
+    dims = tuple(d for d in mesh.names if d in fresh)
+    return plan_transition(src, mid, mesh) + (Step("keep_root", mid, dst, dims),)
 
 
 @lru_cache(maxsize=8192)

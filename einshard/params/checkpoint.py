@@ -1,0 +1,128 @@
+"""Modules ↔ DTensors, from the registered layouts: ``es.to_dtensor`` / ``es.from_dtensor``.
+
+A parameter's registered layout gives its DTensor placements: ``Shard(i)`` on
+every mesh dimension among the components of item ``i``'s group (in mesh
+order), ``Replicate()`` elsewhere; a gradient duty is never a placement. The
+blocks of a DTensor follow ``torch.chunk``'s split rule, which can differ from
+einshard's (``compute_split_shapes``) when a size does not divide evenly, so
+both directions move data where the two rules disagree: the real split shapes
+are read from the ranks' block sizes (one small all-gather), never assumed.
+
+That makes ``torch.distributed.checkpoint`` (DCP) work on einshard models:
+save ``to_dtensor(model)`` on one mesh, load into ``to_dtensor(other)`` on
+another (DCP reshards), then copy ``from_dtensor(...)`` into the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .specs import as_param_tree, specs_or_registered
+
+__all__ = ["to_dtensor", "from_dtensor", "load_from_dtensor_"]
+
+
+def _prepare(tree, specs, mesh, where):
+    """``(mesh, leaves, treedef, per-leaf spec, per-leaf dotted name)``."""
+    import optree
+
+    from ..tree import _setup
+
+    tree = as_param_tree(tree)
+    specs = specs_or_registered(tree, specs, where)
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return (*_setup(tree, specs, mesh, None, where), [".".join(map(str, path)) for path in paths])
+
+
+def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
+    """Every parameter with a layout as a ``DTensor`` (global shape, placements from its layout).
+
+    Returns a state dict (or the same pytree) whose laid-out tensors are DTensors on
+    ``mesh``'s ``DeviceMesh``; other entries (buffers, step counters) pass through.
+    Uneven blocks are read from the ranks and moved to ``torch.chunk``'s split where
+    the rules differ. No autograd.
+
+    >>> import torch.distributed.checkpoint as dcp                            # doctest: +SKIP
+    >>> dcp.save(es.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")      # doctest: +SKIP
+    """
+    from ..dtensor import to_dtensor as wrap
+    from ..notation import expand
+    from ..resolve import resolve
+    from ..tree import _discover
+
+    mesh, leaves, treedef, per_leaf, names = _prepare(module_or_state_dict, specs, mesh, "to_dtensor")
+    if mesh.device_mesh is None:
+        raise ValueError("to_dtensor: a virtual mesh cannot hold DTensors; pass the DeviceMesh (or es.wrap_mesh of it)")
+    found = _discover(mesh, leaves, per_leaf)
+    out = []
+    with torch.no_grad():
+        for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
+            if spec is None or not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            if spec.inner_spec.has_groups or spec.inner_spec.partial:
+                raise ValueError(f"to_dtensor: {names[k]!r} has layout {spec.inner!r}; DTensors need plain axes")
+            formula = expand(f"{spec.inner} -> {spec.inner}", ())
+            layout = resolve(formula, [tuple(x.shape)], mesh, shapes=found.get(k), axes=None).operands[0]
+            out.append(wrap(x.detach(), layout, mesh, where=f"to_dtensor {names[k]!r}"))
+    return treedef.unflatten(out)
+
+
+def from_dtensor(state, module_or_specs=None, *, mesh=None):
+    """This rank's blocks (einshard's split shapes) of the DTensors in ``state``.
+
+    ``module_or_specs``: the module whose registered layouts say where each entry
+    goes (its ``state_dict`` names), or a spec pytree; default: the layouts
+    registered on ``state``'s own parameters. With a module, every block's shape
+    is checked against the parameter's.
+
+    >>> local = es.from_dtensor(loaded, model, mesh=mesh)   # doctest: +SKIP
+    """
+    from ..dtensor import from_dtensor as unwrap
+    from ..dtensor import is_dtensor
+
+    module = module_or_specs if isinstance(module_or_specs, torch.nn.Module) else None
+    if module is not None:
+        from .specs import param_specs
+
+        specs = param_specs(as_param_tree(module))
+        specs = {k: specs.get(k) for k in as_param_tree(state)} if isinstance(state, dict) else specs
+    else:
+        specs = module_or_specs
+    if specs is None:
+        specs = specs_or_registered(as_param_tree(state), None, "from_dtensor")
+    mesh, leaves, treedef, per_leaf, names = _prepare(state, specs, mesh, "from_dtensor")
+    targets = module.state_dict(keep_vars=True) if module is not None else {}
+    out = []
+    with torch.no_grad():
+        for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
+            if spec is None or not is_dtensor(x):
+                out.append(x)
+                continue
+            local, _ = unwrap(x, spec.inner, mesh, where=f"from_dtensor {names[k]!r}")
+            want = targets.get(names[k])
+            if want is not None and tuple(want.shape) != tuple(local.shape):
+                raise ValueError(
+                    f"from_dtensor: {names[k]!r} gives a block of shape {tuple(local.shape)} on this rank but the "
+                    f"parameter has shape {tuple(want.shape)}; was it built with einshard's split shapes?"
+                )
+            out.append(local.detach().clone())
+    return treedef.unflatten(out)
+
+
+def load_from_dtensor_(module, state, *, mesh=None):
+    """Copy ``from_dtensor(state, module)`` into ``module``'s parameters and buffers in place; returns ``module``.
+
+    >>> dcp.load(sd := es.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")  # doctest: +SKIP
+    >>> es.load_from_dtensor_(model, sd, mesh=mesh)                              # doctest: +SKIP
+    """
+    local = from_dtensor(state, module, mesh=mesh)
+    targets = module.state_dict(keep_vars=True)
+    unknown = [k for k in local if k not in targets]
+    if unknown:
+        raise ValueError(f"load_from_dtensor_: entries {unknown} are not in the module's state_dict")
+    with torch.no_grad():
+        for name, value in local.items():
+            if isinstance(value, torch.Tensor):
+                targets[name].copy_(value)
+    return module

@@ -1,0 +1,161 @@
+"""Shard metadata: which slice of a global parameter this rank holds under the parameter's layout.
+
+The split rule is einshard's (``compute_split_shapes_for_factors``): blocks of
+``ceil(size / n)``, the remainder last (floor when the last block would be empty).
+The rank's index in a compound group ``dp-sp`` is the row-major flattening of its
+mesh coordinates over the components in mesh order, so ``dp-sp`` and ``sp-dp`` agree.
+
+>>> import einshard as es
+>>> s = es.ParameterState.from_layout("out/tp in")
+>>> mesh = es.Mesh.virtual((2, 4), ("dp", "tp"), coordinate=(0, 3))
+>>> param_local_slices(s, (10, 6), mesh), param_local_shape(s, (10, 6), mesh)
+((slice(9, 10, None), slice(None, None, None)), (1, 6))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .._split import compute_split_shapes_for_factors
+from ..notation import Axis, EllipsisItem, Group
+from .names import components
+from .state import ParameterState
+from .store import get_parameter_state
+
+__all__ = ["ParamShardMetadata", "param_shard_dims", "param_local_slices", "param_local_shape", "param_shard_metadata"]
+
+
+@dataclass(frozen=True)
+class ParamShardMetadata:
+    """Where this rank's block of a parameter sits in the global tensor."""
+
+    global_shape: tuple[int, ...]
+    local_slices: tuple[slice, ...]
+    local_shape: tuple[int, ...]
+    shard_dims: tuple[str, ...]
+
+
+def _state_of(p_or_state) -> ParameterState:
+    state = p_or_state if isinstance(p_or_state, ParameterState) else get_parameter_state(p_or_state)
+    if state is None:
+        raise ValueError("the parameter has no ParameterState (register a layout first)")
+    return state
+
+
+def param_shard_dims(p_or_state) -> tuple[str, ...]:
+    """The shard groups of a parameter's layout, in axis order.
+
+    >>> import einshard as es
+    >>> param_shard_dims(es.ParameterState.from_layout("a/tp b/dp-sp"))
+    ('tp', 'dp-sp')
+    """
+    return _state_of(p_or_state).layout_shard_dims
+
+
+class _Coordinates:
+    """Group sizes and this rank's group index, from an ``es.Mesh`` or a ``DeviceMesh``."""
+
+    def __init__(self, mesh):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ..mesh import Mesh
+
+        if isinstance(mesh, Mesh):
+            self.names, self.shape, self.compound = mesh.names, mesh.shape, mesh.allow_compound
+            self._coordinate = lambda: mesh.coordinate
+        elif isinstance(mesh, DeviceMesh):
+            self.names, self.shape, self.compound = tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.shape), False
+            self._coordinate = lambda: _device_mesh_coordinate(mesh)
+        else:
+            raise TypeError(f"mesh must be an es.Mesh or a DeviceMesh, got {type(mesh).__name__}")
+
+    def dims(self, group: str) -> tuple[str, ...]:
+        parts = components(group)
+        missing = [c for c in parts if c not in self.names]
+        if missing:
+            raise ValueError(f"mesh dimension {missing[0]!r} (in {group!r}) is not in the mesh {self.names!r}")
+        if len(parts) > 1 and not self.compound:
+            raise ValueError(f"compound group {group!r} on a raw DeviceMesh: pass es.wrap_mesh(device_mesh)")
+        return tuple(sorted(parts, key=self.names.index))
+
+    def size_and_index(self, group: str) -> tuple[int, int]:
+        coordinate = self._coordinate()
+        size, index = 1, 0
+        for d in self.dims(group):
+            i = self.names.index(d)
+            size *= self.shape[i]
+            index = index * self.shape[i] + coordinate[i]
+        return size, index
+
+
+def _device_mesh_coordinate(mesh) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("a sharded parameter on a DeviceMesh needs an initialized process group")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("this rank is not part of the given DeviceMesh")
+    return tuple(coordinate)
+
+
+def param_local_slices(p_or_state, global_shape, mesh, factors=None) -> tuple[slice, ...]:
+    """One slice per top-level layout item: this rank's block of a tensor of ``global_shape``.
+
+    ``factors``: ``{axis: k}`` keeps block sizes multiples of ``k`` (the leftover goes last).
+    """
+    state = _state_of(p_or_state)
+    if state.spec is None:
+        raise ValueError("a layout-free ParameterState has no local slices")
+    items = state.spec.items
+    if any(isinstance(i, EllipsisItem) for i in items):
+        raise ValueError(f"layout {state.layout!r} has '...': its shard metadata is unknown")
+    global_shape = tuple(int(s) for s in global_shape)
+    if len(items) != len(global_shape):
+        raise ValueError(f"layout {state.layout!r} has rank {len(items)} but global_shape {global_shape} has rank {len(global_shape)}")
+    factors = {} if factors is None else factors
+    if not isinstance(factors, Mapping):
+        raise TypeError(f"factors must be a Mapping from axis names to ints, got {type(factors).__name__}")
+    coords = _Coordinates(mesh)
+    out = []
+    for item, size in zip(items, global_shape):
+        if isinstance(item, Group):
+            if any(a.mesh for a in item.axes):
+                raise NotImplementedError(f"factored-axis shards ({item}) have no contiguous local slice")
+            out.append(slice(None))
+        elif isinstance(item, Axis) and item.mesh:
+            n, r = coords.size_and_index(item.mesh)
+            splits = compute_split_shapes_for_factors(size, n, factors.get(item.name, 1))
+            start = sum(splits[:r])
+            out.append(slice(start, start + splits[r]))
+        else:
+            out.append(slice(None))
+    return tuple(out)
+
+
+def _length(s: slice, size: int) -> int:
+    return len(range(*s.indices(size)))
+
+
+def param_local_shape(p_or_state, global_shape, mesh, factors=None) -> tuple[int, ...]:
+    """This rank's block shape (ints)."""
+    slices = param_local_slices(p_or_state, global_shape, mesh, factors)
+    return tuple(_length(s, int(n)) for s, n in zip(slices, global_shape))
+
+
+def param_shard_metadata(p_or_state, global_shape, mesh, factors=None) -> ParamShardMetadata:
+    """Global shape, local slices, local shape and shard groups together.
+
+    >>> import einshard as es
+    >>> m = param_shard_metadata(es.ParameterState.from_layout("v/dp-tp c"), (7, 5),
+    ...                          es.Mesh.virtual((2, 4), ("dp", "tp"), coordinate=(1, 2)))
+    >>> m.local_shape, m.shard_dims
+    ((0, 5), ('dp-tp',))
+    """
+    slices = param_local_slices(p_or_state, global_shape, mesh, factors)
+    global_shape = tuple(int(s) for s in global_shape)
+    return ParamShardMetadata(
+        global_shape, slices, tuple(_length(s, n) for s, n in zip(slices, global_shape)), _state_of(p_or_state).layout_shard_dims
+    )
+

@@ -1,0 +1,176 @@
+"""``[param]`` formula operands: their states, rank-local inference, and ``einshard_like``.
+
+For each ``[param]`` input of a formula, the operand's spec and annotations
+give a state (``ParameterState.from_spec``, source ``formula``). A *pending*
+gradient duty (``[param]`` without ``grad=``, or ``grad=async``/``ddp``/``external``)
+is inferred when the formula is **rank-local**: no partial anywhere, every
+sharded axis occurs in exactly one input and in the output with the same
+group, and an axis shared by two or more inputs is unsharded everywhere. Then
+each rank computes its block alone, and the parameter's gradient is partial
+over the groups that shard axes the parameter lacks (the other inputs left to
+right, then the output; compound groups kept whole); no such group means no duty.
+Any other formula keeps the duty pending (the planner resolves it when it runs).
+
+>>> import torch
+>>> from einshard import parse_sharding
+>>> f = parse_sharding("b/dp c, c d [param] -> b/dp d")
+>>> w = torch.nn.Parameter(torch.zeros(3, 4))
+>>> parameter_operand_state(w, f.inputs, f.output, 1, mesh_dim_names=("dp",)).grad_comm.mesh_dims
+('dp',)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from .._split import compute_split_shapes
+from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
+from .names import mesh_names
+from .state import ParameterGradComm, ParameterState, check_state
+from .store import Registration
+
+__all__ = ["parameter_operand_state", "register_parameter_operand", "einshard_like", "is_rank_local"]
+
+
+def is_rank_local(inputs: Sequence[TensorSpec], output: TensorSpec | None) -> bool:
+    """No partial anywhere; sharded axes in exactly one input and the output (same group); shared axes unsharded."""
+    if output is None or output.partial or any(t.partial for t in inputs):
+        return False
+    where: dict[str, list[str | None]] = {}
+    for t in inputs:
+        for name in {a.name for a in t.axes}:
+            where.setdefault(name, [])
+        for a in t.axes:
+            where[a.name].append(a.mesh)
+    out = {a.name: a.mesh for a in output.axes}
+    counts = {name: sum(1 for t in inputs if any(a.name == name for a in t.axes)) for name in where}
+    for name, groups in where.items():
+        sharded = any(groups) or out.get(name) is not None
+        if not sharded:
+            continue
+        if counts[name] != 1 or name not in out or any(g != out[name] for g in groups):
+            return False
+    return True
+
+
+def _lacking_groups(inputs, output, index) -> tuple[str, ...]:
+    own = {a.name for a in inputs[index].axes}
+    dims: list[str] = []
+    others = [t for k, t in enumerate(inputs) if k != index] + [output]
+    for t in others:
+        for a in t.axes:
+            if a.mesh and a.name not in own and a.mesh not in dims:
+                dims.append(a.mesh)
+    return tuple(dims)
+
+
+def _output_partials(output, state) -> tuple[str, ...]:
+    shard = {c for g in state.layout_shard_dims for c in g.split("-")}
+    return tuple(g for g in (output.partial if output is not None else ()) if not set(g.split("-")) & shard)
+
+
+def parameter_operand_state(
+    p, input_specs, output_spec, operand_index, *, mesh_dim_names=(), source="formula", infer_grad=True
+) -> ParameterState:
+    """The (unattached) state of input ``operand_index`` of a formula.
+
+    ``infer_grad``: ``True`` infers a pending duty on a rank-local formula (see the module);
+    ``"partials"`` gives it the output's partial groups (those not touching the parameter's
+    shards), when there are any; ``False`` keeps it pending.
+    """
+    if not isinstance(p, torch.nn.Parameter):
+        raise TypeError(f"operand {operand_index} is annotated [param] and must be a torch.nn.Parameter, got {type(p).__name__}")
+    if infer_grad not in (True, False, "partials"):
+        raise ValueError(f"infer_grad must be True, False or 'partials', got {infer_grad!r}")
+    state = ParameterState.from_spec(input_specs[operand_index], mesh_dim_names=mesh_dim_names, source=source)
+    gc = state.grad_comm
+    if not gc.pending_inference or infer_grad is False:
+        return state
+    if infer_grad == "partials":
+        dims = _output_partials(output_spec, state)
+        if not dims:
+            return state
+    elif is_rank_local(input_specs, output_spec):
+        dims = _lacking_groups(input_specs, output_spec, operand_index)
+    else:
+        return state
+    state = replace(state, grad_comm=replace(gc, mesh_dims=dims) if dims else ParameterGradComm())
+    check_state(state)
+    return state
+
+
+def register_parameter_operand(
+    p, input_specs, output_spec, operand_index, *, mesh_dim_names=(), source="formula", infer_grad=True
+) -> torch.nn.Parameter:
+    """:func:`parameter_operand_state`, then the rank check and registration (merge); returns ``p``."""
+    state = parameter_operand_state(
+        p, input_specs, output_spec, operand_index, mesh_dim_names=mesh_dim_names, source=source, infer_grad=infer_grad
+    )
+    reg = Registration()
+    reg.add(p, state)
+    reg.attach()
+    return p
+
+
+def _stand_in_shape(spec: TensorSpec, rt, sizes: dict) -> tuple[int, ...]:
+    """A local shape consistent with ``sizes``: unknown axes get the mesh size (divisible by any group)."""
+    default = math.prod(rt.shape)
+    shape = []
+    for item in spec.items:
+        if isinstance(item, EllipsisItem):
+            continue
+        size = 1
+        for a in item.axes if isinstance(item, Group) else (item,):
+            whole = int(sizes.get(a.name, default))
+            try:
+                size *= compute_split_shapes(whole, rt.size(a.mesh))[rt.index(a.mesh)] if a.mesh else whole
+            except ValueError:  # an unknown mesh name: planning reports it as einshard does
+                size *= whole
+        shape.append(size)
+    return tuple(shape)
+
+
+def _check_formula(parsed, mesh, sizes, frozen_families, duties=()) -> None:
+    """The formula-level errors ``einshard`` would raise, without operand values or sizes."""
+    from ..distributed import plan_distributed
+    from ..mesh import resolve_mesh
+    from ..ops.local import freeze_sizes
+    from ..policy import resolve_policy
+
+    if parsed.is_local:
+        return
+    rt = resolve_mesh(mesh)
+    known = dict(sizes or {})
+    shapes = [_stand_in_shape(t, rt, known) for t in parsed.inputs]
+    plan_distributed(
+        parsed, shapes, 4, rt, None, freeze_sizes(sizes), resolve_policy(None, None), frozen_families, duties
+    )
+
+
+@torch.compiler.disable
+def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> None:
+    """Record the ``[param]`` states ``es.einshard(formula, *operands)`` would record, without running it.
+
+    Operand values and sizes are never read (non-``[param]`` operands may be ``None``);
+    formula-level errors are raised as ``einshard`` would, before anything is attached.
+
+    >>> import torch, einshard as es
+    >>> w = torch.nn.Parameter(torch.zeros(3, 4))
+    >>> einshard_like("b c, c d [param, grad=dp] -> b d", None, w, mesh=es.Mesh.virtual((2,), ("dp",)))
+    >>> es.get_parameter_state(w).reduce
+    ('dp',)
+    """
+    from .formula import recorder_for
+
+    frozen = freeze_families(families)
+    parsed = expand(formula, frozen)
+    recorder = recorder_for(formula, parsed)  # the same preparation es.einshard runs
+    prepared = None if recorder is None else recorder.prepare(operands, mesh_names(mesh))
+    duties = () if recorder is None else recorder.duties(operands, prepared)
+    _check_formula(parsed, mesh, sizes, frozen, duties)
+    if recorder is not None:
+        recorder.commit(operands, prepared)

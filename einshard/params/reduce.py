@@ -1,0 +1,315 @@
+"""Gradient reduction outside ``shard_map``: explicit helpers, per-parameter hooks, and a DDP comm hook.
+
+A concrete *native* duty over groups ``G1, G2, ...`` means: the gradient is a
+SUM (no averaging) over each group in turn. The groups are disjoint from each
+other and from the shards, so local shapes match and nothing is counted twice.
+``ddp``, ``external``, ``vma`` and ``none`` duties are someone else's job.
+
+- :func:`reduce_grad_` / :func:`reduce_module_grads_`: after backward, synchronously.
+- :func:`register_native_grad_reduction_hooks_`: during backward. ``synchronous``
+  and ``backend_default`` duties SUM each incoming contribution before it is
+  accumulated; ``async`` duties are bucketed and their all-reduces start as soon
+  as a bucket's gradients are accumulated (:class:`~einshard.params.buckets.GradBucketer`),
+  overlapping the rest of backward; :meth:`NativeGradReductionHandle.wait` waits for them.
+- :func:`register_grad_reduction_hook_`: a ``DistributedDataParallel`` comm hook that
+  averages over ``ddp_group`` and SUMs the extra native/ddp groups of each parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .buckets import DEFAULT_BUCKET_BYTES, GradBucketer
+from .names import check_group_syntax, components, resolve_dims, resolve_group, runtime_mesh
+from .state import ParameterState
+from .store import get_parameter_state, iter_parameter_states
+from .validate import check_not_pending
+
+__all__ = [
+    "reduce_grad_",
+    "reduce_module_grads_",
+    "register_native_grad_reduction_hooks_",
+    "NativeGradReductionHandle",
+    "register_grad_reduction_hook_",
+]
+
+
+def _native_groups(state: ParameterState) -> tuple[str, ...]:
+    g = state.grad_comm
+    return g.mesh_dims if g.backend == "native" and g.mode != "none" else ()
+
+
+def _check_state(state, where: str) -> None:
+    if not isinstance(state, ParameterState):
+        raise TypeError(f"{where}: expected a ParameterState, got {type(state).__name__}")
+    check_not_pending(state, where)
+
+
+def _sum_(p, groups) -> None:
+    """Replace ``p.grad`` by its SUM over each resolved ``(group, size)`` in turn."""
+    for group, size in groups:
+        if size == 1:
+            continue
+        g = p.grad.detach().contiguous().clone()
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+        p.grad = g
+
+
+def reduce_grad_(p, state, mesh) -> torch.nn.Parameter:
+    """SUM ``p.grad`` over each group of a concrete native duty (others: nothing); returns ``p``.
+
+    >>> import torch, einshard as es
+    >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)
+    >>> reduce_grad_(p, es.ParameterState.from_layout("c", grad="dp"), es.Mesh.virtual((1,), ("dp",))).grad
+    tensor([1., 1.])
+    """
+    if not isinstance(state, ParameterState):
+        raise TypeError(f"reduce_grad_: expected a ParameterState, got {type(state).__name__}")
+    if p.grad is None:
+        return p
+    _check_state(state, "reduce_grad_")
+    groups = _native_groups(state)
+    if groups:
+        rt = runtime_mesh(mesh)
+        _sum_(p, [resolve_group(rt, g, "grad") for g in groups])
+    return p
+
+
+def reduce_module_grads_(module, mesh):
+    """:func:`reduce_grad_` for every parameter with a state; every state is checked before the first collective.
+
+    Returns ``module``.
+    """
+    work = []
+    rt = None
+    for name, p, state in iter_parameter_states(module):
+        _check_state(state, f"reduce_module_grads_ ({name!r})")
+        groups = _native_groups(state)
+        if groups and p.grad is not None:
+            rt = rt or runtime_mesh(mesh)
+            for g in groups:
+                resolve_dims(rt, g, f"{name!r} grad")
+            work.append((p, groups))
+    for p, groups in work:
+        _sum_(p, [resolve_group(rt, g, "grad") for g in groups])
+    return module
+
+
+class NativeGradReductionHandle:
+    """What :func:`register_native_grad_reduction_hooks_` returns.
+
+    ``pending``: all-reduces started during backward and not yet waited for
+    (only ``async`` duties start any). ``wait()`` waits for them and writes the
+    sums into ``.grad`` (unfinished works are kept on error); ``remove()`` waits,
+    detaches every hook, and is idempotent. Both return the handle.
+    """
+
+    def __init__(self, hooks, bucketer: GradBucketer | None):
+        self._hooks = list(hooks)
+        self._bucketer = bucketer
+
+    @property
+    def pending(self) -> int:
+        return 0 if self._bucketer is None else self._bucketer.pending
+
+    def wait(self) -> "NativeGradReductionHandle":
+        if self._bucketer is not None:
+            self._bucketer.wait()
+        return self
+
+    def remove(self) -> "NativeGradReductionHandle":
+        self.wait()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._bucketer is not None:
+            self._bucketer.remove()
+            self._bucketer = None
+        return self
+
+    def __enter__(self) -> "NativeGradReductionHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _sum_hook(groups):
+    def hook(grad):
+        out = grad.contiguous().clone()
+        for group, size in groups:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    return hook
+
+
+def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """Hooks that SUM each native-duty gradient over its groups during backward; returns a handle.
+
+    ``async`` duties are bucketed (about ``bucket_bytes`` per all-reduce) and
+    start during backward; call ``handle.wait()`` before the optimizer step.
+    Every rank must run backward over the same parameters in the same order.
+    """
+    rt = None
+    plan = []  # (p, state): every check passes before any group is created or hook added
+    for name, p, state in iter_parameter_states(module):
+        if not isinstance(state, ParameterState):
+            raise TypeError(f"{name!r}: expected a ParameterState, got {type(state).__name__}")
+        if state.grad_comm.backend != "native":
+            continue
+        check_not_pending(state, f"native gradient hooks ({name!r})")
+        groups = _native_groups(state)
+        if not groups:
+            continue
+        rt = rt or runtime_mesh(mesh)
+        for g in groups:
+            resolve_dims(rt, g, f"{name!r} grad")
+        if not p.requires_grad:
+            raise ValueError(f"{name!r} has gradient groups {groups!r} but does not require gradients")
+        plan.append((p, state))
+    plan = [(p, s, [resolve_group(rt, g, "grad") for g in _native_groups(s)]) for p, s in plan]
+    hooks = []
+    bucketer = None
+    try:
+        sync = [(p, r) for p, s, r in plan if s.grad_comm.schedule != "async" and any(n > 1 for _, n in r)]
+        for p, resolved in sync:
+            hooks.append(p.register_hook(_sum_hook([(g, n) for g, n in resolved if n > 1])))
+        asyn = [(p, s.grad_comm.mesh_dims) for p, s, _ in plan if s.grad_comm.schedule == "async"]
+        if asyn:
+            bucketer = GradBucketer(asyn, rt, bucket_bytes=bucket_bytes)
+    except BaseException:
+        for h in hooks:
+            h.remove()
+        raise
+    return NativeGradReductionHandle(hooks, bucketer)
+
+
+# -- DDP ---------------------------------------------------------------------------------------
+def _ddp_groups(state) -> tuple[str, ...]:
+    g = state.grad_comm
+    return g.mesh_dims if g.backend in ("native", "ddp") and g.mode != "none" else ()
+
+
+def _check_ddp_state(name, state, rt, ddp_parts) -> None:
+    where = f"DDP comm hook ({name!r})"
+    if not isinstance(state, ParameterState):
+        raise TypeError(f"{where}: expected a ParameterState, got {type(state).__name__}")
+    check_not_pending(state, where)
+    for g in _ddp_groups(state):
+        if set(components(g)) & ddp_parts:
+            raise ValueError(f"{where}: grad group {g!r} touches ddp_group; DDP already reduces over it")
+        resolve_dims(rt, g, "grad")
+
+
+def _completed(tensor):
+    fut = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+class _DdpHook:
+    """The comm hook: states are re-read at every call."""
+
+    def __init__(self, rt, ddp_group, ddp_parts, combined_group, combined_reduce):
+        self.rt = rt
+        self.ddp_parts = ddp_parts
+        self.ddp = (None, dist.get_world_size()) if ddp_group is None else resolve_group(rt, ddp_group, "ddp_group")
+        self.combined = None if combined_group is None else resolve_group(rt, combined_group, "combined_reduce_group")
+        self.combined_set = None if combined_reduce is None else set(combined_reduce)
+
+    def _states(self, params):
+        states = []
+        for p in params:
+            state = get_parameter_state(p)
+            if state is not None:
+                _check_ddp_state(f"shape {tuple(p.shape)}", state, self.rt, self.ddp_parts)
+            states.append(state)
+        return states
+
+    def __call__(self, state, bucket):
+        buffer = bucket.buffer()
+        params = list(bucket.parameters())
+        states = self._states(params)
+        groups = [() if s is None else _ddp_groups(s) for s in states]
+        ddp_pg, ddp_size = self.ddp
+        if (
+            self.combined is not None
+            and self.combined[1] > 1
+            and all(set(g) == self.combined_set for g in groups)
+        ):
+            pg, _ = self.combined
+            fut = dist.all_reduce(buffer, group=pg, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0].div_(ddp_size))
+        if ddp_size > 1:
+            fut = dist.all_reduce(buffer, group=ddp_pg, async_op=True).get_future()
+        else:
+            fut = _completed([buffer])
+
+        def rest(f):
+            out = f.value()[0] if isinstance(f.value(), list) else f.value()
+            out.div_(ddp_size)
+            views, offset = [], 0
+            for p in params:
+                views.append(out[offset : offset + p.numel()])
+                offset += p.numel()
+            for extra in sorted({g for gs in groups for g in gs}):
+                pg, size = resolve_group(self.rt, extra, "grad")
+                members = [v for v, gs in zip(views, groups) if extra in gs]
+                if size == 1 or not members:
+                    continue
+                flat = torch.cat(members)
+                dist.all_reduce(flat, group=pg)
+                offset = 0
+                for v in members:
+                    v.copy_(flat[offset : offset + v.numel()])
+                    offset += v.numel()
+            return out
+
+        return fut.then(rest)
+
+
+def register_grad_reduction_hook_(ddp_model, mesh, ddp_group="dp", combined_reduce_group=None, combined_reduce=None):
+    """Register a DDP comm hook: average over ``ddp_group``, then SUM each parameter's extra native/ddp groups.
+
+    Fast path: when every parameter of a bucket reduces exactly over ``combined_reduce``,
+    one SUM over ``combined_reduce_group`` (= ``ddp_group`` ∪ ``combined_reduce``) then
+    division by the ``ddp_group`` size. Returns ``ddp_model``.
+    """
+    rt = runtime_mesh(mesh)
+    if (combined_reduce_group is None) != (combined_reduce is None):
+        missing = "combined_reduce" if combined_reduce is None else "combined_reduce_group"
+        raise ValueError(f"combined_reduce_group and combined_reduce go together: {missing} is missing")
+    if combined_reduce is not None:
+        if ddp_group is None:
+            raise ValueError("combined_reduce_group needs a ddp_group")
+        if isinstance(combined_reduce, str):
+            combined_reduce = (combined_reduce,)
+        combined_reduce = tuple(combined_reduce)
+        for g in (combined_reduce_group, ddp_group, *combined_reduce):
+            check_group_syntax(g, "DDP hook")
+        extra = {c for g in combined_reduce for c in components(g)}
+        if extra & set(components(ddp_group)) or len(extra) != sum(len(components(g)) for g in combined_reduce):
+            raise ValueError(f"combined_reduce {combined_reduce!r} and ddp_group {ddp_group!r} overlap")
+        if set(components(combined_reduce_group)) != extra | set(components(ddp_group)):
+            raise ValueError(
+                f"combined_reduce_group {combined_reduce_group!r} must span ddp_group {ddp_group!r} "
+                f"and combined_reduce {combined_reduce!r} exactly"
+            )
+    elif ddp_group is not None:
+        check_group_syntax(ddp_group, "ddp_group")
+    ddp_parts = set(rt.names) if ddp_group is None else set(resolve_dims(rt, ddp_group, "ddp_group"))
+    if combined_reduce_group is not None:
+        resolve_dims(rt, combined_reduce_group, "combined_reduce_group")
+    module = getattr(ddp_model, "module", ddp_model)
+    for name, _, state in iter_parameter_states(module):
+        _check_ddp_state(name, state, rt, ddp_parts)
+    impl = _DdpHook(rt, ddp_group, ddp_parts, combined_reduce_group, combined_reduce)
+
+    def einshard_grad_reduction_hook(state, bucket):
+        return impl(state, bucket)
+
+    ddp_model.register_comm_hook(None, einshard_grad_reduction_hook)
+    return ddp_model
+

@@ -1,0 +1,267 @@
+"""Explicit registration: layouts for single parameters, whole modules, and linear/conv/norm layers.
+
+Every helper is atomic: all states are built, validated and merged first, then
+all are attached; any error leaves every parameter as it was.
+
+>>> import torch
+>>> lin = register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in",
+...                                   mesh_dim_names=("dp", "tp"), weight_grad="dp")
+>>> get_parameter_state(lin.bias).layout, get_parameter_state(lin.weight).reduce
+('out/tp', ('dp',))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .names import mesh_names
+from .state import ParameterState
+from .store import Registration, get_parameter_state, per_name
+
+__all__ = [
+    "register_parameter_layout",
+    "register_module_parameter_layouts_",
+    "register_linear_parameters_",
+    "register_conv_parameters_",
+    "register_norm_parameters_",
+]
+
+_UNSET = object()
+
+
+def _layout_state(layout, names, grad, init_sync, source) -> ParameterState:
+    return ParameterState.from_layout(layout, mesh_dim_names=names, grad=grad, init_sync=init_sync, source=source)
+
+
+def register_parameter_layout(
+    p, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source="layout"
+) -> torch.nn.Parameter:
+    """Register ``layout`` (axes only, e.g. ``"out/tp in"``) on ``p``; returns ``p``.
+
+    >>> p = register_parameter_layout(torch.nn.Parameter(torch.zeros(4, 3)), "out/tp in", grad="dp")
+    >>> get_parameter_state(p).grad_comm.mesh_dims
+    ('dp',)
+    """
+    reg = Registration()
+    if not isinstance(p, torch.nn.Parameter):
+        raise TypeError(f"p must be a torch.nn.Parameter, got {type(p).__name__}")
+    reg.add(p, _layout_state(layout, mesh_names(mesh, mesh_dim_names), grad, init_sync, source))
+    reg.attach()
+    return p
+
+
+def register_module_parameter_layouts_(
+    module, layouts, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source="module"
+):
+    """Register ``{parameter name: layout}`` (dotted names allowed) on ``module``; returns ``module``.
+
+    ``grad``/``init_sync`` are one value for all, or mappings by name (absent names get the default).
+
+    >>> m = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    >>> _ = register_module_parameter_layouts_(m, {"0.weight": "out/tp in", "0.bias": "out/tp"}, grad="dp")
+    >>> get_parameter_state(m[0].bias).reduce
+    ('dp',)
+    """
+    if not isinstance(layouts, Mapping):
+        raise TypeError(f"layouts must be a Mapping from parameter names to layouts, got {type(layouts).__name__}")
+    if not layouts:
+        raise ValueError("layouts is empty: name at least one parameter")
+    for name, layout in layouts.items():
+        if not isinstance(name, str):
+            raise TypeError(f"parameter names must be str, got {name!r}")
+        if not isinstance(layout, str):
+            raise TypeError(f"the layout of {name!r} must be a str, got {type(layout).__name__}")
+        if not name:
+            raise ValueError("an empty parameter name in layouts")
+    names = list(layouts)
+    grads = per_name(grad, names, "grad")
+    syncs = per_name(init_sync, names, "init_sync")
+    mesh_dims = mesh_names(mesh, mesh_dim_names)
+    reg = Registration()
+    for name in names:
+        try:
+            p = module.get_parameter(name)
+        except AttributeError:
+            raise ValueError(f"unknown parameter names: {name!r} is not a parameter of the module") from None
+        try:
+            reg.add(p, _layout_state(layouts[name], mesh_dims, grads[name], syncs[name], source), name)
+        except ValueError as err:
+            raise ValueError(f"parameter {name!r}: {err}") from None
+    reg.attach()
+    return module
+
+
+def _weight_and_bias(module, what: str):
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        raise ValueError(f"{what}: the module has no weight")
+    if not isinstance(weight, torch.nn.Parameter):
+        raise TypeError(f"{what}: module.weight must be a torch.nn.Parameter, got {type(weight).__name__}")
+    bias = getattr(module, "bias", None)
+    if bias is not None and not isinstance(bias, torch.nn.Parameter):
+        raise TypeError(f"{what}: module.bias must be a torch.nn.Parameter or None, got {type(bias).__name__}")
+    return weight, bias
+
+
+def _first_axis_layout(state: ParameterState) -> str:
+    """The first weight axis with its shard: ``out/tp in`` → ``out/tp``."""
+    return str(state.spec.items[0])
+
+
+def _register_pair(
+    module, what, weight_layout, bias_layout, names, grads, syncs, source, *, bias_must_match_first_axis, check
+):
+    """Shared body of the linear/conv/norm helpers (``grads``/``syncs``: (weight, bias) values)."""
+    weight, bias = _weight_and_bias(module, what)
+    if bias is None and (bias_layout is not None or grads[1] is not None or syncs[1] is not None):
+        raise ValueError(f"{what}: bias_* metadata given but the module has no bias")
+    if not isinstance(weight_layout, str):
+        raise TypeError(f"{what}: the weight layout must be a str, got {type(weight_layout).__name__}")
+    if bias_layout is not None and not isinstance(bias_layout, str):
+        raise TypeError(f"{what}: the bias layout must be a str, got {type(bias_layout).__name__}")
+    check(weight, bias)
+    reg = Registration()
+    w_state = _layout_state(weight_layout, names, grads[0], syncs[0], source)
+    reg.add(weight, w_state, "weight")
+    if bias is not None:
+        if bias_must_match_first_axis:
+            default = _first_axis_layout(w_state)
+            if bias_layout is not None and _layout_state(bias_layout, names, None, None, source).layout != default:
+                raise ValueError(f"{what}: bias layout {bias_layout!r} must be the first weight axis {default!r}")
+            bias_layout = default
+        elif bias_layout is None:
+            bias_layout = w_state.layout
+        reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source), "bias")
+    reg.attach()
+    return module
+
+
+def _pick(specific, shared):
+    return shared if specific is None else specific
+
+
+def register_linear_parameters_(
+    module,
+    *,
+    weight_layout="out in",
+    bias_layout=None,
+    mesh=None,
+    mesh_dim_names=(),
+    weight_grad=None,
+    bias_grad=None,
+    init_sync=None,
+    weight_init_sync=None,
+    bias_init_sync=None,
+    source="linear",
+):
+    """Register a linear layer's weight (rank 2) and bias (its first weight axis); returns ``module``.
+
+    >>> lin = register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out in/tp")
+    >>> get_parameter_state(lin.bias).layout
+    'out'
+    """
+
+    def check(weight, bias):
+        if weight.dim() != 2:
+            raise ValueError(f"linear: the weight must have rank 2, got shape {tuple(weight.shape)}")
+        if bias is not None and bias.dim() != 1:
+            raise ValueError(f"linear: the bias must have rank 1, got shape {tuple(bias.shape)}")
+        if bias is not None and bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"linear: bias shape {tuple(bias.shape)} does not match weight.shape[0]={weight.shape[0]}")
+
+    return _register_pair(
+        module, "linear", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
+        (weight_grad, bias_grad), (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
+        source, bias_must_match_first_axis=True, check=check,
+    )
+
+
+_CONV_DEFAULTS = {3: "out in k", 4: "out in kh kw", 5: "out in kd kh kw"}
+
+
+def register_conv_parameters_(
+    module,
+    *,
+    weight_layout=None,
+    bias_layout=None,
+    mesh=None,
+    mesh_dim_names=(),
+    grad=None,
+    weight_grad=None,
+    bias_grad=None,
+    init_sync=None,
+    weight_init_sync=None,
+    bias_init_sync=None,
+    source="conv",
+):
+    """Register a convolution's weight (rank 3/4/5, default ``out in kh kw``...) and bias; returns ``module``.
+
+    >>> conv = register_conv_parameters_(torch.nn.Conv2d(2, 4, 3), weight_layout="out/tp in kh kw")
+    >>> get_parameter_state(conv.bias).layout
+    'out/tp'
+    """
+    if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+        raise NotImplementedError("conv: ConvTranspose layers are not supported (their weight is 'in out k...')")
+    if getattr(module, "groups", 1) != 1:
+        raise NotImplementedError(f"conv: groups={module.groups} is not supported (only groups=1)")
+    weight = getattr(module, "weight", None)
+    if weight_layout is None and isinstance(weight, torch.Tensor):
+        if weight.dim() not in _CONV_DEFAULTS:
+            raise ValueError(f"conv: the weight must have rank 3, 4 or 5, got shape {tuple(weight.shape)}")
+        weight_layout = _CONV_DEFAULTS[weight.dim()]
+
+    def check(weight, bias):
+        if weight.dim() not in _CONV_DEFAULTS:
+            raise ValueError(f"conv: the weight must have rank 3, 4 or 5, got shape {tuple(weight.shape)}")
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+            raise ValueError(f"conv: bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (rank 1)")
+
+    return _register_pair(
+        module, "conv", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
+        (_pick(weight_grad, grad), _pick(bias_grad, grad)),
+        (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
+        source, bias_must_match_first_axis=True, check=check,
+    )
+
+
+def register_norm_parameters_(
+    module,
+    *,
+    layout=_UNSET,
+    weight_layout=None,
+    bias_layout=None,
+    mesh=None,
+    mesh_dim_names=(),
+    grad=None,
+    weight_grad=None,
+    bias_grad=None,
+    init_sync=None,
+    weight_init_sync=None,
+    bias_init_sync=None,
+    source="norm",
+):
+    """Register a norm layer's affine weight (default layout ``c``) and bias (same shape; same layout by default).
+
+    Buffers (running statistics) are untouched. Returns ``module``.
+
+    >>> ln = register_norm_parameters_(torch.nn.LayerNorm(4), grad="sp", mesh_dim_names=("dp", "sp"))
+    >>> get_parameter_state(ln.bias).reduce, get_parameter_state(ln.weight).layout
+    (('sp',), 'c')
+    """
+    if layout is not _UNSET and layout is not None and weight_layout is not None and layout != weight_layout:
+        raise ValueError(f"norm: layout={layout!r} and weight_layout={weight_layout!r} differ")
+    if weight_layout is None:
+        weight_layout = "c" if layout is _UNSET else layout
+
+    def check(weight, bias):
+        if bias is not None and bias.shape != weight.shape:
+            raise ValueError(f"norm: bias shape {tuple(bias.shape)} differs from the weight's {tuple(weight.shape)}")
+
+    return _register_pair(
+        module, "norm", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
+        (_pick(weight_grad, grad), _pick(bias_grad, grad)),
+        (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
+        source, bias_must_match_first_axis=False, check=check,
+    )

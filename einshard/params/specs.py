@@ -1,0 +1,60 @@
+"""One source of truth: the registered layouts as a spec pytree (``es.param_specs``).
+
+The layouts registered on a module's parameters are what ``shard_map``,
+``tree_shard``/``tree_gather``, the DTensor conversion and checkpoints read,
+so no spec is written twice.
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from .store import get_parameter_state
+
+__all__ = ["param_specs", "as_param_tree", "specs_or_registered"]
+
+
+def _layout_of(x):
+    state = get_parameter_state(x) if isinstance(x, torch.nn.Parameter) else None
+    return None if state is None else state.layout
+
+
+def param_specs(module_or_tree):
+    """The layout strings of a module's (or a pytree's) parameters: a spec pytree.
+
+    For a module: ``{name: layout}`` over ``named_parameters()``, the spec pytree of
+    ``dict(module.named_parameters())``. For a pytree (a state dict from
+    ``state_dict(keep_vars=True)``, a dict of parameters): the same structure with
+    each leaf's layout. A leaf without a registered layout (a buffer, a
+    layout-free or unregistered parameter, a plain tensor) gets ``None``: passed
+    through unchanged by ``shard_map``, ``tree_shard`` and ``tree_gather``.
+
+    >>> import torch, einshard as es
+    >>> lin = es.register_linear_parameters_(torch.nn.Linear(4, 6), weight_layout="out/tp in", mesh_dim_names=("dp", "tp"))
+    >>> es.param_specs(lin)
+    {'weight': 'out/tp in', 'bias': 'out/tp'}
+    """
+    if isinstance(module_or_tree, torch.nn.Module):
+        return {name: _layout_of(p) for name, p in module_or_tree.named_parameters()}
+    return optree.tree_map(_layout_of, module_or_tree, none_is_leaf=True)
+
+
+def as_param_tree(module_or_tree):
+    """A module as its ``state_dict(keep_vars=True)`` (parameters keep their states); other trees unchanged."""
+    if isinstance(module_or_tree, torch.nn.Module):
+        return module_or_tree.state_dict(keep_vars=True)
+    return module_or_tree
+
+
+def specs_or_registered(tree, specs, where: str):
+    """``specs`` if given, else the registered layouts of ``tree`` (ValueError when it has none)."""
+    if specs is not None:
+        return specs
+    found = param_specs(tree)
+    if all(s is None for s in optree.tree_leaves(found, none_is_leaf=True)):
+        raise ValueError(
+            f"{where}: no specs given and no parameter in the tree has a registered layout; pass specs, or "
+            f"a module (or state_dict(keep_vars=True)) whose parameters were registered"
+        )
+    return found
