@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     c = args.hidden
     res = spawn(_job, args.ranks, args=(args.ranks, args.batch, args.seq, c, 4 * c, args.number, args.repeats,
-                                        args.warmup, args.backend, not args.no_compile), timeout=1200)[0]
+                                        args.warmup, args.backend, not args.no_compile), timeout=1200, checks=False)[0]
     floor = statistics.median(res["floor"][0])
     for name, (ts, err) in res.items():
         med = statistics.median(ts)

@@ -1,0 +1,350 @@
+"""A GPT training step: einshard against PyTorch's own parallel stack, on 8 gloo CPU ranks.
+
+The model, data and optimizer (Adam) are those of ``examples/gpt.py`` in float32. Variants,
+timed interleaved in one job (a barrier before every step):
+
+- ``torch``: PyTorch's native stack on a ``dp x tp`` = 4 x 2 mesh: ``parallelize_module`` with
+  ``RowwiseParallel`` (vocabulary-parallel embedding), ``SequenceParallel`` (norms, position
+  embedding), ``PrepareModuleInput`` + ``ColwiseParallel``/``RowwiseParallel`` (attention and MLP),
+  a ``ColwiseParallel`` tied head with ``loss_parallel`` (vocabulary-parallel cross-entropy), and
+  ``fully_shard`` (FSDP2) over ``dp``. The baseline: its ``ratio`` is 1.
+- ``einshard``: the example's model and ``shard_map`` step on the same decomposition
+  (``dp x sp x tp`` = 4 x 1 x 2: batch over dp, sequence parallelism over tp);
+- ``einshard_hooks``: the example's ``--style einshard`` step (no ``shard_map``; gradient duties
+  summed by bucketed asynchronous all-reduces started during backward) on 4 x 1 x 2;
+- ``einshard_compiled``: the ``shard_map`` loss compiled with ``torch.compile`` (inductor) on 4 x 1 x 2;
+- ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too).
+
+Before timing, every variant trains the same first steps from the same initial values and their
+losses must agree (float32 tolerance). One JSON line per variant on stdout::
+
+    {"case": "gpt_step", "variant": ..., "ms": ..., "bytes_per_rank": ..., "peak_mem_bytes": ..., "ratio": ...}
+
+``ms`` is the median step time (the slowest rank's median), ``bytes_per_rank`` the bytes this rank
+sends in one step (the largest over ranks), counted for every variant by the same dispatch-mode
+counter on the ``c10d`` and functional-collective ops with the byte rules of
+``es.count_communication`` (ring all-reduce ``2(P-1)N/P``, gather/scatter the other ranks' blocks),
+and ``peak_mem_bytes`` the peak of CPU memory allocated by tensors during one step above what was
+allocated before it (``torch.profiler`` memory events; the largest over ranks). Progress goes to
+stderr::
+
+    python benchmarks/bench_gpt.py                 # about two minutes on 2 idle cores
+    python benchmarks/bench_gpt.py --steps 20 --width 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import gpt  # noqa: E402  (examples/gpt.py: the model, data and reference)
+
+import einshard as es  # noqa: E402
+from einshard.testing import launch  # noqa: E402
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+# -- counting bytes: one dispatch mode for every variant ----------------------------------------------
+
+
+def _group_size(args) -> int:
+    for a in args:
+        if type(a).__name__ == "ScriptObject":
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except RuntimeError:  # a ReduceOp, not a group
+                continue
+        if isinstance(a, str):
+            try:
+                return dist.distributed_c10d._resolve_process_group(a).size()
+            except (RuntimeError, ValueError, KeyError):
+                continue
+    return 1
+
+
+def _bytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_bytes(x) for x in t)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+class SentBytes(TorchDispatchMode):
+    """Counts the bytes this rank sends through ``c10d`` and functional collectives."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("c10d", "_c10d_functional"):
+            p = _group_size(args)
+            if p > 1:
+                self.sent += self._sent(name, args, p)
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _sent(name: str, args, p: int) -> int:
+        if name in ("allreduce_", "all_reduce", "all_reduce_coalesced", "allreduce_coalesced_"):
+            return 2 * (p - 1) * _bytes(args[0]) // p
+        if name in ("_allgather_base_", "all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+            inp = args[1] if name == "_allgather_base_" else args[0]
+            return (p - 1) * _bytes(inp)
+        if name in ("allgather_", "allgather_into_tensor_coalesced_"):
+            return (p - 1) * _bytes(args[1])
+        if name in ("_reduce_scatter_base_", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
+                    "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
+            inp = args[1] if name.endswith("_") else args[0]
+            return (p - 1) * _bytes(inp) // p
+        if name in ("alltoall_base_", "all_to_all_single", "alltoall_"):
+            inp = args[1] if name.endswith("_") else args[0]
+            return (p - 1) * _bytes(inp) // p
+        if name in ("broadcast_",):
+            return _bytes(args[0]) if dist.get_rank() == 0 else 0
+        if name in ("send",):
+            return _bytes(args[0])
+        return 0
+
+
+def peak_memory(step) -> int:
+    """Peak tensor bytes allocated during ``step()`` above the level before it (profiler events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    level = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        level += event.nbytes()
+        peak = max(peak, level)
+    return peak
+
+
+# -- the variants ------------------------------------------------------------------------------------
+
+
+def einshard_variant(cfg, values, dims, style="shard_map", compile=False):
+    mesh = gpt.make_mesh(dims)
+    model = gpt.sharded_model(mesh, values, cfg, style)
+    step_fn = gpt.make_step(model, mesh, style, compile=compile)
+    optimizer = torch.optim.Adam(model.parameters(), lr=gpt.LR)
+
+    def step(i):
+        with es.use_mesh(mesh):
+            optimizer.zero_grad(set_to_none=True)
+            loss = step_fn(*gpt.batch(i, cfg))
+            optimizer.step()
+        return loss.item()
+
+    return step
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.head_width = cfg.head_width
+        inner = cfg.heads * cfg.head_width
+        self.q, self.k, self.v = (nn.Linear(cfg.width, inner, bias=False) for _ in range(3))
+        self.o = nn.Linear(inner, cfg.width, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (m(x).view(b, n, -1, self.head_width).transpose(1, 2) for m in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(cfg.width, cfg.hidden), nn.Linear(cfg.hidden, cfg.width)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.width), _Attention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.width), _MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _Position(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.seq, cfg.width))
+
+    def forward(self, x):
+        return x + self.weight
+
+
+class TorchGPT(nn.Module):
+    """The example's GPT written the way PyTorch's tensor-parallel styles expect (``nn.Linear``s)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(cfg.vocab, cfg.width), _Position(cfg)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
+        self.ln_f, self.head = nn.LayerNorm(cfg.width), nn.Linear(cfg.width, cfg.vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.pos(self.tok(tokens))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def load(self, values, cfg):
+        """Copy the example's whole parameters in (names and shapes differ, the numbers do not)."""
+        with torch.no_grad():
+            self.tok.weight.copy_(values["wte"])
+            self.pos.weight.copy_(values["wpe"])
+            self.ln_f.weight.copy_(values["ln_f.weight"])
+            self.ln_f.bias.copy_(values["ln_f.bias"])
+            for i, b in enumerate(self.blocks):
+                v = {k[len(f"blocks.{i}."):]: t for k, t in values.items() if k.startswith(f"blocks.{i}.")}
+                for ours, theirs in (("ln1", "ln1"), ("ln2", "ln2")):
+                    getattr(b, ours).weight.copy_(v[f"{theirs}.weight"])
+                    getattr(b, ours).bias.copy_(v[f"{theirs}.bias"])
+                for w, whole in zip("qkv", v["wqkv"]):
+                    getattr(b.attn, w).weight.copy_(whole.reshape(-1, cfg.width))
+                b.attn.o.weight.copy_(v["wo"].reshape(cfg.width, -1))
+                b.mlp.fc1.weight.copy_(v["w1"])
+                b.mlp.fc1.bias.copy_(v["b1"])
+                b.mlp.fc2.weight.copy_(v["w2"])
+                b.mlp.fc2.bias.copy_(v["b2"])
+
+
+def torch_variant(cfg, values, dp, tp):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, loss_parallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = TorchGPT(cfg)
+    model.load(values, cfg)
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos": SequenceParallel(use_local_output=True),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(cfg.layers):
+        plan.update({
+            f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.ln2": SequenceParallel(),
+            f"blocks.{i}.attn": gathered, f"blocks.{i}.mlp": gathered,
+            **{f"blocks.{i}.attn.{w}": ColwiseParallel() for w in "qkv"},
+            f"blocks.{i}.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            f"blocks.{i}.mlp.fc1": ColwiseParallel(),
+            f"blocks.{i}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    parallelize_module(model, mesh["tp"], plan)
+    model.head.weight = model.tok.weight  # tied again: both are Shard(0) over tp
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=gpt.LR)
+    rows = cfg.batch // dp
+    first = mesh["dp"].get_local_rank() * rows
+
+    def step(i):
+        tokens, targets = (t[first:first + rows] for t in gpt.batch(i, cfg))
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+            loss.backward()
+        optimizer.step()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh["dp"].get_group())  # the mean over the whole batch
+        return total.item() / dp
+
+    return step
+
+
+# -- driver --------------------------------------------------------------------------------------------
+
+
+def on_rank(cfg, steps: int, warmup: int) -> list[dict] | None:
+    torch.set_num_threads(1)
+    values = gpt.init_values(cfg)
+    variants = {
+        "torch": torch_variant(cfg, values, dp=4, tp=2),
+        "einshard": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2))),
+        "einshard_hooks": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard"),
+        "einshard_compiled": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), compile=True),
+        "einshard_3d": einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
+    }
+    rank = dist.get_rank()
+    # the same first steps from the same values: the losses must agree
+    losses = {name: [step(i) for i in range(warmup)] for name, step in variants.items()}
+    for name, got in losses.items():
+        for a, b in zip(got, losses["torch"]):
+            if abs(a - b) > 1e-4 * max(1.0, abs(b)):
+                raise AssertionError(f"{name} loss {got} differs from torch {losses['torch']}")
+    if rank == 0:
+        log(f"losses agree over {warmup} steps: " + ", ".join(f"{k} {v[-1]:.5f}" for k, v in losses.items()))
+    times = {name: [] for name in variants}
+    for i in range(warmup, warmup + steps):
+        for name, step in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(i)
+            times[name].append(time.perf_counter() - start)
+        if rank == 0:
+            log(f"step {i - warmup + 1}/{steps}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items()))
+    rows = []
+    for name, step in variants.items():
+        with SentBytes() as counter:
+            step(warmup + steps)
+        peak = peak_memory(lambda: step(warmup + steps + 1))
+        stats = torch.tensor([statistics.median(times[name]) * 1e3, counter.sent, peak], dtype=torch.float64)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        rows.append({"case": "gpt_step", "variant": name, "ms": round(stats[0].item(), 2),
+                     "bytes_per_rank": int(stats[1].item()), "peak_mem_bytes": int(stats[2].item())})
+    base = rows[0]["ms"]
+    for row in rows:
+        row["ratio"] = round(row["ms"] / base, 3)
+        row.update(steps=steps, ranks=dist.get_world_size(), config=str(cfg), torch_version=torch.__version__)
+    return rows if rank == 0 else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps, losses compared (default 2)")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    cfg = gpt.Config(vocab=512, seq=args.seq, width=args.width, heads=4, head_width=args.width // 4,
+                     hidden=4 * args.width, layers=args.layers, batch=args.batch, dtype=torch.float32)
+    results = launch(on_rank, 8, args=(cfg, args.steps, args.warmup), timeout=1200, checks=False)
+    for row in next(r for r in results if r is not None):
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

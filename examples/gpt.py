@@ -1,0 +1,421 @@
+"""Train a small GPT with data x sequence x tensor parallelism (dp x sp x tp) on 8 CPU ranks.
+
+A decoder-only language model (token and position embeddings, pre-norm blocks of causal
+multi-head attention and an MLP, an output head tied to the token embedding) learns a
+synthetic corpus the script generates: every sequence counts up modulo the vocabulary
+from a random start with a random stride, so the next token follows from the two
+before it. The model is a tree of ``nn.Module``s; where each parameter lives is one
+layout string per parameter (``model_layouts()``):
+
+- ``tp`` splits the attention heads and the MLP's hidden units (column-parallel in,
+  row-parallel out) and the vocabulary (vocabulary-parallel embedding, tied head and
+  cross-entropy: the logits are never gathered);
+- the residual stream lives as ``b/dp n/sp-tp c``: the batch over ``dp``, the sequence
+  over ``sp`` and, for norms and residuals, over ``tp`` too (sequence parallelism).
+  Entering a tensor-parallel region all-gathers the sequence over ``tp`` inside the
+  column-parallel formula (``b/dp n/sp-tp c, f/tp c -> b/dp n/sp f/tp``: in backward
+  the input's gradient is reduce-scattered); leaving it reduce-scatters
+  (``b/dp n/sp f/tp, c f/tp -> b/dp n/sp-tp c``). Attention keeps queries split over
+  ``sp`` and gathers keys and values over ``sp`` (context parallelism).
+
+Every collective comes from a formula; there is no hand-written all-reduce. The training
+step comes in two styles (``--style``):
+
+- ``shard_map`` (default): forward and ``loss.backward()`` are one ``es.shard_map`` body with
+  ``check_vma=True``, so the replicated parameters (norms, biases, position embeddings) receive
+  gradients summed over every rank they meet;
+- ``einshard``: the model runs under ``es.use_mesh`` with no ``shard_map``; every parameter
+  carries a gradient duty (``grad=dp-sp:async``, ...), the formulas leave those gradients
+  partial, and bucketed asynchronous all-reduces started during backward sum them.
+
+Adam then updates every rank's blocks. Half-way, the model and Adam's state are saved with
+``torch.distributed.checkpoint`` (``es.to_dtensor``: placements from the registered layouts)
+and training resumes on a different mesh (dp=4, sp=1, tp=2), resharded by DCP. The same model
+is trained in one process on whole tensors (float64) and the losses are compared step by step,
+before and after the resume.
+
+Run it from the repository root::
+
+    python examples/gpt.py                               # starts 8 gloo ranks itself
+    python examples/gpt.py --style einshard              # without shard_map, gradient hooks
+    torchrun --nproc-per-node 8 examples/gpt.py          # or under torchrun
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import einshard as es
+from einshard.testing import launch
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = 32
+    seq: int = 8
+    width: int = 16
+    heads: int = 4
+    head_width: int = 4
+    hidden: int = 32  # MLP hidden units
+    layers: int = 2
+    batch: int = 8  # sequences per step
+    dtype: torch.dtype = torch.float64
+
+
+CONFIG = Config()
+STEPS, LR = 10, 3e-2
+MESH = (("dp", 2), ("sp", 2), ("tp", 2))  # the first half of training
+RESUME_MESH = (("dp", 4), ("sp", 1), ("tp", 2))  # the second half, from the checkpoint
+
+X = "b/dp n/sp-tp c"  # the residual stream: batch over dp, sequence over sp and tp
+
+BLOCK_LAYOUTS = {
+    "ln1.weight": "c", "ln1.bias": "c",
+    "wqkv": "t h/tp d c", "wo": "c h/tp d",  # t: query, key, value
+    "ln2.weight": "c", "ln2.bias": "c",
+    "w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c",
+}
+
+
+def model_layouts(cfg: Config = CONFIG) -> dict[str, str]:
+    """Where each parameter of :class:`GPT` lives, by parameter name."""
+    return {
+        "wte": "v/tp c",  # vocabulary-parallel embedding, tied to the output head
+        "wpe": "n c",
+        **{f"blocks.{i}.{k}": v for i in range(cfg.layers) for k, v in BLOCK_LAYOUTS.items()},
+        "ln_f.weight": "c", "ln_f.bias": "c",
+    }
+
+
+# -- the model: per-rank code (the parameters are this rank's blocks) ---------------------------
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block on the residual stream ``b/dp n/sp-tp c``."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        C, H, D, FF = cfg.width, cfg.heads, cfg.head_width, cfg.hidden
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(shape, dtype=cfg.dtype))
+
+        self.scale = D**-0.5
+        self.ln1, self.ln2 = nn.LayerNorm(C, dtype=cfg.dtype), nn.LayerNorm(C, dtype=cfg.dtype)
+        self.wqkv, self.wo = param(3, H, D, C), param(C, H, D)
+        self.w1, self.b1, self.w2, self.b2 = param(FF, C), param(FF), param(C, FF), param(C)
+
+    def forward(self, x, mask):
+        # sequence parallelism + column-parallel in one formula: the sequence is all-gathered over tp
+        # in forward, and the input's gradient reduce-scattered back over tp in backward
+        qkv = es.einshard(f"{X}, t h/tp d c -> t b/dp h/tp n/sp d", self.ln1(x), self.wqkv)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        # queries stay split over sp; the formula gathers the keys (and below the values) over sp
+        s = es.einshard("b/dp h/tp q/sp d, b/dp h/tp k/sp d -> b/dp h/tp q/sp k", q, k) * self.scale
+        p = (s + mask).softmax(-1)
+        o = es.einshard("b/dp h/tp q/sp k, b/dp h/tp k/sp d -> b/dp h/tp q/sp d", p, v)
+        x = x + es.einshard(f"b/dp h/tp n/sp d, c h/tp d -> {X}", o, self.wo)  # row-parallel: reduce-scatter
+        u = F.gelu(es.einshard(f"{X}, f/tp c -> b/dp n/sp f/tp", self.ln2(x), self.w1) + self.b1)
+        return x + es.einshard(f"b/dp n/sp f/tp, c f/tp -> {X}", u, self.w2) + self.b2
+
+
+class GPT(nn.Module):
+    """The language model; ``model(tokens, targets, mask)`` is the mean next-token loss."""
+
+    def __init__(self, cfg: Config = CONFIG):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Parameter(torch.empty(cfg.vocab, cfg.width, dtype=cfg.dtype))
+        self.wpe = nn.Parameter(torch.empty(cfg.seq, cfg.width, dtype=cfg.dtype))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.width, dtype=cfg.dtype)
+
+    def embed(self, tokens):
+        """Vocabulary-parallel embedding: look up the ids this rank's rows hold, sum over tp."""
+        rows = self.wte.shape[0]
+        local = tokens - es.axis_index("tp") * rows
+        mine = (local >= 0) & (local < rows)
+        e = F.embedding(local.clamp(0, rows - 1), self.wte) * mine[..., None]  # this rank's share
+        return es.einshard(f"b/dp n/sp c // tp -> {X}", e)  # summed over tp, sequence split over tp
+
+    def forward(self, tokens, targets, mask):
+        """The mean next-token cross-entropy; ``tokens``/``targets`` are ``b/dp n/sp``."""
+        # this rank's positions; '// dp' (pvary) says they meet data that varies over dp, so the
+        # gradient arriving in backward holds per-rank contributions that must be summed over dp
+        x = self.embed(tokens) + es.einshard("n c -> n/sp-tp c // dp", self.wpe)
+        for block in self.blocks:
+            x = block(x, mask)
+        logits = es.einshard(f"{X}, v/tp c -> b/dp n/sp v/tp", self.ln_f(x), self.wte)  # tied head
+        return vocab_parallel_cross_entropy(logits, targets) / (self.cfg.batch * self.cfg.seq)
+
+
+def vocab_parallel_cross_entropy(logits, targets):
+    """Summed cross-entropy of ``b/dp n/sp v/tp`` logits without gathering the vocabulary."""
+    rows = logits.shape[-1]
+    top = es.pmax(logits.detach().amax(-1), "tp")  # for a stable log-sum-exp
+    lse = es.psum(torch.exp(logits - top[..., None]).sum(-1), "tp").log() + top
+    local = targets - es.axis_index("tp") * rows
+    mine = (local >= 0) & (local < rows)
+    picked = logits.gather(-1, local.clamp(0, rows - 1)[..., None])[..., 0] * mine
+    return es.psum((lse - es.psum(picked, "tp")).sum(), ("dp", "sp"))
+
+
+def causal_mask(mesh, cfg: Config = CONFIG):
+    """This rank's rows (queries) of the additive causal mask: ``q/sp k``."""
+    above = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
+    whole = torch.zeros(cfg.seq, cfg.seq, dtype=cfg.dtype).masked_fill(above, float("-inf"))
+    return es.einshard("q k -> q/sp k", whole, mesh=mesh)
+
+
+# -- data and initial values -----------------------------------------------------------------------
+
+
+def batch(step: int, cfg: Config = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole inputs and next-token targets of one step: counting sequences (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, cfg.vocab, (cfg.batch, 1), generator=g)
+    stride = torch.randint(1, 4, (cfg.batch, 1), generator=g)
+    seq = (start + stride * torch.arange(cfg.seq + 1)) % cfg.vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def init_values(cfg: Config = CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The whole initial parameters, by name (seeded: the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in GPT(cfg).named_parameters()}
+    values = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=g, dtype=cfg.dtype)
+        if len(shape) == 1:  # norms around 1, biases around 0
+            values[name] = noise * 0.1 + (1.0 if name.endswith("weight") else 0.0)
+        else:
+            values[name] = noise * shape[-1] ** -0.5
+    return values
+
+
+def grad_duties(cfg: Config = CONFIG) -> dict[str, str]:
+    """Outside ``shard_map``: the ranks over which each parameter's gradient must be summed.
+
+    A parameter meets data that varies over every mesh dimension the data is split over and
+    the parameter is not: the residual stream ``b/dp n/sp-tp c`` varies over all three, the
+    tensor-parallel regions over ``dp`` and ``sp``. ``:async`` sums them in buckets while
+    backward runs.
+    """
+    duties = {"wte": "dp-sp", "wpe": "dp", "ln_f.weight": "dp-sp-tp", "ln_f.bias": "dp-sp-tp"}
+    block = {"ln1.weight": "dp-sp-tp", "ln1.bias": "dp-sp-tp", "ln2.weight": "dp-sp-tp", "ln2.bias": "dp-sp-tp",
+             "wqkv": "dp-sp", "wo": "dp-sp", "w1": "dp-sp", "b1": "dp-sp", "w2": "dp-sp", "b2": "dp-sp-tp"}
+    duties.update({f"blocks.{i}.{k}": v for i in range(cfg.layers) for k, v in block.items()})
+    return {name: f"{group}:async" for name, group in duties.items()}
+
+
+def empty_model(mesh, cfg: Config, style: str) -> GPT:
+    """A GPT with this rank's (uninitialised) blocks for ``mesh``, its layouts registered."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    layouts = model_layouts(cfg)
+    blocks = es.tree_shard({k: torch.empty(p.shape, dtype=p.dtype) for k, p in model.named_parameters()},
+                           layouts, mesh=mesh)
+    for name, block in blocks.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, nn.Parameter(block))
+    # shard_map style: shard_map's variance tracking sums the gradients; einshard style: the hooks do
+    grad = grad_duties(cfg) if style == "einshard" else None
+    return es.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad)
+
+
+def sharded_model(mesh, values, cfg: Config = CONFIG, style: str = "shard_map") -> GPT:
+    """A GPT whose parameters are this rank's blocks of the whole ``values``."""
+    model = empty_model(mesh, cfg, style)
+    with torch.no_grad():
+        for name, block in es.tree_shard(values, es.param_specs(model), mesh=mesh).items():
+            model.get_parameter(name).copy_(block)
+    return model
+
+
+# -- the sharded training step, two ways ----------------------------------------------------------------
+
+
+def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False):
+    """``step(tokens, targets)``: forward and backward on whole batches; returns the loss.
+
+    ``shard_map``: the loss is one ``shard_map`` body; replicated parameters meeting per-rank
+    data are marked varying there, so backward sums their gradients. With ``compile=True``
+    the body is compiled with ``torch.compile`` (variance decided while tracing; the
+    collectives become graph nodes). ``einshard``: the model runs under ``es.use_mesh``;
+    every parameter carries its gradient duty (:func:`grad_duties`), the formulas leave those
+    gradients partial, and bucketed asynchronous all-reduces started during backward sum them.
+    """
+    mask = causal_mask(mesh, model.cfg)
+    if style == "einshard":
+        handle = es.register_native_grad_reduction_hooks_(model, mesh)
+
+        def step(tokens, targets):
+            with es.use_mesh(mesh):
+                tokens, targets = es.tree_shard((tokens, targets), "b/dp n/sp")  # this rank's part of the batch
+                loss = model(tokens, targets, mask)
+                loss.backward()
+            handle.wait()  # the gradient sums still in flight
+            return loss.detach()
+
+        return step
+
+    @es.shard_map(
+        in_specs=(es.param_specs(model), "b n -> b/dp n/sp", "b n -> b/dp n/sp"),  # the batch arrives whole
+        out_specs="",
+        mesh=mesh,
+        check_vma=True,
+    )
+    def loss_fn(params, tokens, targets):
+        return torch.func.functional_call(model, params, (tokens, targets, mask), strict=True)
+
+    if compile:
+        loss_fn = torch.compile(loss_fn)
+
+    def step(tokens, targets):
+        loss = loss_fn(dict(model.named_parameters()), tokens, targets)
+        loss.backward()  # the gradients land on the parameters' .grad, summed where they are replicated
+        return loss.detach()
+
+    return step
+
+
+def train(mesh, model: GPT, optimizer, steps: range, style: str = "shard_map") -> list[float]:
+    step_fn = make_step(model, mesh, style)
+    losses = []
+    for step in steps:
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_fn(*batch(step, model.cfg)).item())
+        optimizer.step()
+    return losses
+
+
+# -- checkpoints: torch.distributed.checkpoint reshards between meshes -----------------------------------
+
+
+def checkpoint_state(model: GPT, optimizer, mesh) -> dict:
+    """The model and Adam's state as DTensors (placements from the registered layouts), for DCP."""
+    specs = es.param_specs(model)
+    moments = {name: {k: optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
+               for name, p in model.named_parameters()}
+    step = next(iter(optimizer.state.values()))["step"]
+    return {"model": es.to_dtensor(model, mesh=mesh), "adam": es.to_dtensor(moments, specs, mesh=mesh),
+            "step": step.clone()}
+
+
+def load_checkpoint(path: str, mesh, cfg: Config, style: str):
+    """A model and an Adam optimizer on ``mesh`` with the state saved at ``path`` (from any mesh)."""
+    model = empty_model(mesh, cfg, style)
+    zeros = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+             for name, p in model.named_parameters()}
+    specs = es.param_specs(model)
+    state = {"model": es.to_dtensor(model, mesh=mesh), "adam": es.to_dtensor(zeros, specs, mesh=mesh),
+             "step": torch.zeros(())}
+    dcp.load(state, checkpoint_id=path)  # every rank reads the parts its new blocks cover
+    es.load_from_dtensor_(model, state["model"], mesh=mesh)
+    moments = es.from_dtensor(state["adam"], specs, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for name, p in model.named_parameters():
+        optimizer.state[p] = {"step": state["step"].clone(), **moments[name]}
+    return model, optimizer
+
+
+# -- the same model in one process ---------------------------------------------------------------------
+
+
+def reference_loss(p, tokens, targets, cfg: Config = CONFIG):
+    """The same model on whole tensors with plain torch."""
+    causal = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
+    x = p["wte"][tokens] + p["wpe"]
+    for i in range(cfg.layers):
+        b = {k: p[f"blocks.{i}.{k}"] for k in BLOCK_LAYOUTS}
+        a = F.layer_norm(x, (cfg.width,), b["ln1.weight"], b["ln1.bias"])
+        q, k, v = torch.einsum("bnc,thdc->tbhnd", a, b["wqkv"]).unbind(0)
+        s = (torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(cfg.head_width)).masked_fill(causal, float("-inf"))
+        x = x + torch.einsum("bhnd,chd->bnc", torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v), b["wo"])
+        a = F.layer_norm(x, (cfg.width,), b["ln2.weight"], b["ln2.bias"])
+        u = F.gelu(torch.einsum("bnc,fc->bnf", a, b["w1"]) + b["b1"])
+        x = x + torch.einsum("bnf,cf->bnc", u, b["w2"]) + b["b2"]
+    logits = F.layer_norm(x, (cfg.width,), p["ln_f.weight"], p["ln_f.bias"]) @ p["wte"].T
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+
+
+def reference_training(steps: int, cfg: Config = CONFIG) -> list[float]:
+    params = {k: v.clone().requires_grad_() for k, v in init_values(cfg).items()}
+    optimizer = torch.optim.Adam(params.values(), lr=LR)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = reference_loss(params, *batch(step, cfg), cfg)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+# -- driver -------------------------------------------------------------------------------------------
+
+
+def make_mesh(dims=MESH):
+    names, shape = zip(*dims)
+    return es.wrap_mesh(init_device_mesh("cpu", shape, mesh_dim_names=names))
+
+
+def on_rank(steps: int, style: str, path: str) -> list[str]:
+    """What every rank runs: train half the steps on the 2x2x2 mesh, save, resume on 4x1x2, compare."""
+    torch.set_num_threads(1)
+    cfg = CONFIG
+    half = steps // 2
+    mesh = make_mesh()
+    model = sharded_model(mesh, init_values(cfg), cfg, style)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    start = time.perf_counter()
+    losses = train(mesh, model, optimizer, range(half), style)
+    dcp.save(checkpoint_state(model, optimizer, mesh), checkpoint_id=path)
+    other = make_mesh(RESUME_MESH)
+    model, optimizer = load_checkpoint(path, other, cfg, style)
+    resumed = train(other, model, optimizer, range(half, steps), style)
+    elapsed = time.perf_counter() - start
+    ref = reference_training(steps, cfg)
+    lines = [f"GPT ({cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, vocabulary {cfg.vocab}), "
+             f"{steps} Adam steps, {cfg.dtype}, {style} style: steps 0-{half - 1} on mesh {dict(MESH)}, "
+             f"checkpointed with torch.distributed.checkpoint, steps {half}-{steps - 1} on mesh {dict(RESUME_MESH)}"]
+    for i, (a, b) in enumerate(zip(losses + resumed, ref)):
+        lines.append(f"step {i}: loss {a:.10f}   single process {b:.10f}" + ("   (resumed)" if i >= half else ""))
+    lines.append(f"sharded training took {elapsed:.2f} s")
+    before = max(abs(a - b) for a, b in zip(losses, ref))
+    after = max(abs(a - b) for a, b in zip(resumed, ref[half:]))
+    lines.append(f"max loss difference from single-process training: {before:.3e}")
+    lines.append(f"max loss difference after resuming on another mesh: {after:.3e}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--style", choices=("shard_map", "einshard"), default="shard_map",
+                        help="the training step as one shard_map body, or plain formulas with gradient hooks")
+    parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "einshard_gpt_checkpoint"),
+                        help="where the half-way checkpoint goes (shared by all ranks)")
+    args = parser.parse_args(argv)
+    path = os.path.join(args.checkpoint_dir, args.style)
+    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
+    results = launch(on_rank, 8, args=(args.steps, args.style, path), timeout=600)
+    if results is not None:
+        print("\n".join(results[0]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""``examples/gpt.py`` trains a dp x sp x tp language model exactly like one process does."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def run_example(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "gpt.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("style", ["shard_map", "einshard"])
+def test_gpt_example_matches_single_process_and_resumes_on_another_mesh(style, tmp_path):
+    out = run_example("--style", style, "--checkpoint-dir", str(tmp_path))
+    steps = re.findall(r"^step (\d+): loss ([0-9.]+)\s+single process ([0-9.]+)(\s+\(resumed\))?$", out, re.M)
+    assert len(steps) >= 8, out
+    losses = [float(a) for _, a, _, _ in steps]
+    assert losses[-1] < losses[0] - 0.5, out  # it learns the corpus
+    assert sum(bool(resumed) for *_, resumed in steps) >= 4, out  # the second half ran on the other mesh
+    overall, after = out.strip().splitlines()[-2:]
+    found = re.fullmatch(r"max loss difference from single-process training: ([0-9.eE+-]+)", overall)
+    assert found is not None and float(found.group(1)) < 1e-9, out
+    found = re.fullmatch(r"max loss difference after resuming on another mesh: ([0-9.eE+-]+)", after)
+    assert found is not None and float(found.group(1)) < 1e-9, out
