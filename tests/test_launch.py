@@ -8,6 +8,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
+    import sys
     import torch, torch.distributed as dist
     from einshard.checks import checks_enabled
     from einshard.testing import launch
@@ -20,9 +21,10 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         results = launch(on_rank, 2, args=(10,))
+        # one write per line: under torchrun both ranks share the pipe, and their lines must not interleave
         if results is not None:
-            print("results", results)
-        print("checks after launch", checks_enabled())  # restored: launch leaves no state behind
+            sys.stdout.write(f"results {results}\\n")
+        sys.stdout.write(f"checks after launch {checks_enabled()}\\n")  # restored: launch leaves no state behind
     """
 )
 
