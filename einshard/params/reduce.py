@@ -13,6 +13,9 @@ other and from the shards, so local shapes match and nothing is counted twice.
   overlapping the rest of backward; :meth:`NativeGradReductionHandle.wait` waits for them.
 - :func:`register_grad_reduction_hook_`: a ``DistributedDataParallel`` comm hook that
   averages over ``ddp_group`` and SUMs the extra native/ddp groups of each parameter.
+
+Every all-reduce goes through :func:`einshard.collectives.all_reduce`, so
+``es.count_communication`` records it (calls and bytes, as ``backward`` inside backward).
 """
 
 from __future__ import annotations
