@@ -10,8 +10,25 @@ dynamo knows how to guard on.
 from __future__ import annotations
 
 import operator
+import sys
 
-__all__ = ["register", "lookup", "static_shape"]
+import torch
+
+__all__ = ["register", "lookup", "static_shape", "constant_result"]
+
+
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing dynamo when ``einshard`` is imported.
+
+    The public decorator imports ``torch._dynamo`` (about a second) to set one
+    mark on ``fn`` that dynamo reads when it traces a call. Before dynamo is
+    loaded, the mark is set here directly; a test checks that torch's own
+    decorator still sets exactly this mark.
+    """
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 class _Registry:

@@ -484,7 +484,7 @@ def _optree_view(struct, leaves):
     return treedef, fake, order
 
 
-@torch.compiler.assume_constant_result
+@_trace.constant_result
 def _in_plan_for_trace(sm, struct, leaves, mesh) -> str:
     treedef, fake, order = _optree_view(struct, leaves)
     mesh = wrap_mesh(resolve_mesh(mesh))
@@ -499,7 +499,7 @@ def _in_plan_for_trace(sm, struct, leaves, mesh) -> str:
     return _trace.register(traced)
 
 
-@torch.compiler.assume_constant_result
+@_trace.constant_result
 def _out_plan_for_trace(sm, struct, leaves, mesh, plan) -> str:
     treedef, fake, order = _optree_view(struct, leaves)
     key = (treedef, plan.source, *[_leaf_key(x) for x in fake])

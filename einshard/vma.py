@@ -46,7 +46,7 @@ from collections.abc import Iterable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _context
+from . import _context, _trace
 from . import collectives as C
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
 
@@ -626,8 +626,6 @@ class TracedTracker(Tracker):
     __slots__ = ()
 
     def __init__(self, mesh):
-        from . import _trace
-
         self.info = _trace.lookup(_traced_info(mesh))
         self.serial = 0
         self.suspended = 0
@@ -699,14 +697,12 @@ class _TracedPVary(torch.autograd.Function):
         return all_reduce(grad, ctx.group), None
 
 
-@torch.compiler.assume_constant_result
+@_trace.constant_result
 def _traced_info(mesh) -> str:
-    from . import _trace
-
     return _trace.register(mesh_info(mesh))
 
 
-@torch.compiler.assume_constant_result
+@_trace.constant_result
 def _traced_rule(info: _MeshInfo, formula: str, families):
     """The variance rule of a formula as constants: (declared masks, mentioned, out mask, spec texts)."""
     rule = _formula_rule(info, formula, families)

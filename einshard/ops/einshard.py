@@ -257,7 +257,7 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
     return _trace.lookup(name)(tensors)
 
 
-@torch.compiler.assume_constant_result
+@_trace.constant_result
 def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes):
     with _context.at_trace_time(amb_mesh, amb_shapes) as ambient:
         return _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy,

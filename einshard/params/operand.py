@@ -21,6 +21,7 @@ Any other formula keeps the duty pending (the planner resolves it when it runs).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -151,7 +152,6 @@ def _check_formula(parsed, mesh, sizes, frozen_families, duties=()) -> None:
     )
 
 
-@torch.compiler.disable
 def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> None:
     """Record the ``[param]`` states ``es.einshard(formula, *operands)`` would record, without running it.
 
@@ -164,6 +164,16 @@ def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> N
     >>> es.get_parameter_state(w).reduce
     ('dp',)
     """
+    return _einshard_like_outside_compile()(formula, *operands, mesh=mesh, sizes=sizes, families=families)
+
+
+@functools.cache
+def _einshard_like_outside_compile():
+    """``einshard_like`` behind ``torch.compiler.disable``, made on first use (importing dynamo costs a second)."""
+    return torch.compiler.disable(_einshard_like)
+
+
+def _einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> None:
     from .formula import recorder_for
 
     frozen = freeze_families(families)
