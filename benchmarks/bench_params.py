@@ -16,8 +16,8 @@ per repeat, after a warm-up):
   in buckets (``--bucket-bytes``), each bucket's all-reduce started during
   backward as soon as its gradients are accumulated.
 
-Every all-reduce over the ``dp`` group is counted (calls, and bytes each
-rank sends in a ring all-reduce, ``2 (n - 1) / n`` of the buffer). The lower
+Every all-reduce over the ``dp`` group is counted by ``es.count_communication``
+(calls, and bytes each rank sends in a ring all-reduce, ``2 (n - 1) / n`` of the buffer). The lower
 bound is the same formula applied to all parameter gradients once; ``ratio``
 is measured / lower bound (1.00: each gradient reduced exactly once, nothing
 else). ``step_ms`` is the median wall time of forward, backward, reduction
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
+from einshard.comm_stats import group_label
 from einshard.helpers import compute_split_shapes
 from einshard.testing import launch
 
@@ -52,27 +53,10 @@ PLAIN_TORCH = ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "b1", "b2")  
 VARIANTS = ("formula", "sync", "async")
 
 
-class _DpCounter:
-    """Counts every ``dist.all_reduce`` over one group (calls, ring bytes sent per rank)."""
-
-    def __init__(self, group):
-        self.group, self.calls, self.bytes = group, 0, 0.0
-        self._orig = dist.all_reduce
-
-    def __enter__(self):
-        n = dist.get_world_size(self.group)
-
-        def counting(tensor, *args, group=None, **kwargs):
-            if group is self.group:
-                self.calls += 1
-                self.bytes += 2 * (n - 1) / n * tensor.numel() * tensor.element_size()
-            return self._orig(tensor, *args, group=group, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._orig
+def _dp_reduces(stats, label):
+    """(calls, ring bytes sent per rank) of the all-reduces over the ``dp`` group recorded in ``stats``."""
+    rows = [r for (kind, lab, _direction), r in stats.records.items() if kind == "all_reduce" and lab == label]
+    return sum(r.calls for r in rows), sum(r.sent_bytes for r in rows)
 
 
 def _model(mesh, variant, seed, bucket_bytes):
@@ -106,7 +90,7 @@ def run(repeats: int, warmup: int, bucket_bytes: int) -> list[dict]:
     models = {v: _model(mesh, v, 0, bucket_bytes) for v in VARIANTS}
     x0, _ = batch(0)
     scale = 1.0 / x0.numel()
-    dp = mesh.group("dp")
+    dp = group_label(mesh.group("dp"))
     n = mesh.size("dp")
     params = list(models["sync"][0].parameters())
     lower = 2 * (n - 1) / n * sum(p.numel() * p.element_size() for p in params)
@@ -118,13 +102,13 @@ def run(repeats: int, warmup: int, bucket_bytes: int) -> list[dict]:
             for v in VARIANTS:
                 model, handle, opt = models[v]
                 dist.barrier()
-                with _DpCounter(dp) as counter:
+                with es.count_communication() as stats:
                     start = time.perf_counter()
                     _step(model, handle, opt, mesh, x, target, scale)
                     elapsed = time.perf_counter() - start
                 if r >= warmup:
                     times[v].append(elapsed)
-                counts[v] = (counter.calls, counter.bytes)
+                counts[v] = _dp_reduces(stats, dp)
     # the slowest rank decides a step
     medians = torch.tensor([statistics.median(times[v]) for v in VARIANTS], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)

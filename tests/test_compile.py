@@ -189,3 +189,30 @@ def test_failed_compile_leaves_no_context_behind():
     assert _context.current() is _context._EMPTY and _context._STATE.ambient is _context._EMPTY
     assert _vma.ACTIVE == 0 and _vma.current() is None
     torch.testing.assert_close(step(p, x), torch.einsum("bnc,fc->bnf", x, p["w1"]))  # eager still works
+
+
+@pytest.mark.ranks(2, timeout=600)
+def test_compiled_formula_refuses_gradient_duties():
+    """Traced formulas reduce every gradient themselves: a duty (annotated or registered) would sum twice."""
+    from einshard.params import ParameterState, register_parameter_state
+
+    mesh = _tp_mesh()
+    r = dist.get_rank()
+    x, w = _randn(4, 3, seed=1), _randn(3, 5, seed=2)
+    xl = x[2 * r : 2 * r + 2]
+    annotated = "b/tp c, c h [param, grad=tp] -> b/tp h"
+    with es.use_mesh(mesh):
+        wp = torch.nn.Parameter(w.clone())
+        torch._dynamo.reset()
+        with es.count_communication() as stats, pytest.raises(Exception, match=r"operand 1 carries a gradient duty") as err:
+            torch.compile(lambda a, b: es.einshard(annotated, a, b), fullgraph=True, backend="aot_eager")(xl, wp)
+        assert annotated in str(err.value) and stats.calls == 0
+        wr = torch.nn.Parameter(w.clone())
+        register_parameter_state(wr, ParameterState.from_layout("c h", mesh=mesh, grad="tp"))
+        plain = "b/tp c, c h -> b/tp h"
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"'b/tp c, c h -> b/tp h': operand 1 carries a gradient duty over \('tp',\)"):
+            torch.compile(lambda a, b: es.einshard(plain, a, b), fullgraph=True, backend="aot_eager")(xl, wr)
+        # without a duty the same formula compiles and matches eager, gradients included
+        torch._dynamo.reset()
+        _compare(lambda a, b: es.einshard(plain, a, b), [xl, w], "aot_eager")

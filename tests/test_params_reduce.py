@@ -201,6 +201,60 @@ def test_ddp_comm_hook_2x2x2(mesh_2x2x2):
     _ddp_case(mesh_2x2x2)
 
 
+def _ring(size, nbytes):
+    return 2 * (size - 1) * nbytes // size
+
+
+def _reduces(stats):
+    """(calls, sent bytes) of the all-reduces recorded (agreement checks, if on, left out)."""
+    rows = [r for (kind, _label, _direction), r in stats.records.items() if kind == "all_reduce"]
+    return sum(r.calls for r in rows), sum(r.sent_bytes for r in rows)
+
+
+@pytest.mark.ranks(8)
+def test_gradient_reductions_are_counted(mesh_2x4):
+    m = es.wrap_mesh(mesh_2x4)  # g sums over dp-tp (8 ranks), w and b over dp (2 ranks)
+    nbytes = {k: getattr(Block(m), k).numel() * 8 for k in ("g", "w", "b")}
+    each = (3, _ring(8, nbytes["g"]) + _ring(2, nbytes["w"]) + _ring(2, nbytes["b"]))
+    block = Block(m).register(m)
+    block.loss().backward()
+    with es.count_communication() as stats:
+        for p in (block.g, block.w, block.b):
+            es.reduce_grad_(p, es.get_parameter_state(p), m)
+    assert _reduces(stats) == each
+    block.zero_grad(set_to_none=True)
+    block.loss().backward()
+    with es.count_communication() as stats:
+        es.reduce_module_grads_(block, m)
+    assert _reduces(stats) == each
+    _check(block, m)
+    for schedule, bucket_bytes, want in (
+        ("", 1, each),  # synchronous hooks: one all-reduce per gradient
+        ("async", 1, each),  # one bucket per parameter
+        ("async", 2**20, (2, _ring(8, nbytes["g"]) + _ring(2, nbytes["w"] + nbytes["b"]))),  # a bucket per group
+    ):
+        block = Block(m).register(m, schedule=schedule)
+        with es.count_communication() as stats:
+            handle = es.register_native_grad_reduction_hooks_(block, m, bucket_bytes=bucket_bytes)
+            block.loss().backward()
+            handle.wait().remove()
+        assert _reduces(stats) == want, (schedule, bucket_bytes)
+        assert {d for (k, _l, d) in stats.records if k == "all_reduce"} == {"backward"}
+        _check(block, m)
+    # the DDP comm hook: the dp average of the whole bucket, then g's extra SUM over tp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    block = Block(m)
+    es.register_parameter_layout(block.g, "c", mesh=m, grad="tp")
+    ddp = DDP(block, process_group=m.group("dp"))
+    es.register_grad_reduction_hook_(ddp, m, ddp_group="dp")
+    with es.count_communication() as stats:
+        (ddp(block.x) ** 2).sum().backward()
+    assert _reduces(stats) == (2, _ring(2, sum(nbytes.values())) + _ring(4, nbytes["g"]))
+    torch.testing.assert_close(block.g.grad, _expected(m, scale=0.5)["g"], rtol=1e-12, atol=1e-12)
+    dist.barrier()
+
+
 # -- single process: errors before any collective ------------------------------------------------
 VMESH = es.Mesh.virtual((2, 4), ("dp", "tp"))
 

@@ -240,6 +240,7 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
     ambient = _context.current()
+    _refuse_attached_duties(formula, tensors)
     name = _plan_for_trace(
         formula,
         tuple(_trace.static_shape(t) for t in tensors),
@@ -284,6 +285,40 @@ def _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, fami
             _DISTRIBUTED[(formula, key[2])] = recorder_for(formula, parsed)
     if plan is not None:
         return _trace.register(plan.run_traced)
+    recorder = _DISTRIBUTED.get((formula, key[2]))
+    if recorder is not None:
+        _refuse_annotated_duties(recorder, mesh)
     from ..distributed import traced_run
 
     return _trace.register(traced_run(key, dtypes, mesh, split_shapes, optimize, policy, ambient))
+
+
+_DUTY_UNDER_COMPILE = (
+    "{formula!r}: operand {k} carries a gradient duty over {duty}; under torch.compile distributed formulas "
+    "reduce every gradient themselves, so the duty's reduction would sum it twice. Compile without the duty "
+    "(no grad= annotation or registered native/ddp duty), or run this formula in eager mode"
+)
+
+
+def _refuse_attached_duties(formula, tensors) -> None:
+    """ValueError for an operand whose registered state has a gradient duty (traced: before any collective)."""
+    for k, duty in enumerate(state_duties(tensors)):
+        if duty is not None:
+            raise ValueError(_DUTY_UNDER_COMPILE.format(formula=formula, k=k, duty=_duty_text(duty)))
+
+
+def _refuse_annotated_duties(recorder, mesh) -> None:
+    """ValueError for a ``[param, grad=...]`` operand of a distributed formula traced by torch.compile."""
+    from ..params.formula import duty_of
+    from ..params.state import ParameterState
+
+    names = formula_names(mesh)
+    for k in recorder.indices:
+        spec = recorder.parsed.inputs[k]
+        duty = duty_of(ParameterState.from_spec(spec, mesh_dim_names=names, source="formula"))
+        if duty is not None:
+            raise ValueError(_DUTY_UNDER_COMPILE.format(formula=recorder.formula, k=k, duty=_duty_text(duty)))
+
+
+def _duty_text(duty) -> str:
+    return "groups the planner would infer" if duty == ANY else repr(tuple(duty))

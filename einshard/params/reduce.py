@@ -13,6 +13,9 @@ other and from the shards, so local shapes match and nothing is counted twice.
   overlapping the rest of backward; :meth:`NativeGradReductionHandle.wait` waits for them.
 - :func:`register_grad_reduction_hook_`: a ``DistributedDataParallel`` comm hook that
   averages over ``ddp_group`` and SUMs the extra native/ddp groups of each parameter.
+
+Every all-reduce goes through :func:`einshard.collectives.all_reduce`, so
+``es.count_communication`` records it (calls and bytes, as ``backward`` inside backward).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import collectives as C
 from .buckets import DEFAULT_BUCKET_BYTES, GradBucketer
 from .names import check_group_syntax, components, resolve_dims, resolve_group, runtime_mesh
 from .state import ParameterState
@@ -51,9 +55,7 @@ def _sum_(p, groups) -> None:
     for group, size in groups:
         if size == 1:
             continue
-        g = p.grad.detach().contiguous().clone()
-        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
-        p.grad = g
+        p.grad = C.all_reduce(p.grad, group)  # a new tensor, counted by es.count_communication
 
 
 def reduce_grad_(p, state, mesh) -> torch.nn.Parameter:
@@ -137,9 +139,9 @@ class NativeGradReductionHandle:
 
 def _sum_hook(groups):
     def hook(grad):
-        out = grad.contiguous().clone()
-        for group, size in groups:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        out = grad
+        for group, _size in groups:
+            out = C.all_reduce(out, group)  # a new tensor, counted by es.count_communication
         return out
 
     return hook
@@ -240,15 +242,17 @@ class _DdpHook:
             and all(set(g) == self.combined_set for g in groups)
         ):
             pg, _ = self.combined
-            fut = dist.all_reduce(buffer, group=pg, async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0].div_(ddp_size))
+            summed, work = C.all_reduce(buffer, pg, async_op=True)
+            return work.get_future().then(lambda f: buffer.copy_(summed).div_(ddp_size))
         if ddp_size > 1:
-            fut = dist.all_reduce(buffer, group=ddp_pg, async_op=True).get_future()
+            summed, work = C.all_reduce(buffer, ddp_pg, async_op=True)
+            fut = work.get_future()
         else:
-            fut = _completed([buffer])
+            summed, fut = buffer, _completed([buffer])
 
         def rest(f):
-            out = f.value()[0] if isinstance(f.value(), list) else f.value()
+            f.wait()
+            out = buffer.copy_(summed) if summed is not buffer else buffer
             out.div_(ddp_size)
             views, offset = [], 0
             for p in params:
@@ -259,8 +263,7 @@ class _DdpHook:
                 members = [v for v, gs in zip(views, groups) if extra in gs]
                 if size == 1 or not members:
                     continue
-                flat = torch.cat(members)
-                dist.all_reduce(flat, group=pg)
+                flat = C.all_reduce(torch.cat(members), pg)
                 offset = 0
                 for v in members:
                     v.copy_(flat[offset : offset + v.numel()])
