@@ -28,7 +28,7 @@ and ``peak_mem_bytes`` the peak of CPU memory allocated by tensors during one st
 allocated before it (``torch.profiler`` memory events; the largest over ranks). Progress goes to
 stderr::
 
-    python benchmarks/bench_gpt.py                 # about two minutes on 2 idle cores
+    python benchmarks/bench_gpt.py                 # about four minutes on 2 idle cores (inductor compiles included)
     python benchmarks/bench_gpt.py --steps 20 --width 256
 """
 
