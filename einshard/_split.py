@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 
+import torch.distributed as dist
+
 __all__ = [
     "compute_split_shapes",
     "compute_split_shapes_for_factors",
@@ -76,8 +78,6 @@ def _group_size(group) -> int:
         return None
     if isinstance(group, int):
         return group
-    import torch.distributed as dist
-
     return dist.get_world_size(group)
 
 

@@ -29,38 +29,35 @@ import optree
 import torch
 
 from . import collectives as C
-from ._specs import _sizes_for, match, maybe_dtensor as is_dtensor, shapes_subset, sizes_subset, spec_tree
+from ._specs import _sizes_for, match, shapes_subset, sizes_subset, spec_tree
+from ._specs import maybe_dtensor as is_dtensor
 from ._specs import strip_spec as _strip
+from .dtensor import from_dtensor
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
-from .notation import EllipsisItem, Group
+from .notation import EllipsisItem, Group, expand
+from .ops.einshard import einshard
+from .params.specs import as_param_tree, specs_or_registered
 
-__all__ = ["tree_shard", "tree_gather"]
+__all__ = ["tree_shard", "tree_gather", "prepare_tree", "discover_splits"]
 
 
-def _setup(tree, specs, mesh, families, fn):
+def prepare_tree(tree, specs, mesh, families, where):
+    """``(mesh, leaves, treedef, per-leaf spec, per-leaf dotted name)`` of a tree (or module) and its specs.
+
+    A module becomes its ``state_dict(keep_vars=True)``; without ``specs`` the
+    parameters' registered layouts are used.
+    """
+    tree = as_param_tree(tree)
+    specs = specs_or_registered(tree, specs, where)
     mesh = wrap_mesh(resolve_mesh(mesh))
     spec_leaves, spec_def = spec_tree(specs, families, "specs", "in")
     for s in spec_leaves:
         if s is not None and s.conversion:
-            raise ValueError(f"{fn}: specs are layouts, not conversions; got {s.text!r}")
-    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+            raise ValueError(f"{where}: specs are layouts, not conversions; got {s.text!r}")
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     per_leaf = match(spec_leaves, spec_def, tree, "specs", "tree", specs)
-    return mesh, leaves, treedef, per_leaf
-
-
-def _einshard():
-    from .ops.einshard import einshard
-
-    return einshard
-
-
-def _registered(tree, specs, where):
-    """A module becomes its ``state_dict(keep_vars=True)``; no ``specs``: the registered layouts."""
-    from .params.specs import as_param_tree, specs_or_registered
-
-    tree = as_param_tree(tree)
-    return tree, specs_or_registered(tree, specs, where)
+    return mesh, leaves, treedef, per_leaf, [".".join(map(str, path)) for path in paths]
 
 
 def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families=None):
@@ -73,9 +70,7 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
     >>> local = es.tree_shard(torch.load("ckpt.pt"), specs, mesh=mesh)        # doctest: +SKIP
     >>> local = es.tree_shard(torch.load("ckpt.pt"), es.param_specs(model), mesh=mesh)  # doctest: +SKIP
     """
-    tree, specs = _registered(tree, specs, "tree_shard")
-    mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_shard")
-    einshard = _einshard()
+    mesh, leaves, treedef, per_leaf, _ = prepare_tree(tree, specs, mesh, families, "tree_shard")
     out = []
     with torch.no_grad():
         for x, spec in zip(leaves, per_leaf):
@@ -89,8 +84,6 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
                 pdims.extend(mesh.dims(p))
             zero = bool(pdims) and mesh.index(_sorted(mesh, pdims)) != 0
             if is_dtensor(x):
-                from .dtensor import from_dtensor
-
                 # whole over the partial dimensions first (a Partial DTensor is summed), then the value on
                 # their first rank and zeros on the others, as for plain tensors
                 local, _ = from_dtensor(x, str(target), mesh, shapes=shapes, sizes=sizes, families=families)
@@ -111,8 +104,6 @@ def _sorted(mesh, dims):
 
 
 def _parsed(formula, families):
-    from .notation import expand
-
     return expand(formula, families)
 
 
@@ -126,10 +117,8 @@ def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, familie
     >>> whole = es.tree_gather(model, mesh=mesh)                # doctest: +SKIP
     >>> if dist.get_rank() == 0: torch.save(whole, "ckpt.pt")   # doctest: +SKIP
     """
-    tree, specs = _registered(tree, specs, "tree_gather")
-    mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_gather")
-    einshard = _einshard()
-    found = None if shapes is not None else _discover(mesh, leaves, per_leaf, sizes, families)
+    mesh, leaves, treedef, per_leaf, _ = prepare_tree(tree, specs, mesh, families, "tree_gather")
+    found = None if shapes is not None else discover_splits(mesh, leaves, per_leaf, sizes, families)
     out = []
     with torch.no_grad():
         for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
@@ -151,7 +140,7 @@ def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, familie
     return treedef.unflatten(out)
 
 
-def _discover(mesh, leaves, per_leaf, sizes=None, families=None):
+def discover_splits(mesh, leaves, per_leaf, sizes=None, families=None):
     """Per leaf ``{label: {axis: split shapes}}`` of its sharded axes, from one all-gather of local sizes.
 
     Sharded axes after a ``...`` are found by counting from the end; a sharded

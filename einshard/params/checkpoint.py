@@ -17,21 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from .specs import as_param_tree, specs_or_registered
+from ..dtensor import from_dtensor as unwrap
+from ..dtensor import is_dtensor
+from ..dtensor import to_dtensor as wrap
+from ..notation import expand
+from ..resolve import resolve
+from ..tree import discover_splits, prepare_tree
+from .specs import as_param_tree, param_specs, specs_or_registered
 
 __all__ = ["to_dtensor", "from_dtensor", "load_from_dtensor_"]
-
-
-def _prepare(tree, specs, mesh, where):
-    """``(mesh, leaves, treedef, per-leaf spec, per-leaf dotted name)``."""
-    import optree
-
-    from ..tree import _setup
-
-    tree = as_param_tree(tree)
-    specs = specs_or_registered(tree, specs, where)
-    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
-    return (*_setup(tree, specs, mesh, None, where), [".".join(map(str, path)) for path in paths])
 
 
 def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
@@ -45,15 +39,10 @@ def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
     >>> import torch.distributed.checkpoint as dcp                            # doctest: +SKIP
     >>> dcp.save(es.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")      # doctest: +SKIP
     """
-    from ..dtensor import to_dtensor as wrap
-    from ..notation import expand
-    from ..resolve import resolve
-    from ..tree import _discover
-
-    mesh, leaves, treedef, per_leaf, names = _prepare(module_or_state_dict, specs, mesh, "to_dtensor")
+    mesh, leaves, treedef, per_leaf, names = prepare_tree(module_or_state_dict, specs, mesh, None, "to_dtensor")
     if mesh.device_mesh is None:
         raise ValueError("to_dtensor: a virtual mesh cannot hold DTensors; pass the DeviceMesh (or es.wrap_mesh of it)")
-    found = _discover(mesh, leaves, per_leaf)
+    found = discover_splits(mesh, leaves, per_leaf)
     out = []
     with torch.no_grad():
         for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
@@ -78,20 +67,15 @@ def from_dtensor(state, module_or_specs=None, *, mesh=None):
 
     >>> local = es.from_dtensor(loaded, model, mesh=mesh)   # doctest: +SKIP
     """
-    from ..dtensor import from_dtensor as unwrap
-    from ..dtensor import is_dtensor
-
     module = module_or_specs if isinstance(module_or_specs, torch.nn.Module) else None
     if module is not None:
-        from .specs import param_specs
-
         specs = param_specs(as_param_tree(module))
         specs = {k: specs.get(k) for k in as_param_tree(state)} if isinstance(state, dict) else specs
     else:
         specs = module_or_specs
     if specs is None:
         specs = specs_or_registered(as_param_tree(state), None, "from_dtensor")
-    mesh, leaves, treedef, per_leaf, names = _prepare(state, specs, mesh, "from_dtensor")
+    mesh, leaves, treedef, per_leaf, names = prepare_tree(state, specs, mesh, None, "from_dtensor")
     targets = module.state_dict(keep_vars=True) if module is not None else {}
     out = []
     with torch.no_grad():
