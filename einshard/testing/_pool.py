@@ -20,7 +20,7 @@ import weakref
 from . import _worker
 from ._errors import RankError, RankTimeout
 
-__all__ = ["RankPool", "get_pool", "run_on_ranks", "spawn", "close_all_pools"]
+__all__ = ["RankPool", "get_pool", "run_on_ranks", "spawn", "close_all_pools", "mp_context"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -41,7 +41,7 @@ _CTX_LOCK = threading.Lock()
 _CTX = None
 
 
-def _mp_context():
+def mp_context():
     """The multiprocessing context used for rank processes.
 
     ``forkserver`` (default where available): one server process imports
@@ -84,7 +84,7 @@ class _Incarnation:
     """One set of live rank processes (a pool restarts with a new one)."""
 
     def __init__(self, world_size, gloo_timeout):
-        ctx = _mp_context()
+        ctx = mp_context()
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix=f"einshard-ranks{world_size}-")
         self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
