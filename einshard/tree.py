@@ -39,7 +39,7 @@ from .notation import EllipsisItem, Group, expand
 from .ops.einshard import einshard
 from .params.specs import as_param_tree, specs_or_registered
 
-__all__ = ["tree_shard", "tree_gather", "prepare_tree", "discover_splits"]
+__all__ = ["tree_shard", "tree_gather", "prepare_tree", "map_leaves", "discover_splits"]
 
 
 def prepare_tree(tree, specs, mesh, families, where):
@@ -60,6 +60,17 @@ def prepare_tree(tree, specs, mesh, families, where):
     return mesh, leaves, treedef, per_leaf, [".".join(map(str, path)) for path in paths]
 
 
+def map_leaves(treedef, leaves, per_leaf, fn, accept=None):
+    """The tree rebuilt from ``fn(k, x, spec)`` on every leaf with a spec that is a tensor (or passes
+    ``accept``); other leaves pass through. Runs without autograd."""
+    accept = accept or (lambda x: isinstance(x, torch.Tensor))
+    with torch.no_grad():
+        out = [
+            x if spec is None or not accept(x) else fn(k, x, spec) for k, (x, spec) in enumerate(zip(leaves, per_leaf))
+        ]
+    return treedef.unflatten(out)
+
+
 def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families=None):
     """This rank's blocks of the whole tensors in ``tree``, laid out as ``specs``.
 
@@ -71,40 +82,28 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
     >>> local = es.tree_shard(torch.load("ckpt.pt"), es.param_specs(model), mesh=mesh)  # doctest: +SKIP
     """
     mesh, leaves, treedef, per_leaf, _ = prepare_tree(tree, specs, mesh, families, "tree_shard")
-    out = []
-    with torch.no_grad():
-        for x, spec in zip(leaves, per_leaf):
-            if spec is None or not isinstance(x, torch.Tensor):
-                out.append(x)
-                continue
-            parsed = spec.inner_spec
-            target = dataclasses.replace(parsed, partial=())
-            pdims = []
-            for p in parsed.partial:
-                pdims.extend(mesh.dims(p))
-            zero = bool(pdims) and mesh.index(_sorted(mesh, pdims)) != 0
-            if is_dtensor(x):
-                # whole over the partial dimensions first (a Partial DTensor is summed), then the value on
-                # their first rank and zeros on the others, as for plain tensors
-                local, _ = from_dtensor(x, str(target), mesh, shapes=shapes, sizes=sizes, families=families)
-                out.append(torch.zeros_like(local) if zero else local.detach().clone())
-                continue
-            formula = f"{_strip(parsed)} -> {target}"
-            parsed_formula = _parsed(formula, families)
-            y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes_subset(parsed_formula, shapes),
-                         sizes=sizes_subset(parsed_formula, sizes, families), families=families)
-            if zero:
-                y = torch.zeros_like(y)
-            out.append(y.clone(memory_format=torch.contiguous_format))
-    return treedef.unflatten(out)
+
+    def shard(k, x, spec):
+        parsed = spec.inner_spec
+        target = dataclasses.replace(parsed, partial=())
+        pdims = [d for p in parsed.partial for d in mesh.dims(p)]
+        zero = bool(pdims) and mesh.index(_sorted(mesh, pdims)) != 0
+        if is_dtensor(x):
+            # whole over the partial dimensions first (a Partial DTensor is summed), then the value on
+            # their first rank and zeros on the others, as for plain tensors
+            local, _ = from_dtensor(x, str(target), mesh, shapes=shapes, sizes=sizes, families=families)
+            return torch.zeros_like(local) if zero else local.detach().clone()
+        formula = f"{_strip(parsed)} -> {target}"
+        parsed_formula = expand(formula, families)
+        y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes_subset(parsed_formula, shapes),
+                     sizes=sizes_subset(parsed_formula, sizes, families), families=families)
+        return (torch.zeros_like(y) if zero else y).clone(memory_format=torch.contiguous_format)
+
+    return map_leaves(treedef, leaves, per_leaf, shard)
 
 
 def _sorted(mesh, dims):
     return tuple(sorted(set(dims), key=mesh.names.index))
-
-
-def _parsed(formula, families):
-    return expand(formula, families)
 
 
 def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families=None):
@@ -119,25 +118,20 @@ def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, familie
     """
     mesh, leaves, treedef, per_leaf, _ = prepare_tree(tree, specs, mesh, families, "tree_gather")
     found = None if shapes is not None else discover_splits(mesh, leaves, per_leaf, sizes, families)
-    out = []
-    with torch.no_grad():
-        for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
-            if spec is None or not isinstance(x, torch.Tensor):
-                out.append(x)
-                continue
-            if is_dtensor(x):
-                out.append(x.full_tensor().detach())
-                continue
-            parsed = spec.inner_spec
-            formula = f"{spec.inner} -> {_strip(parsed)}"
-            parsed_formula = _parsed(formula, families)
-            leaf_shapes = shapes_subset(parsed_formula, shapes) if found is None else (found.get(k) or None)
-            y = einshard(formula, x.detach(), mesh=mesh, shapes=leaf_shapes,
-                         sizes=sizes_subset(parsed_formula, sizes, families), families=families)
-            if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-                y = y.clone()  # replicated: a copy, not a view of the caller's tensor
-            out.append(y)
-    return treedef.unflatten(out)
+
+    def gather(k, x, spec):
+        if is_dtensor(x):
+            return x.full_tensor().detach()
+        formula = f"{spec.inner} -> {_strip(spec.inner_spec)}"
+        parsed_formula = expand(formula, families)
+        leaf_shapes = shapes_subset(parsed_formula, shapes) if found is None else (found.get(k) or None)
+        y = einshard(formula, x.detach(), mesh=mesh, shapes=leaf_shapes,
+                     sizes=sizes_subset(parsed_formula, sizes, families), families=families)
+        if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            y = y.clone()  # replicated: a copy, not a view of the caller's tensor
+        return y
+
+    return map_leaves(treedef, leaves, per_leaf, gather)
 
 
 def discover_splits(mesh, leaves, per_leaf, sizes=None, families=None):
@@ -197,6 +191,6 @@ def _known_sizes(spec, sizes, families) -> dict:
     if not sizes:
         return {}
     try:
-        return dict(_sizes_for(_parsed(spec.inner, families), sizes, families))
+        return dict(_sizes_for(expand(spec.inner, families), sizes, families))
     except ValueError:
         return {}
