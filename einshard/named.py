@@ -39,6 +39,7 @@ from . import collectives as C
 from . import mappings as M
 from . import vma as _vma
 from .mesh import SubMesh, resolve_mesh
+from .primitives import PRIMITIVES
 
 __all__ = [
     "psum",
@@ -152,8 +153,25 @@ def _widen(ax: _Axes, x: _Tensor) -> tuple[_Tensor, int]:
     return x, m
 
 
-def _run(ax: _Axes, fn, args, out_mask: int):
-    return _vma.library_call(ax.tracker, fn, args, {}, out_mask)
+def _run(ax: _Axes, kind: str, fn, x, *args):
+    """``fn(x, *args)``; tracked, ``x`` is pvary-ed first where it must be and the output varies as
+    primitive ``kind``'s rule says."""
+    if ax.tracker is None:
+        return fn(x, *args)
+    x, m = _widen(ax, x)
+    return _vma.library_call(ax.tracker, fn, (x, *args), {}, PRIMITIVES[kind].vary(m, ax.mask))
+
+
+def _reduce(x, ax: _Axes, what: str, number, fn, *args, numbers=(int, float, complex)):
+    """An all-reduce of every tensor of the pytree ``x``; a Python number ``t`` gives ``number(t)``."""
+
+    def one(t):
+        if isinstance(t, numbers) and not isinstance(t, bool):
+            return number(t)
+        _check_tensor(t, what)
+        return _run(ax, "all_reduce", fn, t, ax.group, *args)
+
+    return _map(one, x)
 
 
 def _map(fn, tree):
@@ -177,17 +195,7 @@ def psum(x, dims, *, mesh=None):
     >>> grads = es.psum(grads, ("dp", "sp"))         # a dict of tensors  # doctest: +SKIP
     """
     ax = _Axes(dims, mesh, "psum")
-
-    def one(t):
-        if isinstance(t, (int, float, complex)) and not isinstance(t, bool):
-            return t * ax.size
-        _check_tensor(t, "psum")
-        if ax.tracker is None:
-            return _vma.psum_tensor(t, ax.group)
-        t, m = _widen(ax, t)
-        return _run(ax, _vma.psum_tensor, (t, ax.group), m & ~ax.mask)
-
-    return _map(one, x)
+    return _reduce(x, ax, "psum", lambda t: t * ax.size, _vma.psum_tensor)
 
 
 @_agreeing
@@ -197,18 +205,7 @@ def pmean(x, dims, *, mesh=None):
     >>> loss = es.pmean(local_loss, "dp")  # doctest: +SKIP
     """
     ax = _Axes(dims, mesh, "pmean")
-    n = ax.size
-
-    def one(t):
-        if isinstance(t, (int, float, complex)) and not isinstance(t, bool):
-            return t
-        _check_tensor(t, "pmean")
-        if ax.tracker is None:
-            return _vma.psum_tensor(t, ax.group) / n
-        t, m = _widen(ax, t)
-        return _run(ax, _mean, (t, ax.group, n), m & ~ax.mask)
-
-    return _map(one, x)
+    return _reduce(x, ax, "pmean", lambda t: t, _mean, ax.size)
 
 
 def _mean(t, group, n):
@@ -239,18 +236,7 @@ class _PExtreme(torch.autograd.Function):
 
 @_agreeing
 def _extreme(x, dims, name, op, mesh=None):
-    ax = _Axes(dims, mesh, name)
-
-    def one(t):
-        if isinstance(t, (int, float)) and not isinstance(t, bool):
-            return t
-        _check_tensor(t, name)
-        if ax.tracker is None:
-            return _PExtreme.apply(t, ax.group, op)
-        t, m = _widen(ax, t)
-        return _run(ax, _PExtreme.apply, (t, ax.group, op), m & ~ax.mask)
-
-    return _map(one, x)
+    return _reduce(x, _Axes(dims, mesh, name), name, lambda t: t, _PExtreme.apply, op, numbers=(int, float))
 
 
 def pmax(x, dims, *, mesh=None):
@@ -298,10 +284,7 @@ def all_gather(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, m
     else:
         a = _norm_axis(axis, x.dim() + 1, "all_gather")
         fn, args = _gather_stacked, (x, ax.group, a)
-    if ax.tracker is None:
-        return fn(*args)
-    t, m = _widen(ax, x)
-    return _run(ax, fn, (t, *args[1:]), m & ~ax.mask)
+    return _run(ax, "all_gather", fn, *args)
 
 
 def _gather_stacked(x, group, axis):
@@ -339,10 +322,7 @@ def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None,
                 f"{'-'.join(ax.dims)!r}), got {x.shape[a]}"
             )
         fn, args = _scatter_squeezed, (x, ax.group, a)
-    if ax.tracker is None:
-        return fn(*args)
-    t, m = _widen(ax, x)
-    return _run(ax, fn, (t, *args[1:]), m | ax.mask)
+    return _run(ax, "reduce_scatter", fn, *args)
 
 
 def _scatter_squeezed(x, group, axis):
@@ -381,10 +361,7 @@ def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = 
                 f"{'-'.join(ax.dims)!r}), got {x.shape[s]}"
             )
         fn, args = _a2a_untiled, (x, ax.group, s, c)
-    if ax.tracker is None:
-        return fn(*args)
-    t, m = _widen(ax, x)
-    return _run(ax, fn, (t, *args[1:]), m | ax.mask)
+    return _run(ax, "all_to_all", fn, *args)
 
 
 def _same_axis_a2a(x, group, axis):
@@ -418,10 +395,7 @@ def ppermute(x, dim_name, perm, *, mesh=None):
     _check_tensor(x, "ppermute")
     ax = _Axes(dim_name, mesh, "ppermute")
     perm = [tuple(p) for p in perm]
-    if ax.tracker is None:
-        return M.ppermute(x, ax.group, perm)
-    t, m = _widen(ax, x)
-    return _run(ax, M.ppermute, (t, ax.group, perm), m | ax.mask)
+    return _run(ax, "ppermute", M.ppermute, x, ax.group, perm)
 
 
 def pvary(x, dims, *, mesh=None):
