@@ -15,8 +15,7 @@ A :class:`Primitive` declares everything the library knows about one kind:
   step kind has (an ``exchange`` runs on ``all_to_all_v``);
 - ``what(step)``: how :func:`einshard.explain` describes it;
 - ``vary(mask, dims)``: in ``shard_map``, the mesh dimensions (bit masks) the
-  output varies over, given the input's and the collective's;
-- ``adjoint``: the kind whose run is its backward (its exact adjoint).
+  output varies over, given the input's and the collective's.
 
 :func:`price` in :mod:`einshard.plan.cost` and ``Step`` in
 :mod:`einshard.plan.transition` read the registry; so do the executor, the
@@ -52,7 +51,6 @@ class Primitive:
     transport: str = ""  # the primitive whose traffic a step kind has ("": its own)
     collective: Callable = None  # step -> communicates (default: whether it has a traffic)
     vary: Callable = None  # (input mask, dims mask) -> output mask in shard_map
-    adjoint: str = ""
 
     def communicates(self, step) -> bool:
         if self.collective is not None:
@@ -158,7 +156,7 @@ def _run_slice(step, site):
     return lambda x: narrow(x, rel)
 
 
-_define(name="slice", what=lambda s: "local slice", run=_run_slice, adjoint="embed")
+_define(name="slice", what=lambda s: "local slice", run=_run_slice)
 
 
 def _run_keep_root(step, site):  # contributions: the value on group rank 0, zeros elsewhere
@@ -187,7 +185,7 @@ def _run_embed(step, site):
     return embed
 
 
-_define(name="embed", what=lambda s: "embed as contributions (zero-padded)", run=_run_embed, adjoint="embed_adjoint")
+_define(name="embed", what=lambda s: "embed as contributions (zero-padded)", run=_run_embed)
 
 
 def _run_embed_adjoint(step, site):
@@ -206,7 +204,6 @@ _define(
     basis=lambda s, mesh: s.dst.mean_numel(mesh),
     transport="broadcast",
     collective=lambda s: bool(s.dims),
-    adjoint="embed",
 )
 
 
@@ -230,7 +227,6 @@ _define(
     basis=lambda s, mesh: s.src.mean_numel(mesh),
     traffic=lambda p, n, root: (2 * (p - 1) * n / p,) * 2,  # ring
     vary=_invariant,
-    adjoint="pvary",
 )
 
 
@@ -247,7 +243,6 @@ _define(
     basis=lambda s, mesh: _padded_block(s.dst, s.dims, mesh),  # n: the own block, padded to the group's largest
     traffic=lambda p, n, root: ((p - 1) * n,) * 2,
     vary=_varying,
-    adjoint="all_gather",
 )
 
 
@@ -264,7 +259,6 @@ _define(
     basis=lambda s, mesh: _padded_block(s.src, s.dims, mesh),  # n: the own block, padded to the group's largest
     traffic=lambda p, n, root: ((p - 1) * n,) * 2,
     vary=_invariant,
-    adjoint="reduce_scatter",
 )
 
 
@@ -285,7 +279,6 @@ _define(
     basis=_moved,
     traffic=_same,  # n: the blocks for (from) the other ranks
     vary=_varying,
-    adjoint="all_to_all",
 )
 
 
@@ -300,14 +293,12 @@ _define(
     run=_run_exchange,
     basis=_moved,
     transport="all_to_all_v",
-    adjoint="exchange",
 )
 _define(name="all_to_all_v", traffic=_same, vary=_varying)  # n: the chunks for (from) the other ranks
 _define(
     name="broadcast",
     traffic=lambda p, n, root: (n / p, n * (p - 1) / p) if root is None else (n, 0) if root else (0, n),
     vary=_invariant,
-    adjoint="all_reduce",
 )
-_define(name="ppermute", traffic=_same, vary=_varying, adjoint="ppermute")  # n: the block sent (received)
-_define(name="pvary", vary=_varying, adjoint="all_reduce")  # identity forward
+_define(name="ppermute", traffic=_same, vary=_varying)  # n: the block sent (received)
+_define(name="pvary", vary=_varying)  # identity forward

@@ -15,6 +15,7 @@ a :class:`~einshard.policy.PlanPolicy`. Two metrics, chosen by the policy:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -59,11 +60,14 @@ def _sent(steps, mesh: MeshShape, itemsize: int) -> tuple[float, int, float]:
 
 
 def _max_received(steps, mesh: MeshShape, itemsize: int) -> tuple[int, int, float]:
-    if not steps:
-        return 0, 0, 0.0
-    most = moved_numel(steps[0].src, steps[-1].dst, mesh)
-    most = int(np.max(most)) if most.size else 0
+    most = _most_received(steps[0].src, steps[-1].dst, mesh) if steps else 0
     return most * itemsize, int(most > 0), 0.0
+
+
+@lru_cache(maxsize=65536)
+def _most_received(src, dst, mesh: MeshShape) -> int:
+    moved = moved_numel(src, dst, mesh)
+    return int(np.max(moved)) if moved.size else 0
 
 
 _METRICS = {"sent": _sent, "max_received": _max_received}

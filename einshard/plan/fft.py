@@ -93,11 +93,9 @@ class FFTProblem:
             return self.dst.splits[i]
         return tuple(compute_split_shapes(size, self.mesh.size(dims)))
 
+    @lru_cache(maxsize=65536)
     def layout(self, assign: tuple, done: frozenset) -> Layout:
         """The layout where mesh dimension ``k`` shards axis ``assign[k]`` (``-1``: none)."""
-        return _layout(self, assign, done)
-
-    def _layout(self, assign: tuple, done: frozenset) -> Layout:
         names = self.mesh.names
         shard, splits, sizes = [], [], []
         for i in range(len(self.names)):
@@ -109,11 +107,6 @@ class FFTProblem:
 
     def assignment(self, layout: Layout) -> tuple:
         return tuple(-1 if layout.owner(d) is None else layout.owner(d) for d in self.mesh.names)
-
-
-@lru_cache(maxsize=65536)
-def _layout(p: FFTProblem, assign: tuple, done: frozenset) -> Layout:
-    return p._layout(assign, done)
 
 
 # -- actions -------------------------------------------------------------------
