@@ -210,11 +210,6 @@ _define(
 # -- collectives ------------------------------------------------------------------------------
 
 
-def _along(text: str, step, key: str = "axis") -> str:
-    i = getattr(step, key)
-    return f"{text} along {step.src.axes[i]}" if i >= 0 else text
-
-
 def _run_all_reduce(step, site):
     group, C = site.group(step.dims), site.C
     return lambda x: C.all_reduce(x, group)
@@ -230,36 +225,26 @@ _define(
 )
 
 
-def _run_reduce_scatter(step, site):
-    group, C, i = site.group(step.dims), site.C, step.axis
-    sizes = site.sizes(step.dst, i, step.dims)
-    return lambda x: C.reduce_scatter(x, group, i, sizes)
+def _padded(name: str, text: str, side: str, vary) -> None:
+    """A collective of blocks padded to the group's largest: ``side``'s blocks along ``step.axis``."""
+
+    def run(step, site):
+        group, fn, i = site.group(step.dims), getattr(site.C, name), step.axis
+        sizes = site.sizes(getattr(step, side), i, step.dims)
+        return lambda x: fn(x, group, i, sizes)
+
+    _define(
+        name=name,
+        what=lambda s: f"{text} along {s.src.axes[s.axis]}" if s.axis >= 0 else text,
+        run=run,
+        basis=lambda s, mesh: _padded_block(getattr(s, side), s.dims, mesh),  # n: the own (padded) block
+        traffic=lambda p, n, root: ((p - 1) * n,) * 2,
+        vary=vary,
+    )
 
 
-_define(
-    name="reduce_scatter",
-    what=lambda s: _along("reduce-scatter", s),
-    run=_run_reduce_scatter,
-    basis=lambda s, mesh: _padded_block(s.dst, s.dims, mesh),  # n: the own block, padded to the group's largest
-    traffic=lambda p, n, root: ((p - 1) * n,) * 2,
-    vary=_varying,
-)
-
-
-def _run_all_gather(step, site):
-    group, C, i = site.group(step.dims), site.C, step.axis
-    sizes = site.sizes(step.src, i, step.dims)
-    return lambda x: C.all_gather(x, group, i, sizes)
-
-
-_define(
-    name="all_gather",
-    what=lambda s: _along("all-gather", s),
-    run=_run_all_gather,
-    basis=lambda s, mesh: _padded_block(s.src, s.dims, mesh),  # n: the own block, padded to the group's largest
-    traffic=lambda p, n, root: ((p - 1) * n,) * 2,
-    vary=_invariant,
-)
+_padded("reduce_scatter", "reduce-scatter", "dst", _varying)
+_padded("all_gather", "all-gather", "src", _invariant)
 
 
 def _run_all_to_all(step, site):
@@ -300,5 +285,5 @@ _define(
     traffic=lambda p, n, root: (n / p, n * (p - 1) / p) if root is None else (n, 0) if root else (0, n),
     vary=_invariant,
 )
-_define(name="ppermute", traffic=_same, vary=_varying)  # n: the block sent (received)
+_define(name="ppermute", vary=_varying)
 _define(name="pvary", vary=_varying)  # identity forward
