@@ -11,20 +11,11 @@ All are autograd-correct. With variance tracking on
 (``shard_map(check_vma=True)``) they also follow JAX's typing: an input
 that is invariant over a dimension the collective works on is ``pvary``-ed
 first (so ``psum`` of an invariant value is ``size * x`` and its gradient is
-``size * ct``), and the output's vma is set from the collective's semantics:
-
-============== ============================ ================================ ======================
-collective     forward                      output varies over               backward
-============== ============================ ================================ ======================
-psum           sum over the ranks           input's dims minus ``dims``      identity
-pmean          mean over the ranks          input's dims minus ``dims``      ``/ size``
-pmax / pmin    max / min over the ranks     input's dims minus ``dims``      to the arg-max ranks
-all_gather     concatenate the blocks       input's dims minus ``dim``       this rank's block
-psum_scatter   this rank's block of the sum input's dims plus ``dim``        all-gather
-all_to_all     re-split ``split_axis``      input's dims plus ``dim``        inverse all-to-all
-ppermute       send along ``perm``          input's dims plus ``dim``        inverse permutation
-pvary          identity                     input's dims plus ``dims``       sum over ``dims``
-============== ============================ ================================ ======================
+``size * ct``), and the output's vma is set by the collective's variance rule
+in :mod:`einshard.primitives` (invariant over the dimensions of ``psum``,
+``pmean``, ``pmax``, ``pmin`` and ``all_gather``; varying over those of
+``psum_scatter``, ``all_to_all``, ``ppermute`` and ``pvary``). The shard_map
+guide tabulates each one's forward and backward.
 """
 
 from __future__ import annotations

@@ -133,18 +133,17 @@ def moved_numel(src: Layout, dst: Layout, mesh: MeshShape) -> np.ndarray:
     return need - own
 
 
-# -- variance rules (shard_map) --------------------------------------------------------
+# -- variance rules (shard_map) and traffic rules ------------------------------------------
 
-
-def _invariant(mask: int, dims: int) -> int:  # the output is the same on every rank of the group
+def _invariant(mask: int, dims: int) -> int:  # the output is the same across the group
     return mask & ~dims
 
 
-def _varying(mask: int, dims: int) -> int:  # the output differs across the group's ranks
+def _varying(mask: int, dims: int) -> int:  # the output differs across the group
     return mask | dims
 
 
-def _same(p: int, n: float, root) -> tuple:  # sent and received alike
+def _same(p: int, n: float, root) -> tuple:  # n: the bytes for (from) the other ranks
     return n, n
 
 
@@ -156,23 +155,14 @@ def _run_slice(step, site):
     return lambda x: narrow(x, rel)
 
 
-_define(name="slice", what=lambda s: "local slice", run=_run_slice)
-
-
 def _run_keep_root(step, site):  # contributions: the value on group rank 0, zeros elsewhere
-    if site.shape.index(step.dims, site.coord) == 0:
-        return lambda x: x
-    return torch.zeros_like
-
-
-_define(name="keep_root", what=lambda s: "kept on group rank 0, zeros elsewhere", run=_run_keep_root)
+    return (lambda x: x) if site.shape.index(step.dims, site.coord) == 0 else torch.zeros_like
 
 
 def _run_embed(step, site):
     """The block zero-padded to the contribution's extent; zeros on every rank but group rank 0 of
     the embedded dimensions that shard nothing in the result (a replicated result kept once)."""
-    rel = site.rel(step.src, step.dst)
-    out_shape = step.dst.local_shape(site.coord, site.shape)
+    rel, out_shape = site.rel(step.src, step.dst), step.dst.local_shape(site.coord, site.shape)
     root = tuple(d for d in step.dims if step.src.owner(d) is None)
     keep = not root or site.shape.index(root, site.coord) == 0
 
@@ -185,9 +175,6 @@ def _run_embed(step, site):
     return embed
 
 
-_define(name="embed", what=lambda s: "embed as contributions (zero-padded)", run=_run_embed)
-
-
 def _run_embed_adjoint(step, site):
     """The cotangent's block; broadcast from group rank 0 over ``dims`` (a result kept there only)."""
     rel = site.rel(step.dst, step.src)
@@ -197,6 +184,9 @@ def _run_embed_adjoint(step, site):
     return lambda g: C.broadcast(narrow(g, rel).contiguous(), group, 0)
 
 
+_define(name="slice", what=lambda s: "local slice", run=_run_slice)
+_define(name="keep_root", what=lambda s: "kept on group rank 0, zeros elsewhere", run=_run_keep_root)
+_define(name="embed", what=lambda s: "embed as contributions (zero-padded)", run=_run_embed)
 _define(
     name="embed_adjoint",
     what=lambda s: "broadcast from group rank 0" if s.dims else "local slice",
@@ -213,16 +203,6 @@ _define(
 def _run_all_reduce(step, site):
     group, C = site.group(step.dims), site.C
     return lambda x: C.all_reduce(x, group)
-
-
-_define(
-    name="all_reduce",
-    what=lambda s: "all-reduce",
-    run=_run_all_reduce,
-    basis=lambda s, mesh: s.src.mean_numel(mesh),
-    traffic=lambda p, n, root: (2 * (p - 1) * n / p,) * 2,  # ring
-    vary=_invariant,
-)
 
 
 def _padded(name: str, text: str, side: str, vary) -> None:
@@ -243,28 +223,10 @@ def _padded(name: str, text: str, side: str, vary) -> None:
     )
 
 
-_padded("reduce_scatter", "reduce-scatter", "dst", _varying)
-_padded("all_gather", "all-gather", "src", _invariant)
-
-
 def _run_all_to_all(step, site):
     group, C, i, j = site.group(step.dims), site.C, step.axis, step.to_axis
     src_sizes, dst_sizes = site.sizes(step.src, i, step.dims), site.sizes(step.dst, j, step.dims)
     return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
-
-
-def _moved(step, mesh: MeshShape) -> float:
-    return float(np.mean(moved_numel(step.src, step.dst, mesh)))
-
-
-_define(
-    name="all_to_all",
-    what=lambda s: f"all-to-all {s.src.axes[s.axis]} -> {s.src.axes[s.to_axis]}" if s.axis >= 0 else "all-to-all",
-    run=_run_all_to_all,
-    basis=_moved,
-    traffic=_same,  # n: the blocks for (from) the other ranks
-    vary=_varying,
-)
 
 
 def _run_exchange(step, site):
@@ -272,6 +234,28 @@ def _run_exchange(step, site):
     return site.exchange(step.src, step.dst, step.dims, site.shape, site.coord, group, members, site.C)
 
 
+def _moved(step, mesh: MeshShape) -> float:
+    return float(np.mean(moved_numel(step.src, step.dst, mesh)))
+
+
+_define(
+    name="all_reduce",
+    what=lambda s: "all-reduce",
+    run=_run_all_reduce,
+    basis=lambda s, mesh: s.src.mean_numel(mesh),
+    traffic=lambda p, n, root: (2 * (p - 1) * n / p,) * 2,  # ring
+    vary=_invariant,
+)
+_padded("reduce_scatter", "reduce-scatter", "dst", _varying)
+_padded("all_gather", "all-gather", "src", _invariant)
+_define(
+    name="all_to_all",
+    what=lambda s: f"all-to-all {s.src.axes[s.axis]} -> {s.src.axes[s.to_axis]}" if s.axis >= 0 else "all-to-all",
+    run=_run_all_to_all,
+    basis=_moved,
+    traffic=_same,
+    vary=_varying,
+)
 _define(
     name="exchange",
     what=lambda s: "exchange (all-to-all, per-rank sizes)",
@@ -279,7 +263,7 @@ _define(
     basis=_moved,
     transport="all_to_all_v",
 )
-_define(name="all_to_all_v", traffic=_same, vary=_varying)  # n: the chunks for (from) the other ranks
+_define(name="all_to_all_v", traffic=_same, vary=_varying)
 _define(
     name="broadcast",
     traffic=lambda p, n, root: (n / p, n * (p - 1) / p) if root is None else (n, 0) if root else (0, n),

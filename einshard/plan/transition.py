@@ -118,7 +118,7 @@ def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ..
         if splits is None:
             continue
         candidate = cur.with_shard(i, dims, splits).with_partial(cur.partial - set(group))
-        if _scatters(cur, candidate, i, tuple(group), mesh):
+        if _tiles(candidate, i, cur, i, tuple(group), mesh):  # reduce-scattering axis i gives it
             steps.append(Step("reduce_scatter", cur, candidate, tuple(group), axis=i))
             cur = candidate
             vanish = [d for d in vanish if d not in group]
@@ -166,11 +166,6 @@ def _same_elsewhere(a: Layout, b: Layout, skip: tuple, mesh: MeshShape) -> bool:
     b0, b1 = interval_grid(b, mesh)
     keep = [k for k in range(len(a.axes)) if k not in skip]
     return bool(np.all(a0[keep] == b0[keep]) and np.all(a1[keep] == b1[keep]))
-
-
-def _scatters(cur: Layout, new: Layout, i: int, dims: tuple, mesh: MeshShape) -> bool:
-    """Reduce-scattering axis ``i`` over ``dims`` turns ``cur`` into ``new``."""
-    return _tiles(new, i, cur, i, dims, mesh)
 
 
 def _exchange_dims(cur: Layout, target: Layout, mesh: MeshShape) -> tuple[str, ...]:
