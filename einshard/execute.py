@@ -32,7 +32,13 @@ def compile_step(step, mesh, C=C):
     ``C``: the collectives to call, :mod:`einshard.collectives` (eager) or
     :mod:`einshard._traced_collectives` (under ``torch.compile``).
     """
-    return PRIMITIVES[step.kind].run(step, Site(mesh, C, _compile_exchange))
+    return PRIMITIVES[step.kind].run(step, Site(mesh, C, _exchange))
+
+
+def _exchange(src: Layout, dst: Layout, dims, mesh, C):
+    """The general exchange of a transition step ``src -> dst`` over ``dims`` (the ``exchange`` primitive's run)."""
+    shape, coord = MeshShape.of(mesh), mesh.coordinate
+    return _compile_exchange(src, dst, dims, shape, coord, mesh.group(dims), shape.group_coords(dims, coord), C)
 
 
 def _intersect(a, b):

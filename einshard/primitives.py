@@ -44,13 +44,13 @@ class Primitive:
     """One communication primitive or planner step kind (see the module docstring)."""
 
     name: str
-    what: Callable = None  # step -> explain text
-    run: Callable = None  # (step, site) -> x -> y
-    basis: Callable = None  # (step, mesh) -> mean elements of the defining buffer
-    traffic: Callable = None  # (p, n bytes, root) -> (sent, received) bytes of one call
+    what: Callable | None = None  # step -> explain text
+    run: Callable | None = None  # (step, site) -> x -> y
+    basis: Callable | None = None  # (step, mesh) -> mean elements of the defining buffer
+    traffic: Callable | None = None  # (p, n bytes, root) -> (sent, received) bytes of one call
     transport: str = ""  # the primitive whose traffic a step kind has ("": its own)
-    collective: Callable = None  # step -> communicates (default: whether it has a traffic)
-    vary: Callable = None  # (input mask, dims mask) -> output mask in shard_map
+    collective: Callable | None = None  # step -> communicates (default: whether it has a traffic)
+    vary: Callable | None = None  # (input mask, dims mask) -> output mask in shard_map
 
     def communicates(self, step) -> bool:
         if self.collective is not None:
@@ -87,12 +87,10 @@ class Site:
     def group(self, dims):
         return self.mesh.group(dims)
 
-    def members(self, dims):
-        return self.shape.group_coords(dims, self.coord)
-
     def sizes(self, layout: Layout, i: int, dims) -> list[int]:
         """Axis ``i``'s block lengths of ``layout`` on the group's members, in group-rank order."""
-        return [b - a for a, b in (layout.interval(i, m, self.shape) for m in self.members(dims))]
+        members = self.shape.group_coords(dims, self.coord)
+        return [b - a for a, b in (layout.interval(i, m, self.shape) for m in members)]
 
     def rel(self, inner: Layout, outer: Layout):
         return rel_slices(inner.box(self.coord, self.shape), outer.box(self.coord, self.shape))
@@ -229,9 +227,8 @@ def _run_all_to_all(step, site):
     return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
 
 
-def _run_exchange(step, site):
-    group, members = site.group(step.dims), site.members(step.dims)
-    return site.exchange(step.src, step.dst, step.dims, site.shape, site.coord, group, members, site.C)
+def _run_exchange(step, site):  # the executor supplies the exchange (it builds on all_to_all_v)
+    return site.exchange(step.src, step.dst, step.dims, site.mesh, site.C)
 
 
 def _moved(step, mesh: MeshShape) -> float:
