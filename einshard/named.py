@@ -160,6 +160,8 @@ def _reduce(x, ax: _Axes, what: str, number, fn, *args, numbers=(int, float, com
         if isinstance(t, numbers) and not isinstance(t, bool):
             return number(t)
         _check_tensor(t, what)
+        if ax.tracker is None:  # the hot path: no frame more than the call itself
+            return fn(t, ax.group, *args)
         return _run(ax, "all_reduce", fn, t, ax.group, *args)
 
     return _map(one, x)
