@@ -9,7 +9,9 @@ a :class:`~einshard.policy.PlanPolicy`. Two metrics, chosen by the policy:
   primitive's traffic, padded blocks included) and one call per collective;
 - ``"max_received"``: the most bytes any rank receives to make the whole
   transition (however its steps move them; layouts that pile data on a few
-  ranks lose) and one call per direction that moves anything.
+  ranks lose) and one call per direction that moves anything. It reads only
+  the first step's ``src`` and the last one's ``dst``, so a sequence may be
+  one unplanned move.
 """
 
 from __future__ import annotations

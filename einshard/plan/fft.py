@@ -197,7 +197,11 @@ def move_cost(src: Layout, dst: Layout, mesh: MeshShape, itemsize: int, policy: 
     """``(bytes, collectives)`` of ``src -> dst`` forward plus its reverse in backward, under ``policy``'s metric."""
     if src == dst:
         return (0, 0)
-    c = price(plan_transition(src, dst, mesh), plan_transition(dst, src, mesh), mesh, itemsize, policy.metric)
+    if policy.metric == "sent":
+        fwd, bwd = plan_transition(src, dst, mesh), plan_transition(dst, src, mesh)
+    else:  # the metric reads a move's ends only: no need to plan its steps
+        fwd, bwd = (Move(src, dst),), (Move(dst, src),)
+    c = price(fwd, bwd, mesh, itemsize, policy.metric)
     return (c.fwd_bytes + c.bwd_bytes, c.fwd_calls + c.bwd_calls)
 
 
