@@ -338,16 +338,14 @@ def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = 
     """
     _check_tensor(x, "all_to_all")
     ax = _Axes(dim_name, mesh, "all_to_all")
+    s = _norm_axis(split_axis, x.dim(), "all_to_all")
+    c = _norm_axis(concat_axis, x.dim(), "all_to_all")
     if tiled:
-        s = _norm_axis(split_axis, x.dim(), "all_to_all")
-        c = _norm_axis(concat_axis, x.dim(), "all_to_all")
         if s == c:
             fn, args = _same_axis_a2a, (x, ax.group, s)
         else:
             fn, args = M.alltoall_repartition, (x, ax.group, c, s, None, None)
     else:
-        s = _norm_axis(split_axis, x.dim(), "all_to_all")
-        c = _norm_axis(concat_axis, x.dim(), "all_to_all")
         if x.shape[s] != ax.size:
             raise ValueError(
                 f"all_to_all: tiled=False needs x.shape[{split_axis}] == {ax.size} (the size of "

@@ -22,7 +22,7 @@ candidates are enumerated.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .._split import compute_split_shapes
@@ -251,7 +251,8 @@ def _embed_move(result, embedded, dims, at_root, mesh: MeshShape, itemsize: int)
     counted with the candidate's live bytes."""
     forward = (Step("embed", result, embedded, dims),)
     backward = (Step("embed_adjoint", embedded, result, at_root),)
-    return Move("embed", result, embedded, forward, backward), price(forward, backward, mesh, itemsize).without_peak()
+    cost = replace(price(forward, backward, mesh, itemsize), peak_bytes=0.0)
+    return Move("embed", result, embedded, forward, backward), cost
 
 
 @dataclass(frozen=True)

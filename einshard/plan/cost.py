@@ -16,7 +16,7 @@ a :class:`~einshard.policy.PlanPolicy`. Two metrics, chosen by the policy:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -49,9 +49,6 @@ class Cost:
 
     def key(self, policy: PlanPolicy) -> tuple:
         return policy.score(self.fwd_bytes, self.bwd_bytes, self.fwd_calls, self.bwd_calls, self.peak_bytes)
-
-    def without_peak(self) -> "Cost":
-        return replace(self, peak_bytes=0.0)
 
 
 def _sent(steps, mesh: MeshShape, itemsize: int) -> tuple[float, int, float]:
