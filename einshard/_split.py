@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 
+from .errors import EinshardError
+
 __all__ = [
     "compute_split_shapes",
     "compute_split_shapes_for_factors",
@@ -28,9 +30,9 @@ def compute_split_shapes(size: int, n: int) -> list[int]:
     """
     size, n = int(size), int(n)
     if n < 1:
-        raise ValueError(f"compute_split_shapes: n must be >= 1, got {n}")
+        raise EinshardError(f"compute_split_shapes: n must be >= 1, got {n}")
     if size < 0:
-        raise ValueError(f"compute_split_shapes: size must be >= 0, got {size}")
+        raise EinshardError(f"compute_split_shapes: size must be >= 0, got {size}")
     if n == 1:
         return [size]
     chunk = -(-size // n)
@@ -52,7 +54,7 @@ def compute_split_shapes_for_factors(size: int, n: int, factor: int) -> list[int
     """
     factor = int(factor)
     if factor < 1:
-        raise ValueError(f"compute_split_shapes_for_factors: factor must be >= 1, got {factor}")
+        raise EinshardError(f"compute_split_shapes_for_factors: factor must be >= 1, got {factor}")
     shapes = [s * factor for s in compute_split_shapes(int(size) // factor, n)]
     shapes[-1] += int(size) % factor
     return shapes
@@ -96,13 +98,13 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
     if isinstance(shapes, Mapping):
         entry = _lookup_dim(shapes, mesh_dim)
         if entry is _MISSING:
-            raise ValueError(
+            raise EinshardError(
                 f"shapes has no entry for mesh dimension {mesh_dim!r} (axis {axis_name!r}); "
                 f"it has {sorted(shapes)}"
             )
         if isinstance(entry, Mapping):
             if axis_name not in entry:
-                raise ValueError(
+                raise EinshardError(
                     f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r}; it has {sorted(entry)}"
                 )
             entry = entry[axis_name]
@@ -111,7 +113,7 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
         result = _as_sizes(shapes, "shapes")
     size = _group_size(group)
     if size is not None and len(result) != size:
-        raise ValueError(
+        raise EinshardError(
             f"split shapes {result} for axis {axis_name!r} over mesh dimension {mesh_dim!r} have "
             f"{len(result)} entries but the group has {size} ranks"
         )
@@ -148,10 +150,10 @@ def _as_sizes(value, what: str) -> list[int]:
         try:
             value = list(value)
         except TypeError:
-            raise ValueError(f"{what} must be a list of per-rank sizes, got {value!r}") from None
+            raise EinshardError(f"{what} must be a list of per-rank sizes, got {value!r}") from None
     sizes = []
     for v in value:
         if not is_size(v):
-            raise ValueError(f"{what} must hold non-negative integers (below 2**63), got {list(value)!r}")
+            raise EinshardError(f"{what} must hold non-negative integers (below 2**63), got {list(value)!r}")
         sizes.append(operator.index(v))
     return sizes

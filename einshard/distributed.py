@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 
 from . import _context, checks
+from .errors import EinshardError
 from .execute import Embedding, transition
 from .layout import MeshShape
 from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
@@ -159,7 +160,7 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
         duties = duty_dims(duties, mesh, parsed.text)
         for k, (duty, layout) in enumerate(zip(duties, resolved.operands)):
             if duty is not None and layout.partial:
-                raise ValueError(
+                raise EinshardError(
                     f"{parsed.text!r}: operand {k} carries a gradient duty, so it must not be partial (// ...)"
                 )
     problem = Problem(
@@ -181,15 +182,15 @@ def _agree_group(mesh):
 def _frozen_shapes(key, shapes):
     try:
         return None if shapes is None else freeze_shapes(shapes)
-    except ValueError as err:
-        raise ValueError(f"{key[0]!r}: {err}") from None
+    except EinshardError as err:
+        raise err.within(key[0])
 
 
 def _agree_on_plan(plan, mesh, key, facts) -> None:
     """Raise this rank's layout error; with checks on, every rank raises when any rank has one."""
     checks.agree(
         _agree_group(mesh),
-        None if plan.local_error is None else ValueError(plan.local_error),
+        None if plan.local_error is None else EinshardError(plan.local_error),
         fingerprint=plan.fingerprint,
         what=f"the operands of {key[0]!r}",
         describe=plan.describe,
@@ -250,10 +251,10 @@ def _run_without_mesh(key, tensors):
     parsed = expand(key[0], key[2])
     _check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
-        raise ValueError(_MESH_REQUIRED)
+        raise EinshardError(_MESH_REQUIRED)
     why = needs_mesh_for_grad(parsed, tensors)
     if why is not None:
-        raise ValueError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
+        raise EinshardError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
     return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
 
 
@@ -263,7 +264,7 @@ def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol, duties=())
     try:
         names = sorted({str(d) for d in dtypes})
         if len(names) > 1:  # torch.einsum would fail after the operands' collectives
-            raise ValueError(f"{formula!r}: the operands have different dtypes ({', '.join(names)}); convert them first")
+            raise EinshardError(f"{formula!r}: the operands have different dtypes ({', '.join(names)}); convert them first")
         itemsize = max(d.itemsize for d in dtypes)
         plan = plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, pol, families, duties).compile()
     except ValueError as err:
@@ -288,7 +289,7 @@ def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
 
         parsed = expand(key[0], key[2])
         if not is_stationary(parsed, key[1]):
-            raise ValueError(_MESH_REQUIRED)
+            raise EinshardError(_MESH_REQUIRED)
         return stationary_plan(key, parsed, [tuple(s) for s in key[3:]]).run_traced
     if not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
+from ..errors import EinshardError
 from .grammar import invalid, parse_axis, parse_text
 from .objects import Annotation, Axis, EllipsisItem, Family, Formula, Group, Item, TensorSpec, Zip
 
@@ -114,14 +115,14 @@ def _parse_member(formula: str, family: str, member) -> Axis:
     if isinstance(member, Axis):
         return member
     if not isinstance(member, str):
-        raise ValueError(
-            f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})"
+        raise EinshardError(
+            f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})", formula
         )
     parsed = parse_axis(member)
     if parsed is None or str(parsed) != "".join(member.split()):
-        raise ValueError(
+        raise EinshardError(
             f"Invalid einshard expression: families[{family!r}] entry {member!r} is not an axis "
-            f"like 'h' or 'h/sp' (in {formula!r})"
+            f"like 'h' or 'h/sp' (in {formula!r})", formula
         )
     return parsed
 

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .. import vma as _vma
 from .. import mappings
+from ..errors import EinshardError
 from ..layout import MeshShape
 from ..notation import expand, freeze_families
 from .halo import check_boundary, check_spec, family_table, freeze, halo_plan, per_axis, pick_mesh, width_pair
@@ -61,7 +62,7 @@ class _ConvSpec:
         self.formula = formula
         parsed = expand(formula, freeze_families(families))
         if parsed.output is None or len(parsed.inputs) != 2:
-            raise ValueError(f"{what}: expects 'input, weight -> output', got {formula!r}")
+            raise EinshardError(f"{what}: expects 'input, weight -> output', got {formula!r}")
         xs, ws = parsed.inputs
         out = parsed.output
         check_spec(xs, formula, what, "the input")
@@ -73,31 +74,31 @@ class _ConvSpec:
         out_axes = {a.name: a for a in out.axes}
         for a in ws.axes:
             if a.mesh:
-                raise ValueError(f"{what}: {formula!r}: the weight must be replicated, but axis {a.name!r} is sharded")
+                raise EinshardError(f"{what}: {formula!r}: the weight must be replicated, but axis {a.name!r} is sharded")
         if len(x_shape) != len(x_names):
-            raise ValueError(f"{what}: {formula!r}: the input names {len(x_names)} dimensions but has {len(x_shape)}")
+            raise EinshardError(f"{what}: {formula!r}: the input names {len(x_names)} dimensions but has {len(x_shape)}")
         if len(w_shape) != len(w_names):
-            raise ValueError(f"{what}: {formula!r}: the weight names {len(w_names)} dimensions but has {len(w_shape)}")
+            raise EinshardError(f"{what}: {formula!r}: the weight names {len(w_names)} dimensions but has {len(w_shape)}")
         xsize = dict(zip(x_names, x_shape))
         wsize = dict(zip(w_names, w_shape))
 
         wmap = per_axis(windows, x_names, families, what, "windows", formula)
         table = family_table(families)
         if not wmap:
-            raise ValueError(f"{what}: {formula!r}: windows= must map the spatial axes to kernel axes")
+            raise EinshardError(f"{what}: {formula!r}: windows= must map the spatial axes to kernel axes")
         if not 1 <= len(wmap) <= 3:
-            raise ValueError(f"{what}: {formula!r}: 1 to 3 spatial axes are supported, got {list(wmap)}")
+            raise EinshardError(f"{what}: {formula!r}: 1 to 3 spatial axes are supported, got {list(wmap)}")
         for axis, k in wmap.items():
             if isinstance(k, str) and k in table and len(table[k]) == 1:
                 k = wmap[axis] = table[k][0]
             if not isinstance(k, str) or k not in w_names:
-                raise ValueError(f"{what}: {formula!r}: kernel axis {k!r} of spatial axis {axis!r} is not a weight axis")
+                raise EinshardError(f"{what}: {formula!r}: kernel axis {k!r} of spatial axis {axis!r} is not a weight axis")
             if k in x_names or k in out_axes:
-                raise ValueError(f"{what}: {formula!r}: kernel axis {k!r} must appear in the weight only")
+                raise EinshardError(f"{what}: {formula!r}: kernel axis {k!r} must appear in the weight only")
             if axis in w_names:
-                raise ValueError(f"{what}: {formula!r}: spatial axis {axis!r} must not appear in the weight")
+                raise EinshardError(f"{what}: {formula!r}: spatial axis {axis!r} must not appear in the weight")
         if len(set(wmap.values())) != len(wmap):
-            raise ValueError(f"{what}: {formula!r}: two spatial axes share a kernel axis")
+            raise EinshardError(f"{what}: {formula!r}: two spatial axes share a kernel axis")
         self.spatial = [a for a in x_names if a in wmap]  # in input order
         kernels = [wmap[a] for a in self.spatial]
 
@@ -113,13 +114,13 @@ class _ConvSpec:
             elif in_o:
                 batch.append(a)
             else:
-                raise ValueError(f"{what}: {formula!r}: input axis {a.name!r} is missing from the output")
+                raise EinshardError(f"{what}: {formula!r}: input axis {a.name!r} is missing from the output")
         oc = []
         for name in w_names:
             if name in xsize or name in kernels:
                 continue
             if name not in out_axes:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: weight axis {name!r} is neither a kernel axis, a channel of the input "
                     f"nor an output axis"
                 )
@@ -127,22 +128,22 @@ class _ConvSpec:
         for role, found in (("input channel", cin), ("channel group", grp), ("output channel", oc)):
             if len(found) > 1:
                 names = [getattr(a, "name", a) for a in found]
-                raise ValueError(f"{what}: {formula!r}: at most one {role} axis, got {names}")
+                raise EinshardError(f"{what}: {formula!r}: at most one {role} axis, got {names}")
         for a in cin + grp:
             if a.mesh:
-                raise ValueError(f"{what}: {formula!r}: channel axis {a.name!r} of the input must not be sharded")
+                raise EinshardError(f"{what}: {formula!r}: channel axis {a.name!r} of the input must not be sharded")
         for a in xs.axes:
             if a.name in out_axes and not same_sharding(a, out_axes[a.name]):
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: the output changes the sharding of axis {a.name!r} "
                     f"('{a}' -> '{out_axes[a.name]}'); it must stay as in the input"
                 )
         for name in oc:
             if out_axes[name].mesh:
-                raise ValueError(f"{what}: {formula!r}: output channel axis {name!r} must not be sharded")
+                raise EinshardError(f"{what}: {formula!r}: output channel axis {name!r} must not be sharded")
         for name in out_axes:
             if name not in xsize and name not in oc:
-                raise ValueError(f"{what}: {formula!r}: output axis {name!r} is not an input or output channel axis")
+                raise EinshardError(f"{what}: {formula!r}: output axis {name!r} is not an input or output channel axis")
         self.batch = [a.name for a in batch]
         self.c = cin[0].name if cin else None
         self.g = grp[0].name if grp else None
@@ -151,35 +152,35 @@ class _ConvSpec:
         # channel counts and groups
         for name in ([self.g] if self.g else []):
             if wsize[name] != xsize[name]:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: group axis {name!r} has size {xsize[name]} in the input but "
                     f"{wsize[name]} in the weight"
                 )
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"{what}: groups must be a positive int, got {groups!r}")
+            raise EinshardError(f"{what}: groups must be a positive int, got {groups!r}")
         c_x = xsize[self.c] if self.c else 1
         c_w = wsize[self.c] if self.c else 1
         out_per = wsize[self.o] if self.o else 1
         if self.g:
             if groups not in (1, xsize[self.g]):
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: groups={groups} but the group axis {self.g!r} has size {xsize[self.g]}"
                 )
             self.groups = xsize[self.g]
             if c_w != c_x:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: input channel axis {self.c!r} has size {c_x} in the input but {c_w} in "
                     f"the weight"
                 )
         else:
             self.groups = groups
             if c_x % groups or c_w != c_x // groups:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: with groups={groups} the weight's channel axis {self.c!r} must hold "
                     f"{c_x}/{groups} channels; the input has {c_x}, the weight {c_w}"
                 )
             if out_per % groups:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: output channel axis {self.o!r} ({out_per}) is not divisible by "
                     f"groups={groups}"
                 )
@@ -206,7 +207,7 @@ class _ConvSpec:
             elif tuple(b_shape) == tuple(wsize[a] for a in out_chans):
                 self.bias_perm = [out_chans.index(a) for a in chans]
             else:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: bias must have {self.out_channels} elements "
                     f"(or the shape of the output channel axes {out_chans}), got shape {tuple(b_shape)}"
                 )
@@ -219,13 +220,13 @@ class _ConvSpec:
         for a, k in zip(self.spatial, kernels):
             d = dil.get(a, 1)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-                raise ValueError(f"{what}: dilation of axis {a!r} must be a positive int, got {d!r}")
+                raise EinshardError(f"{what}: dilation of axis {a!r} must be a positive int, got {d!r}")
             self.dilation.append(d)
             eff = d * (wsize[k] - 1) + 1
             p = pad.get(a)
             if p is None or p == "same":
                 if eff % 2 == 0:
-                    raise ValueError(
+                    raise EinshardError(
                         f"{what}: {formula!r}: axis {a!r} has an even effective kernel ({eff}); pass "
                         f"padding={{{a!r}: (left, right)}} with left + right = {eff - 1}"
                     )
@@ -233,7 +234,7 @@ class _ConvSpec:
             else:
                 p = width_pair(p, a, what, "padding")
             if sum(p) != eff - 1:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {formula!r}: padding {p} of axis {a!r} does not preserve its length: with effective "
                     f"kernel {eff} it must add up to {eff - 1} (only length-preserving padding is supported)"
                 )
@@ -252,7 +253,7 @@ def _per_spatial(value, spatial, families, arg, formula) -> dict:
 def _check_stride(stride) -> None:
     values = stride.values() if isinstance(stride, dict) else stride if isinstance(stride, (tuple, list)) else [stride]
     if any(isinstance(s, bool) or s != 1 for s in values):
-        raise ValueError(
+        raise EinshardError(
             f"einconv: stride={stride!r} is not supported: only stride 1 keeps the output in the input's layout; "
             f"subsample the result instead"
         )
@@ -313,7 +314,7 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     check_boundary(boundary, "einconv")
     _check_stride(stride)
     if checkpoint not in _CHECKPOINT_MODES:
-        raise ValueError(f"einconv: checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
+        raise EinshardError(f"einconv: checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
     spec = _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families)
     m = pick_mesh(spec.x_spec, mesh)
     plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _context, _trace
+from ..errors import EinshardError
 from .. import vma as _vma
 from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
@@ -66,7 +67,7 @@ def einshard(
     if _compiling():  # traced: gradient duties are not planned here (see the parameters guide)
         return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
-        raise ValueError("einshard: pass either optimize or policy, not both")
+        raise EinshardError("einshard: pass either optimize or policy, not both")
     try:
         in_shapes = [t.shape for t in tensors]
     except AttributeError:  # a non-tensor operand: reported by position, whatever is cached
@@ -217,10 +218,10 @@ def _check_tensors(parsed, tensors) -> None:
 
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{parsed.text!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
+            raise EinshardError(f"{parsed.text!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
     dtypes = sorted({str(t.dtype) for t in tensors})
     if len(dtypes) > 1:  # torch.einsum would fail (after the operands' collectives, when distributed)
-        raise ValueError(f"{parsed.text!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
+        raise EinshardError(f"{parsed.text!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
 
 
 # -- under torch.compile ------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
     """
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
+            raise EinshardError(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
     ambient = _context.current()
     _refuse_attached_duties(formula, tensors)
     name = _plan_for_trace(
@@ -266,7 +267,7 @@ def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families
 
 def _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, ambient):
     if optimize is not None and policy is not None:
-        raise ValueError("einshard: pass either optimize or policy, not both")
+        raise EinshardError("einshard: pass either optimize or policy, not both")
     key = (formula, freeze_sizes(sizes), freeze_families(families), *[torch.Size(s) for s in shapes])
     plan = _LOCAL_PLANS.get(key)
     if plan is None and (formula, key[2]) not in _DISTRIBUTED:
@@ -304,7 +305,7 @@ def _refuse_attached_duties(formula, tensors) -> None:
     """ValueError for an operand whose registered state has a gradient duty (traced: before any collective)."""
     for k, duty in enumerate(state_duties(tensors)):
         if duty is not None:
-            raise ValueError(_DUTY_UNDER_COMPILE.format(formula=formula, k=k, duty=_duty_text(duty)))
+            raise EinshardError(_DUTY_UNDER_COMPILE.format(formula=formula, k=k, duty=_duty_text(duty)))
 
 
 def _refuse_annotated_duties(recorder, mesh) -> None:
@@ -317,7 +318,7 @@ def _refuse_annotated_duties(recorder, mesh) -> None:
         spec = recorder.parsed.inputs[k]
         duty = duty_of(ParameterState.from_spec(spec, mesh_dim_names=names, source="formula"))
         if duty is not None:
-            raise ValueError(_DUTY_UNDER_COMPILE.format(formula=recorder.formula, k=k, duty=_duty_text(duty)))
+            raise EinshardError(_DUTY_UNDER_COMPILE.format(formula=recorder.formula, k=k, duty=_duty_text(duty)))
 
 
 def _duty_text(duty) -> str:

@@ -24,6 +24,7 @@ import torch
 from .. import _context, checks
 from .. import vma as _vma
 from .._table import text_table
+from ..errors import EinshardError, naming
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
 from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
@@ -31,7 +32,7 @@ from ..notation import _check_semantics, _expand_tensor, _parse_member, freeze_f
 from ..notation.grammar import parse_text
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
-from ..resolve import _Splits, freeze_shapes, resolve
+from ..resolve import Splits, freeze_shapes, resolve
 
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 
@@ -74,20 +75,20 @@ def _family_table(text: str, families: tuple) -> dict[str, tuple[str, ...]]:
 
 def _check_spec(text: str, spec: TensorSpec, where: str) -> None:
     if spec.annotations:
-        raise ValueError(f"{text!r}: einfft takes no annotations like [{spec.annotations[0]}] on the {where}")
+        raise EinshardError(f"einfft takes no annotations like [{spec.annotations[0]}] on the {where}")
     if spec.partial:
         dims = ", ".join(spec.partial)
-        raise ValueError(
-            f"{text!r}: the {where} '{spec}' is partial over {dims!r}; einfft needs a non-partial "
+        raise EinshardError(
+            f"the {where} '{spec}' is partial over {dims!r}; einfft needs a non-partial "
             f"{where} (sum it first with es.einshard)"
         )
     for item in spec.items:
         if isinstance(item, EllipsisItem):
-            raise ValueError(f"{text!r}: einfft does not accept '...' in the {where}; name every axis")
+            raise EinshardError(f"einfft does not accept '...' in the {where}; name every axis")
         if isinstance(item, Group):
             names = " ".join(a.name for a in item.axes)
-            raise ValueError(
-                f"{text!r}: factored axis '({names})' (axis {item.axes[0].name!r}) in the {where}: einfft needs "
+            raise EinshardError(
+                f"factored axis '({names})' (axis {item.axes[0].name!r}) in the {where}: einfft needs "
                 f"plain axes; split the group first with es.einshard"
             )
 
@@ -103,53 +104,54 @@ def _axes_form(formula: str, axes) -> str:
 
 def _expand_pairs(text, axes, in_names, table) -> tuple[tuple[str, str], ...]:
     if not isinstance(axes, Mapping) or not axes:
-        raise ValueError(f"{text!r}: axes= must be a non-empty dict {{input axis: output axis}}, got {axes!r}")
+        raise EinshardError(f"axes= must be a non-empty dict {{input axis: output axis}}, got {axes!r}")
     pairs: list[tuple[str, str]] = []
     for key, value in axes.items():
         if not isinstance(key, str):
-            raise ValueError(f"{text!r}: axes= keys must be axis or family names, got {key!r}")
+            raise EinshardError(f"axes= keys must be axis or family names, got {key!r}")
         if key not in in_names and key in table:
             members = table[key]
             if isinstance(value, str):
                 if value not in table:
-                    raise ValueError(
-                        f"{text!r}: axes[{key!r}] maps family {key!r} to {value!r}, which is not a family; "
+                    raise EinshardError(
+                        f"axes[{key!r}] maps family {key!r} to {value!r}, which is not a family; "
                         f"give a tuple of {len(members)} output axes"
                     )
                 value = table[value]
             value = tuple(value)
             if len(value) != len(members):
-                raise ValueError(
-                    f"{text!r}: axes[{key!r}] has {len(value)} output axes but family {key!r} has "
+                raise EinshardError(
+                    f"axes[{key!r}] has {len(value)} output axes but family {key!r} has "
                     f"{len(members)} members"
                 )
             pairs.extend(zip(members, value))
         else:
             if key not in in_names:
-                raise ValueError(
-                    f"{text!r}: axes= names axis {key!r}, which is not an input axis (input axes: "
+                raise EinshardError(
+                    f"axes= names axis {key!r}, which is not an input axis (input axes: "
                     f"{list(in_names)})"
                 )
             pairs.append((key, value))
     seen_in, seen_out = set(), set()
     for a, b in pairs:
         if not isinstance(b, str) or not b.isidentifier():
-            raise ValueError(f"{text!r}: axes[{a!r}] must be an output axis name, got {b!r}")
+            raise EinshardError(f"axes[{a!r}] must be an output axis name, got {b!r}")
         if a in seen_in:
-            raise ValueError(f"{text!r}: axis {a!r} appears twice in axes=")
+            raise EinshardError(f"axis {a!r} appears twice in axes=")
         if b in seen_out:
-            raise ValueError(f"{text!r}: output axis {b!r} is the transform of two axes in axes=")
+            raise EinshardError(f"output axis {b!r} is the transform of two axes in axes=")
         seen_in.add(a)
         seen_out.add(b)
     return tuple(pairs)
 
 
+@naming()
 def _parse(text: str, axes_key, families: tuple) -> _Spec:
     inputs, output = parse_text(text)
     if output is None:
-        raise ValueError(f"{text!r}: einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
+        raise EinshardError(f"einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
     if len(inputs) != 1:
-        raise ValueError(f"{text!r}: einfft takes one input tensor, the formula has {len(inputs)}")
+        raise EinshardError(f"einfft takes one input tensor, the formula has {len(inputs)}")
     table_axes = {name: tuple(_parse_member(text, name, m) for m in members) for name, members in families}
     inp = _expand_tensor(text, inputs[0], table_axes)
     out = _expand_tensor(text, output, table_axes)
@@ -162,8 +164,8 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
     untouched = [n for n in in_names if n not in transformed]
     for _, b in pairs:
         if b in untouched:
-            raise ValueError(
-                f"{text!r}: transform output axis {b!r} already exists among the untouched input axes; "
+            raise EinshardError(
+                f"transform output axis {b!r} already exists among the untouched input axes; "
                 f"give the frequency axis a new name"
             )
     back = {b: a for a, b in pairs}
@@ -174,16 +176,16 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
         seen.add(ax.name)
         if ax.name not in back and ax.name not in untouched:
             hint = " (it is transformed; use its output name)" if ax.name in transformed else ""
-            raise ValueError(
-                f"{text!r}: output axis {ax.name!r} is neither an untouched input axis nor an output of "
+            raise EinshardError(
+                f"output axis {ax.name!r} is neither an untouched input axis nor an output of "
                 f"axes={hint}"
             )
     for name in untouched:
         if name not in seen:
-            raise ValueError(f"{text!r}: input axis {name!r} is missing from the output; einfft keeps every axis")
+            raise EinshardError(f"input axis {name!r} is missing from the output; einfft keeps every axis")
     for a, b in pairs:
         if b not in seen:
-            raise ValueError(f"{text!r}: transform output axis {b!r} (of {a!r}) is missing from the output")
+            raise EinshardError(f"transform output axis {b!r} (of {a!r}) is missing from the output")
     renamed = TensorSpec(tuple(Axis(back.get(x.name, x.name), x.mesh, x.pos) for x in out.axes), (), (), out.pos)
     _check_semantics(Formula(text, (inp,), renamed))  # mesh dimensions of the output
     is_local = inp.is_local and out.is_local
@@ -237,9 +239,9 @@ def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -
         return {}
     text = spec.text
     if not (real and inverse):
-        raise ValueError(f"{text!r}: signal_sizes= is for inverse real transforms (real=True, inverse=True)")
+        raise EinshardError(f"signal_sizes= is for inverse real transforms (real=True, inverse=True)")
     if not isinstance(signal_sizes, Mapping):
-        raise ValueError(f"{text!r}: signal_sizes= must be a dict {{axis: length}}, got {signal_sizes!r}")
+        raise EinshardError(f"signal_sizes= must be a dict {{axis: length}}, got {signal_sizes!r}")
     back = {b: a for a, b in spec.pairs}
     ins = {a for a, _ in spec.pairs}
     out: dict[str, int] = {}
@@ -247,16 +249,16 @@ def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -
         if key not in ins and key not in back and key in table:
             members = table[key]
             if isinstance(value, int) or len(value) != len(members):
-                raise ValueError(f"{text!r}: signal_sizes[{key!r}] needs one length per member of family {key!r}")
+                raise EinshardError(f"signal_sizes[{key!r}] needs one length per member of family {key!r}")
             items = list(zip(members, value))
         else:
             items = [(key, value)]
         for name, n in items:
             axis = name if name in ins else back.get(name)
             if axis is None:
-                raise ValueError(f"{text!r}: signal_sizes names axis {name!r}, which is not a transformed axis")
+                raise EinshardError(f"signal_sizes names axis {name!r}, which is not a transformed axis")
             if isinstance(n, bool) or int(n) != n or n < 1:
-                raise ValueError(f"{text!r}: signal_sizes[{name!r}] must be a positive length, got {n!r}")
+                raise EinshardError(f"signal_sizes[{name!r}] must be a positive length, got {n!r}")
             out[axis] = int(n)
     return out
 
@@ -268,13 +270,13 @@ def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, 
     for a, _ in spec.pairs:
         n = before[a]
         if n == 0:
-            raise ValueError(f"{text!r}: transform axis {a!r} is empty")
+            raise EinshardError(f"transform axis {a!r} is empty")
         if a == half:
             if inverse:
                 length = signal.get(a, 2 * (n - 1))
                 if length < 1 or length // 2 + 1 != n:
-                    raise ValueError(
-                        f"{text!r}: the inverse real transform of half-spectrum axis {a!r} (size {n}) needs an "
+                    raise EinshardError(
+                        f"the inverse real transform of half-spectrum axis {a!r} (size {n}) needs an "
                         f"output length L with L//2+1 == {n}; got {length}"
                         + ("" if a in signal else " (pass signal_sizes=)")
                     )
@@ -282,8 +284,8 @@ def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, 
             else:
                 after[a] = n // 2 + 1
         elif a in signal and signal[a] != n:
-            raise ValueError(
-                f"{text!r}: signal_sizes[{a!r}] = {signal[a]} but axis {a!r} has size {n}; only the half-spectrum "
+            raise EinshardError(
+                f"signal_sizes[{a!r}] = {signal[a]} but axis {a!r} has size {n}; only the half-spectrum "
                 f"axis (the last entry of axes=) can have a length of its own"
             )
     return after
@@ -292,13 +294,14 @@ def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, 
 # -- resolution -----------------------------------------------------------------------
 
 
+@naming()
 def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> tuple[FFTProblem, str | None]:
     text = spec.text
     ambient = _context.shapes_for(mesh)
     labels = {mesh.label(mesh.dims(a.mesh)) for t in (spec.inp, spec.out) for a in t.axes if a.mesh}
     if shapes is not None and not isinstance(shapes, Mapping) and len(labels) != 1:
-        raise ValueError(
-            f"{text!r}: shapes= as a list needs exactly one sharded mesh dimension, but the formula shards over "
+        raise EinshardError(
+            f"shapes= as a list needs exactly one sharded mesh dimension, but the formula shards over "
             f"{sorted(labels)}; use {{'dim': [...]}} instead"
         )
     known = [a.name for t in (spec.inp, spec.out) for a in t.axes]
@@ -307,7 +310,7 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
     src = resolved.operands[0]
     before = dict(zip(src.axes, src.sizes))
     after = _after_sizes(spec, before, real, inverse, signal)
-    lookup = _Splits(text, shapes, ambient, mesh, labels)
+    lookup = Splits(shapes, ambient, mesh, labels)
     back = {b: a for a, b in spec.pairs}
     shard, splits = {}, {}
     for ax in spec.out.axes:
@@ -325,8 +328,8 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
         if found is None:
             found = tuple(compute_split_shapes(after[name], mesh.size(dims)))
         elif sum(found) != after[name]:
-            raise ValueError(
-                f"{text!r}: split shapes {list(found)} of output axis {ax.name!r} sum to {sum(found)} but the "
+            raise EinshardError(
+                f"split shapes {list(found)} of output axis {ax.name!r} sum to {sum(found)} but the "
                 f"axis has size {after[name]}"
             )
         splits[name] = tuple(found)
@@ -723,19 +726,19 @@ def einfft(
     (2, 40960.0)
     """
     if norm not in _NORMS:
-        raise ValueError(f"einfft: norm must be None, 'backward', 'ortho' or 'forward', got {norm!r}")
+        raise EinshardError(f"einfft: norm must be None, 'backward', 'ortho' or 'forward', got {norm!r}")
     if isinstance(x, torch.Tensor):
         shape, dtype = tuple(x.shape), x.dtype
     elif explain and isinstance(x, (tuple, list, torch.Size)):
         shape = tuple(int(s) for s in x)
         dtype = torch.complex64 if (real and inverse) else torch.float32
     else:
-        raise ValueError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
+        raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
     axes_key = _freeze(axes) if isinstance(axes, Mapping) else axes
     fam_key = freeze_families(families)
     if _vma.ACTIVE and not explain and _vma.current() is not None:  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
-            raise ValueError(_axes_form(formula, axes))
+            raise EinshardError(_axes_form(formula, axes), formula)
         proxy = _parse_cached(formula, axes_key, fam_key).proxy
 
         def untracked(_proxy, t, mesh=None):
@@ -761,22 +764,22 @@ def einfft(
             raise
         if explain:
             if bound.local_error is not None:
-                raise ValueError(bound.local_error)
+                raise EinshardError(bound.local_error)
             return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
         if bound.mesh is None and bound.plan.problem.mesh.names:
-            raise ValueError(f"{formula!r}: a virtual mesh has no process groups; use it with explain=True")
+            raise EinshardError(f"{formula!r}: a virtual mesh has no process groups; use it with explain=True")
         if len(_PLANS) > 4096:
             _PLANS.clear()
         _PLANS[key] = bound
     elif explain:
         if bound.local_error is not None:
-            raise ValueError(bound.local_error)
+            raise EinshardError(bound.local_error)
         spec = _parse_cached(formula, axes_key, fam_key)
         return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
     if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
         checks.agree(
             bound.mesh.group(tuple(bound.mesh.names)),
-            None if bound.local_error is None else ValueError(bound.local_error),
+            None if bound.local_error is None else EinshardError(bound.local_error),
             fingerprint=bound.fingerprint,
             what=f"the layouts of {formula!r}",
             facts=(("dtype", x.dtype), ("device", x.device)),
@@ -804,13 +807,14 @@ def _agree_on_build_error(err, formula, axes_key, fam_key, mesh) -> None:
         checks.agree(m.group(tuple(m.names)), err, point="einfft")
 
 
+@naming()
 def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes):
     """Parse, validate, resolve and plan one call; returns ``(bound plan, spec)``."""
     if not isinstance(axes, Mapping):
-        raise ValueError(_axes_form(formula, axes))
+        raise EinshardError(_axes_form(formula, axes), formula)
     spec = _parse_cached(formula, axes_key, fam_key)
     if real and not inverse and dtype.is_complex:
-        raise ValueError(f"{formula!r}: real=True (rfftn) needs a real input, got {dtype}")
+        raise EinshardError(f"real=True (rfftn) needs a real input, got {dtype}")
     table = _family_table(formula, fam_key)
     signal = _signal_sizes(spec, signal_sizes, real, inverse, table)
     order_names = spec.in_names
@@ -820,8 +824,8 @@ def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, 
         out_index[ax.name] = order_names.index(back.get(ax.name, ax.name))
     order = tuple(out_index[a.name] for a in spec.out.axes)
     if len(shape) != len(order_names):
-        raise ValueError(
-            f"{formula!r}: the input '{spec.inp}' names {len(order_names)} dimensions but the tensor has {len(shape)}"
+        raise EinshardError(
+            f"the input '{spec.inp}' names {len(order_names)} dimensions but the tensor has {len(shape)}"
         )
     if spec.is_local:
         plan = _local_plan(spec, shape, dtype, real, inverse, signal)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .. import vma as _vma
 from .. import _context, checks
 from .. import collectives as C
+from ..errors import EinshardError
 from ..mappings import make_mapping
 from ..layout import Layout, MeshShape
 from ..mesh import resolve_mesh
@@ -52,10 +53,10 @@ __all__ = ["einhalo", "BoxExchange", "HaloPlan", "halo_plan"]
 def parse_spec(text: str, families, what: str) -> TensorSpec:
     """The one tensor spec of ``text`` (families expanded), validated for the stencil ops."""
     if not isinstance(text, str):
-        raise ValueError(f"{what}: the spec must be a string like 'b h/sp w c', got {type(text).__name__}")
+        raise EinshardError(f"{what}: the spec must be a string like 'b h/sp w c', got {type(text).__name__}")
     parsed = expand(text, freeze_families(families))
     if parsed.output is not None or len(parsed.inputs) != 1:
-        raise ValueError(f"{what}: expects one tensor spec like 'b h/sp w c' (no '->', no ','), got {text!r}")
+        raise EinshardError(f"{what}: expects one tensor spec like 'b h/sp w c' (no '->', no ','), got {text!r}")
     spec = parsed.inputs[0]
     check_spec(spec, text, what)
     return spec
@@ -64,20 +65,20 @@ def parse_spec(text: str, families, what: str) -> TensorSpec:
 def check_spec(spec: TensorSpec, text: str, what: str, where: str = "the spec") -> None:
     """No ``...``, factored axes, partial sums or repeated names (ValueErrors naming the axis)."""
     if spec.has_ellipsis:
-        raise ValueError(f"{what}: {text!r}: '...' is not supported in {where}; name every axis")
+        raise EinshardError(f"{what}: {text!r}: '...' is not supported in {where}; name every axis")
     for item in spec.items:
         if isinstance(item, Group):
             names = " ".join(a.name for a in item.axes)
-            raise ValueError(
+            raise EinshardError(
                 f"{what}: {text!r}: factored axis '({names})' in {where} (axis {item.axes[0].name!r}) is not "
                 f"supported; reshape first and name the axes separately"
             )
     if spec.partial:
-        raise ValueError(f"{what}: {text!r}: {where} is partial ('// ...'); reduce it first (es.einshard)")
+        raise EinshardError(f"{what}: {text!r}: {where} is partial ('// ...'); reduce it first (es.einshard)")
     seen = set()
     for a in spec.axes:
         if a.name in seen:
-            raise ValueError(f"{what}: {text!r}: axis {a.name!r} appears twice in {where}")
+            raise EinshardError(f"{what}: {text!r}: axis {a.name!r} appears twice in {where}")
         seen.add(a.name)
 
 
@@ -94,7 +95,7 @@ def per_axis(mapping, names: Sequence[str], families, what: str, arg: str, text:
     if mapping is None:
         return {}
     if not isinstance(mapping, Mapping):
-        raise ValueError(f"{what}: {arg} must be a dict keyed by axis (or family) names, got {mapping!r}")
+        raise EinshardError(f"{what}: {arg} must be a dict keyed by axis (or family) names, got {mapping!r}")
     table = family_table(families)
     out: dict = {}
     for key, value in mapping.items():
@@ -105,23 +106,23 @@ def per_axis(mapping, names: Sequence[str], families, what: str, arg: str, text:
             if isinstance(value, str) and value in table:
                 value = table[value]
             if not isinstance(value, (tuple, list)) or len(value) != len(members):
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {arg}[{key!r}] names family {key!r} with {len(members)} members "
                     f"{list(members)}; give a tuple of {len(members)} values, got {value!r}"
                 )
             targets, values = members, tuple(value)
         else:
-            raise ValueError(
+            raise EinshardError(
                 f"{what}: {text!r}: {arg} names axis {key!r}, which is not in the spec (axes: {list(names)})"
             )
         for t, v in zip(targets, values):
             if t not in names:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {text!r}: {arg} names axis {t!r} (family {key!r}), which is not in the spec "
                     f"(axes: {list(names)})"
                 )
             if t in out:
-                raise ValueError(f"{what}: {arg} gives axis {t!r} twice")
+                raise EinshardError(f"{what}: {arg} gives axis {t!r} twice")
             out[t] = v
     return out
 
@@ -139,16 +140,16 @@ def width_pair(value, axis: str, what: str, arg: str) -> tuple[int, int]:
     """``w`` or ``(left, right)`` as ``(left, right)`` of non-negative ints."""
     if isinstance(value, (tuple, list)):
         if len(value) != 2 or not all(_nonneg_int(v) for v in value):
-            raise ValueError(f"{what}: {arg} of axis {axis!r} must be an int or (left, right) of ints >= 0, got {value!r}")
+            raise EinshardError(f"{what}: {arg} of axis {axis!r} must be an int or (left, right) of ints >= 0, got {value!r}")
         return int(value[0]), int(value[1])
     if not _nonneg_int(value):
-        raise ValueError(f"{what}: {arg} of axis {axis!r} must be an int >= 0 or (left, right), got {value!r}")
+        raise EinshardError(f"{what}: {arg} of axis {axis!r} must be an int >= 0 or (left, right), got {value!r}")
     return int(value), int(value)
 
 
 def check_boundary(boundary: str, what: str) -> str:
     if boundary not in BOUNDARIES:
-        raise ValueError(f"{what}: boundary must be one of {list(BOUNDARIES)}, got {boundary!r}")
+        raise EinshardError(f"{what}: boundary must be one of {list(BOUNDARIES)}, got {boundary!r}")
     return boundary
 
 
@@ -179,7 +180,7 @@ def spec_layout(spec: TensorSpec, text: str, shape: tuple, mesh, shapes, what: s
     """``(Layout, local_error)`` of a tensor of local shape ``shape`` laid out as ``spec``."""
     names = [a.name for a in spec.axes]
     if len(shape) != len(names):
-        raise ValueError(
+        raise EinshardError(
             f"{what}: {text!r}: the spec names {len(names)} dimensions but the tensor has {len(shape)}"
         )
     if mesh is None:
@@ -197,10 +198,10 @@ def agree_before_communicating(mesh, local_error, x: torch.Tensor) -> None:
     """
     if mesh is None:
         if local_error is not None:
-            raise ValueError(local_error)
+            raise EinshardError(local_error)
         return
     if local_error is not None or checks.checks_enabled():
-        checks.agree(mesh.group(tuple(mesh.names)), None if local_error is None else ValueError(local_error),
+        checks.agree(mesh.group(tuple(mesh.names)), None if local_error is None else EinshardError(local_error),
                      facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
 
 
@@ -443,7 +444,7 @@ def halo_plan(spec: TensorSpec, text: str, x: torch.Tensor, widths: dict[str, tu
         for name, (left, right) in widths.items():
             i = names.index(name)
             if (left or right) and boundary in ("periodic", "replicate") and layout.sizes[i] == 0:
-                raise ValueError(
+                raise EinshardError(
                     f"{what}: {text!r}: axis {name!r} is empty; a {boundary} halo needs at least one cell"
                 )
         return HaloPlan(layout, {names.index(k): v for k, v in widths.items()}, boundary, mesh, x.device,

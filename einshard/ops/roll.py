@@ -19,6 +19,7 @@ import torch
 
 from .. import vma as _vma
 from .. import _context
+from ..errors import EinshardError
 from ..layout import Layout, MeshShape
 from ..notation import freeze_families
 from ..plan.halo import roll_runs
@@ -76,11 +77,11 @@ _FAST: dict = {}  # the raw arguments of einroll -> plan
 
 def _shift(value, axis: str) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}")
+        raise EinshardError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}") from None
+        raise EinshardError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}") from None
 
 
 def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):

@@ -11,6 +11,7 @@ a permutation to the output order.
 from __future__ import annotations
 
 from .. import vma as _vma
+from ..errors import EinshardError
 from ..notation import expand, freeze_families
 from .halo import check_boundary, check_spec, family_table, halo_plan, per_axis, pick_mesh, width_pair
 
@@ -19,7 +20,7 @@ __all__ = ["einwindow", "parse_window_formula"]
 
 def _split_formula(formula: str, what: str):
     if not isinstance(formula, str) or formula.count("->") != 1:
-        raise ValueError(f"{what}: expects a formula 'input -> output', got {formula!r}")
+        raise EinshardError(f"{what}: expects a formula 'input -> output', got {formula!r}")
     left, right = formula.split("->")
     return left.strip(), right.strip()
 
@@ -35,7 +36,7 @@ def parse_window_formula(formula, windows, radius, families, what="einwindow"):
     fam = freeze_families(families)
     parsed_in, parsed_out = expand(left, fam), expand(right, fam)
     if parsed_in.output is not None or len(parsed_in.inputs) != 1 or len(parsed_out.inputs) != 1:
-        raise ValueError(f"{what}: expects one input and one output tensor, got {formula!r}")
+        raise EinshardError(f"{what}: expects one input and one output tensor, got {formula!r}")
     ins, out = parsed_in.inputs[0], parsed_out.inputs[0]
     check_spec(ins, formula, what, "the input")
     check_spec(out, formula, what, "the output")
@@ -44,42 +45,42 @@ def parse_window_formula(formula, windows, radius, families, what="einwindow"):
     table = family_table(families)
     for axis, name in wmap.items():
         if not isinstance(name, str):
-            raise ValueError(f"{what}: windows[{axis!r}] must be the name of the window axis, got {name!r}")
+            raise EinshardError(f"{what}: windows[{axis!r}] must be the name of the window axis, got {name!r}")
         if name in table and len(table[name]) == 1:
             wmap[axis] = table[name][0]
     rad = {k: width_pair(v, k, what, "radius") for k, v in per_axis(radius, in_names, families, what, "radius",
                                                                       formula).items()}
     for axis in wmap:
         if axis not in rad:
-            raise ValueError(f"{what}: {formula!r}: axis {axis!r} has a window but no radius; pass radius={{{axis!r}: r}}")
+            raise EinshardError(f"{what}: {formula!r}: axis {axis!r} has a window but no radius; pass radius={{{axis!r}: r}}")
     for axis in rad:
         if axis not in wmap:
-            raise ValueError(f"{what}: {formula!r}: radius names axis {axis!r}, which has no window in windows=")
+            raise EinshardError(f"{what}: {formula!r}: radius names axis {axis!r}, which has no window in windows=")
     out_axes = {a.name: a for a in out.axes}
     seen = set()
     for axis, name in wmap.items():
         if name in in_names:
-            raise ValueError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is already an input axis")
+            raise EinshardError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is already an input axis")
         if name in seen:
-            raise ValueError(f"{what}: {formula!r}: window axis {name!r} is used for two axes")
+            raise EinshardError(f"{what}: {formula!r}: window axis {name!r} is used for two axes")
         seen.add(name)
         if name not in out_axes:
-            raise ValueError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is missing from the output")
+            raise EinshardError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is missing from the output")
         if out_axes[name].mesh:
-            raise ValueError(
+            raise EinshardError(
                 f"{what}: {formula!r}: window axis {name!r} is sharded ('{out_axes[name]}'); window axes are local"
             )
     for a in ins.axes:
         if a.name not in out_axes:
-            raise ValueError(f"{what}: {formula!r}: input axis {a.name!r} is missing from the output")
+            raise EinshardError(f"{what}: {formula!r}: input axis {a.name!r} is missing from the output")
         if not same_sharding(a, out_axes[a.name]):
-            raise ValueError(
+            raise EinshardError(
                 f"{what}: {formula!r}: the output changes the sharding of axis {a.name!r} "
                 f"('{a}' -> '{out_axes[a.name]}'); it must stay as in the input"
             )
     for name in out_axes:
         if name not in in_names and name not in seen:
-            raise ValueError(f"{what}: {formula!r}: output axis {name!r} is neither an input axis nor a window axis")
+            raise EinshardError(f"{what}: {formula!r}: output axis {name!r} is neither an input axis nor a window axis")
     return ins, left, out, wmap, rad
 
 
