@@ -36,11 +36,16 @@ class EinshardError(ValueError):
         if expression is not None:
             self.expression = expression
 
-    def within(self, expression: str) -> "EinshardError":
-        """This error, its message prefixed by ``'expression': `` unless it already names one."""
+    def within(self, expression: str, op: str | None = None) -> "EinshardError":
+        """This error, its message prefixed by ``'expression': `` (``op: 'expression': ``) unless it names one.
+
+        >>> str(EinshardError("axis 'h' is empty").within("b h", "einhalo"))
+        "einhalo: 'b h': axis 'h' is empty"
+        """
         if self.expression is None:
             self.expression = expression
-            self.args = (f"{expression!r}: {self.args[0] if self.args else ''}",)
+            prefix = f"{expression!r}: " if op is None else f"{op}: {expression!r}: "
+            self.args = (prefix + (self.args[0] if self.args else ""),)
         return self
 
 

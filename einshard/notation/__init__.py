@@ -27,6 +27,9 @@ __all__ = [
     "parse_sharding",
     "expand",
     "expand_specs",
+    "expand_tensor",
+    "check_semantics",
+    "family_member",
     "freeze_families",
     "invalid",
 ]
@@ -57,7 +60,7 @@ def parse_sharding(formula: str) -> Formula:
     """
     parsed = _parse(formula)
     if not _has_families(parsed):
-        _check_semantics(parsed)
+        check_semantics(parsed)
     return parsed
 
 
@@ -101,17 +104,18 @@ def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formu
 def _expand_cached(formula: str, frozen: tuple, einsum: bool) -> Formula:
     parsed = _parse(formula)
     if _has_families(parsed):
-        table = {name: tuple(_parse_member(formula, name, m) for m in members) for name, members in frozen}
+        table = {name: tuple(family_member(formula, name, m) for m in members) for name, members in frozen}
         parsed = Formula(
             formula,
-            tuple(_expand_tensor(formula, t, table) for t in parsed.inputs),
-            None if parsed.output is None else _expand_tensor(formula, parsed.output, table),
+            tuple(expand_tensor(formula, t, table) for t in parsed.inputs),
+            None if parsed.output is None else expand_tensor(formula, parsed.output, table),
         )
-    _check_semantics(parsed, einsum)
+    check_semantics(parsed, einsum)
     return parsed
 
 
-def _parse_member(formula: str, family: str, member) -> Axis:
+def family_member(formula: str, family: str, member) -> Axis:
+    """One member of ``families[family]`` (``'h'`` or ``'h/sp'``) as an :class:`Axis`, validated."""
     if isinstance(member, Axis):
         return member
     if not isinstance(member, str):
@@ -142,7 +146,8 @@ def _family(formula: str, fam: Family, table) -> tuple[Axis, ...]:
     return tuple(Axis(a.name, a.mesh, fam.pos) for a in table[fam.name])
 
 
-def _expand_tensor(formula: str, tensor: TensorSpec, table) -> TensorSpec:
+def expand_tensor(formula: str, tensor: TensorSpec, table) -> TensorSpec:
+    """``tensor`` with its families (``table``: ``{name: (Axis, ...)}``) expanded and zips grouped."""
     items: list[Item] = []
     for item in tensor.items:
         if isinstance(item, Family):
@@ -186,7 +191,7 @@ def _check_structure(formula: Formula) -> None:
                 raise invalid(text, tensor.pos, f"annotation {ann.key!r} takes no value")
 
 
-def _check_semantics(formula: Formula, einsum: bool = True) -> None:
+def check_semantics(formula: Formula, einsum: bool = True) -> None:
     """Checks on the expanded formula: names, mesh dimensions, and (``einsum``) output axes."""
     text = formula.text
     for index, tensor in enumerate(formula.tensors):

@@ -28,7 +28,7 @@ from ..errors import EinshardError, naming
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
 from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
-from ..notation import _check_semantics, _expand_tensor, _parse_member, freeze_families, invalid
+from ..notation import check_semantics, expand_tensor, family_member, freeze_families, invalid
 from ..notation.grammar import parse_text
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
@@ -70,7 +70,7 @@ class _Spec:
 
 
 def _family_table(text: str, families: tuple) -> dict[str, tuple[str, ...]]:
-    return {name: tuple(_parse_member(text, name, m).name for m in members) for name, members in families}
+    return {name: tuple(family_member(text, name, m).name for m in members) for name, members in families}
 
 
 def _check_spec(text: str, spec: TensorSpec, where: str) -> None:
@@ -152,12 +152,12 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
         raise EinshardError(f"einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
     if len(inputs) != 1:
         raise EinshardError(f"einfft takes one input tensor, the formula has {len(inputs)}")
-    table_axes = {name: tuple(_parse_member(text, name, m) for m in members) for name, members in families}
-    inp = _expand_tensor(text, inputs[0], table_axes)
-    out = _expand_tensor(text, output, table_axes)
+    table_axes = {name: tuple(family_member(text, name, m) for m in members) for name, members in families}
+    inp = expand_tensor(text, inputs[0], table_axes)
+    out = expand_tensor(text, output, table_axes)
     _check_spec(text, inp, "input")
     _check_spec(text, out, "output")
-    _check_semantics(Formula(text, (inp,), None))
+    check_semantics(Formula(text, (inp,), None))
     in_names = tuple(a.name for a in inp.axes)
     pairs = _expand_pairs(text, dict(axes_key), in_names, _family_table(text, families))
     transformed = {a for a, _ in pairs}
@@ -187,7 +187,7 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
         if b not in seen:
             raise EinshardError(f"transform output axis {b!r} (of {a!r}) is missing from the output")
     renamed = TensorSpec(tuple(Axis(back.get(x.name, x.name), x.mesh, x.pos) for x in out.axes), (), (), out.pos)
-    _check_semantics(Formula(text, (inp,), renamed))  # mesh dimensions of the output
+    check_semantics(Formula(text, (inp,), renamed))  # mesh dimensions of the output
     is_local = inp.is_local and out.is_local
     return _Spec(text, inp, out, pairs, is_local)
 

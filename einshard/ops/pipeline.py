@@ -1,0 +1,233 @@
+"""The front end every operation shares, each step written once.
+
+``einshard``, ``einfft`` and the stencil ops (``einhalo``, ``einwindow``,
+``einconv``, ``einroll``) run one pipeline: parse the expression and expand
+its families, check the specs, freeze the keyword arguments into a cache
+key, look the plan up (:class:`~einshard._cache.BoundedCache`), build it
+when missing (ranks agree on a build error when checks are on), agree on
+this rank's layout error before communicating, and bind the plan to the
+rank. Inside ``shard_map(check_vma=True)`` the variance hook
+(:func:`in_vma_scope`) sends the call to :mod:`einshard.vma` first.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .. import _context, checks
+from .. import vma as _vma
+from .._cache import BoundedCache
+from ..errors import EinshardError
+from ..layout import Layout
+from ..mesh import resolve_mesh
+from ..notation import Formula, Group, TensorSpec, expand, family_member, freeze_families
+from ..plan.halo import BOUNDARIES
+from ..resolve import resolve
+
+__all__ = [
+    "in_vma_scope",
+    "freeze",
+    "family_table",
+    "check_spec",
+    "parse_spec",
+    "per_axis",
+    "width_pair",
+    "check_boundary",
+    "pick_mesh",
+    "ambient_key",
+    "spec_layout",
+    "agree",
+    "agree_before_communicating",
+    "build_plan",
+]
+
+
+def in_vma_scope() -> bool:
+    """Inside ``shard_map(check_vma=True)``: the op runs through :func:`einshard.vma.formula_op`."""
+    return _vma.ACTIVE and _vma.current() is not None
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+
+def freeze(value):
+    """A hashable form of nested dicts / lists of plain values (a cache key; order kept, types tagged).
+
+    >>> freeze({"h": (1, 2), "w": True})
+    (<class 'dict'>, ('h', (<class 'tuple'>, 1, 2)), ('w', (<class 'bool'>, True)))
+    """
+    if isinstance(value, Mapping):
+        return (dict,) + tuple((k, freeze(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return (tuple,) + tuple(freeze(v) for v in value)
+    if isinstance(value, bool):  # True == 1 would share a cache entry with a valid width
+        return (bool, value)
+    return value
+
+
+def family_table(families, text: str = "") -> dict[str, tuple[str, ...]]:
+    """``{family: (member axis names)}`` of ``families=`` (a mapping or its frozen form), validated."""
+    frozen = families if isinstance(families, tuple) else freeze_families(families)
+    return {name: tuple(family_member(text, name, m).name for m in members) for name, members in frozen}
+
+
+def check_spec(spec: TensorSpec, op: str, where: str = "the spec") -> None:
+    """A plain spec: no annotations, ``...``, factored axes, partial sums or repeated names."""
+    if spec.annotations:
+        raise EinshardError(f"{op} takes no annotations like [{spec.annotations[0]}] on {where}")
+    for item in spec.items:
+        if isinstance(item, Group):
+            names = " ".join(a.name for a in item.axes)
+            raise EinshardError(
+                f"factored axis '({names})' (axis {item.axes[0].name!r}) in {where} is not supported; "
+                f"split the group first (es.einshard) and name the axes separately"
+            )
+    if spec.has_ellipsis:
+        raise EinshardError(f"'...' is not supported in {where}; name every axis")
+    if spec.partial:
+        raise EinshardError(
+            f"{where} '{spec}' is partial over {', '.join(spec.partial)!r}; sum it first (es.einshard)"
+        )
+    seen = set()
+    for a in spec.axes:
+        if a.name in seen:
+            raise EinshardError(f"axis {a.name!r} appears twice in {where}")
+        seen.add(a.name)
+
+
+def parse_spec(text: str, families, op: str) -> TensorSpec:
+    """The one tensor spec of ``text`` (families expanded), checked by :func:`check_spec`."""
+    if not isinstance(text, str):
+        raise EinshardError(f"the spec must be a string like 'b h/sp w c', got {type(text).__name__}")
+    parsed = expand(text, freeze_families(families))
+    if parsed.output is not None or len(parsed.inputs) != 1:
+        raise EinshardError("expects one tensor spec like 'b h/sp w c' (no '->', no ',')")
+    check_spec(parsed.inputs[0], op)
+    return parsed.inputs[0]
+
+
+def per_axis(mapping, names: Sequence[str], families, arg: str) -> dict:
+    """``{axis: value}`` from a mapping keyed by axes or families (a family key takes a tuple)."""
+    if mapping is None:
+        return {}
+    if not isinstance(mapping, Mapping):
+        raise EinshardError(f"{arg} must be a dict keyed by axis (or family) names, got {mapping!r}")
+    table = family_table(families)
+    out: dict = {}
+    for key, value in mapping.items():
+        if key in names:
+            targets, values = (key,), (value,)
+        elif key in table:
+            members = table[key]
+            if isinstance(value, str) and value in table:
+                value = table[value]
+            if not isinstance(value, (tuple, list)) or len(value) != len(members):
+                raise EinshardError(
+                    f"{arg}[{key!r}] names family {key!r} with {len(members)} members "
+                    f"{list(members)}; give a tuple of {len(members)} values, got {value!r}"
+                )
+            targets, values = members, tuple(value)
+        else:
+            raise EinshardError(f"{arg} names axis {key!r}, which is not in the spec (axes: {list(names)})")
+        for t, v in zip(targets, values):
+            if t not in names:
+                raise EinshardError(
+                    f"{arg} names axis {t!r} (family {key!r}), which is not in the spec (axes: {list(names)})"
+                )
+            if t in out:
+                raise EinshardError(f"{arg} gives axis {t!r} twice")
+            out[t] = v
+    return out
+
+
+def _nonneg_int(v) -> bool:
+    if isinstance(v, bool):
+        return False
+    try:
+        return operator.index(v) >= 0
+    except TypeError:
+        return False
+
+
+def width_pair(value, axis: str, arg: str) -> tuple[int, int]:
+    """``w`` or ``(left, right)`` as ``(left, right)`` of non-negative ints."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2 or not all(_nonneg_int(v) for v in value):
+            raise EinshardError(f"{arg} of axis {axis!r} must be an int or (left, right) of ints >= 0, got {value!r}")
+        return int(value[0]), int(value[1])
+    if not _nonneg_int(value):
+        raise EinshardError(f"{arg} of axis {axis!r} must be an int >= 0 or (left, right), got {value!r}")
+    return int(value), int(value)
+
+
+def check_boundary(boundary: str) -> str:
+    if boundary not in BOUNDARIES:
+        raise EinshardError(f"boundary must be one of {list(BOUNDARIES)}, got {boundary!r}")
+    return boundary
+
+
+# -- mesh, layouts, agreement, plans ------------------------------------------------------------
+
+
+def pick_mesh(spec: TensorSpec, mesh):
+    """The mesh a spec needs: ``None`` for a local spec, else ``mesh=`` or the ambient one."""
+    if not any(a.mesh for a in spec.axes):
+        return None
+    return resolve_mesh(mesh)
+
+
+def ambient_key():
+    """The ambient split shapes (``shard_map``) as part of a cache key."""
+    amb = _context.current().shapes
+    return tuple(sorted(amb.items(), key=repr)) if amb else None
+
+
+def spec_layout(spec: TensorSpec, text: str, shape: tuple, mesh, shapes):
+    """``(Layout, local_error)`` of a tensor of local shape ``shape`` laid out as ``spec``."""
+    names = [a.name for a in spec.axes]
+    if len(shape) != len(names):
+        raise EinshardError(f"the spec names {len(names)} dimensions but the tensor has {len(shape)}")
+    if mesh is None:
+        n = len(names)
+        return Layout(tuple(names), tuple(int(s) for s in shape), ((),) * n, (None,) * n), None
+    res = resolve(Formula(text, (spec,), spec), [tuple(shape)], mesh, shapes=shapes, ambient=_context.shapes_for(mesh))
+    return res.operands[0], res.local_error
+
+
+def agree(mesh, error, **kwargs) -> None:
+    """:func:`einshard.checks.agree` over every rank of ``mesh`` (raises ``error`` alone when checks are off)."""
+    checks.agree(mesh.group(tuple(mesh.names)), error, **kwargs)
+
+
+def agree_before_communicating(mesh, local_error, x: torch.Tensor) -> None:
+    """Raise a rank-local error on every rank (checks on) or here (checks off).
+
+    With checks on the ranks also agree on ``x``'s dtype and device (the exchange would abort on a mismatch).
+    """
+    if local_error is not None or (mesh is not None and checks.checks_enabled()):
+        error = None if local_error is None else EinshardError(local_error)
+        if mesh is None:
+            raise error
+        agree(mesh, error, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
+
+
+def build_plan(cache: BoundedCache, key, mesh, build, context=None, **agreement):
+    """``cache[key]``, or ``build()`` stored there; with checks on, the ranks of ``mesh`` agree on a build error.
+
+    ``context``: ``(expression, op)`` that a build error names (:meth:`EinshardError.within`) before the agreement.
+    """
+    plan = cache.get(key)
+    if plan is not None:
+        return plan
+    try:
+        plan = build()
+    except ValueError as err:
+        if context is not None and isinstance(err, EinshardError):
+            err.within(*context)
+        if mesh is not None and checks.checks_enabled():
+            agree(mesh, err, **agreement)
+        raise
+    return cache.put(key, plan)
