@@ -23,12 +23,15 @@ import torch
 
 from .. import _context, checks
 from .. import vma as _vma
+from .._cache import BoundedCache
 from .._table import text_table
 from ..errors import EinshardError, naming
+from ..mesh import resolve_mesh
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
-from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
+from ..notation import Axis, Formula, TensorSpec
 from ..notation import check_semantics, expand_tensor, family_member, freeze_families, invalid
+from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope
 from ..notation.grammar import parse_text
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
@@ -37,7 +40,7 @@ from ..resolve import Splits, freeze_shapes, resolve
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 
 _NORMS = (None, "backward", "ortho", "forward")
-_PLANS: dict = {}
+_PLANS = BoundedCache()
 
 
 # -- parsing and validation -------------------------------------------------------
@@ -67,30 +70,6 @@ class _Spec:
         back = {b: a for a, b in self.pairs}
         out = " ".join(str(Axis(back.get(a.name, a.name), a.mesh)) for a in self.out.axes)
         return f"{self.inp} -> {out}"
-
-
-def _family_table(text: str, families: tuple) -> dict[str, tuple[str, ...]]:
-    return {name: tuple(family_member(text, name, m).name for m in members) for name, members in families}
-
-
-def _check_spec(text: str, spec: TensorSpec, where: str) -> None:
-    if spec.annotations:
-        raise EinshardError(f"einfft takes no annotations like [{spec.annotations[0]}] on the {where}")
-    if spec.partial:
-        dims = ", ".join(spec.partial)
-        raise EinshardError(
-            f"the {where} '{spec}' is partial over {dims!r}; einfft needs a non-partial "
-            f"{where} (sum it first with es.einshard)"
-        )
-    for item in spec.items:
-        if isinstance(item, EllipsisItem):
-            raise EinshardError(f"einfft does not accept '...' in the {where}; name every axis")
-        if isinstance(item, Group):
-            names = " ".join(a.name for a in item.axes)
-            raise EinshardError(
-                f"factored axis '({names})' (axis {item.axes[0].name!r}) in the {where}: einfft needs "
-                f"plain axes; split the group first with es.einshard"
-            )
 
 
 def _axes_form(formula: str, axes) -> str:
@@ -155,11 +134,11 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
     table_axes = {name: tuple(family_member(text, name, m) for m in members) for name, members in families}
     inp = expand_tensor(text, inputs[0], table_axes)
     out = expand_tensor(text, output, table_axes)
-    _check_spec(text, inp, "input")
-    _check_spec(text, out, "output")
+    check_spec(inp, "einfft", "the input")
+    check_spec(out, "einfft", "the output", unique=False)  # repeated names: below, with a caret
     check_semantics(Formula(text, (inp,), None))
     in_names = tuple(a.name for a in inp.axes)
-    pairs = _expand_pairs(text, dict(axes_key), in_names, _family_table(text, families))
+    pairs = _expand_pairs(text, dict(axes_key), in_names, family_table(families, text))
     transformed = {a for a, _ in pairs}
     untouched = [n for n in in_names if n not in transformed]
     for _, b in pairs:
@@ -192,26 +171,14 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
     return _Spec(text, inp, out, pairs, is_local)
 
 
-_PARSED: dict = {}
+_PARSED = BoundedCache()
 
 
 def _parse_cached(text, axes_key, families) -> _Spec:
-    key = (text, axes_key, families)
-    found = _PARSED.get(key)
+    found = _PARSED.get((text, axes_key, families))
     if found is None:
-        found = _parse(text, axes_key, families)
-        if len(_PARSED) > 4096:
-            _PARSED.clear()
-        _PARSED[key] = found
+        found = _PARSED.put((text, axes_key, families), _parse(text, axes_key, families))
     return found
-
-
-def _freeze(value):
-    if isinstance(value, Mapping):
-        return tuple((k, _freeze(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 # -- sizes and dtypes ------------------------------------------------------------------
@@ -734,9 +701,9 @@ def einfft(
         dtype = torch.complex64 if (real and inverse) else torch.float32
     else:
         raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
-    axes_key = _freeze(axes) if isinstance(axes, Mapping) else axes
+    axes_key = freeze(axes)
     fam_key = freeze_families(families)
-    if _vma.ACTIVE and not explain and _vma.current() is not None:  # in shard_map(check_vma=True)
+    if not explain and in_vma_scope():  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
             raise EinshardError(_axes_form(formula, axes), formula)
         proxy = _parse_cached(formula, axes_key, fam_key).proxy
@@ -748,11 +715,8 @@ def einfft(
         return _vma.formula_op(untracked, proxy, (x,), mesh=mesh)
     ambient = _context.current()
     mesh_key = mesh if mesh is not None else ambient.mesh
-    key = (
-        formula, axes_key, bool(inverse), norm, bool(real), _freeze(signal_sizes), fam_key, shape, dtype,
-        freeze_shapes(shapes) if not isinstance(shapes, Mapping) else _freeze(shapes), id(mesh_key),
-        mesh_key, getattr(ambient, "shapes_key", None) or tuple(sorted(ambient.shapes.items())),
-    )
+    key = (formula, axes_key, bool(inverse), norm, bool(real), freeze(signal_sizes), fam_key, shape, dtype,
+           freeze(shapes), id(mesh_key), mesh_key, ambient.shapes_key)
     bound = _PLANS.get(key)
     if bound is None:
         try:
@@ -760,26 +724,21 @@ def einfft(
                                  mesh, shapes)
         except ValueError as err:
             if not explain:
-                _agree_on_build_error(err, formula, axes_key, fam_key, mesh)
+                _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh)
             raise
-        if explain:
-            if bound.local_error is not None:
-                raise EinshardError(bound.local_error)
-            return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
-        if bound.mesh is None and bound.plan.problem.mesh.names:
-            raise EinshardError(f"{formula!r}: a virtual mesh has no process groups; use it with explain=True")
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        _PLANS[key] = bound
-    elif explain:
+        if not explain:
+            if bound.mesh is None and bound.plan.problem.mesh.names:
+                raise EinshardError(f"a virtual mesh has no process groups; use it with explain=True", formula)
+            _PLANS.put(key, bound)
+    if explain:
         if bound.local_error is not None:
-            raise EinshardError(bound.local_error)
+            raise EinshardError(bound.local_error, formula)
         spec = _parse_cached(formula, axes_key, fam_key)
         return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
     if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
-        checks.agree(
-            bound.mesh.group(tuple(bound.mesh.names)),
-            None if bound.local_error is None else EinshardError(bound.local_error),
+        agree(
+            bound.mesh,
+            None if bound.local_error is None else EinshardError(bound.local_error, formula),
             fingerprint=bound.fingerprint,
             what=f"the layouts of {formula!r}",
             facts=(("dtype", x.dtype), ("device", x.device)),
@@ -790,13 +749,11 @@ def einfft(
     return bound(x)
 
 
-def _agree_on_build_error(err, formula, axes_key, fam_key, mesh) -> None:
+def _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh) -> None:
     """Checks on: a planning error of a distributed call (it may depend on this rank's dtype or shape)
     is raised on every rank, which are at the agreement before communicating."""
-    if not checks.checks_enabled() or checks.was_agreed(err):
+    if not checks.checks_enabled() or checks.was_agreed(err) or not isinstance(axes, Mapping):
         return
-    from ..mesh import resolve_mesh
-
     try:
         if _parse_cached(formula, axes_key, fam_key).is_local:
             return  # no rank communicates
@@ -804,7 +761,7 @@ def _agree_on_build_error(err, formula, axes_key, fam_key, mesh) -> None:
     except ValueError:  # the formula or the mesh is wrong: every rank sees that
         return
     if m.device_mesh is not None:
-        checks.agree(m.group(tuple(m.names)), err, point="einfft")
+        agree(m, err, point="einfft")
 
 
 @naming()
@@ -815,8 +772,7 @@ def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, 
     spec = _parse_cached(formula, axes_key, fam_key)
     if real and not inverse and dtype.is_complex:
         raise EinshardError(f"real=True (rfftn) needs a real input, got {dtype}")
-    table = _family_table(formula, fam_key)
-    signal = _signal_sizes(spec, signal_sizes, real, inverse, table)
+    signal = _signal_sizes(spec, signal_sizes, real, inverse, family_table(fam_key, formula))
     order_names = spec.in_names
     out_index = {}
     back = {b: a for a, b in spec.pairs}
@@ -830,15 +786,13 @@ def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, 
     if spec.is_local:
         plan = _local_plan(spec, shape, dtype, real, inverse, signal)
         return _Bound(plan, None, norm, dtype, order), spec
-    from ..mesh import resolve_mesh
-
     m = resolve_mesh(mesh)
     try:
         problem, local_error = _problem(spec, shape, dtype, m, shapes, real, inverse, signal)
         plan = plan_fft(problem)
     except ValueError as err:
         if checks.checks_enabled() and m.device_mesh is not None:
-            checks.agree(m.group(tuple(m.names)), err)
+            agree(m, err)
         raise
     warning = None
     if plan.gathered:

@@ -54,16 +54,17 @@ def in_vma_scope() -> bool:
 
 
 def freeze(value):
-    """A hashable form of nested dicts / lists of plain values (a cache key; order kept, types tagged).
+    """A hashable form of nested dicts / lists of plain values, for cache keys (``dict(freeze(d)) == d``
+    for a flat dict; ``True`` is kept apart from ``1``, which would share a cache entry with a valid width).
 
-    >>> freeze({"h": (1, 2), "w": True})
-    (<class 'dict'>, ('h', (<class 'tuple'>, 1, 2)), ('w', (<class 'bool'>, True)))
+    >>> freeze({"h": [1, 2], "w": True})
+    (('h', (1, 2)), ('w', (<class 'bool'>, True)))
     """
     if isinstance(value, Mapping):
-        return (dict,) + tuple((k, freeze(v)) for k, v in value.items())
+        return tuple((k, freeze(v)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return (tuple,) + tuple(freeze(v) for v in value)
-    if isinstance(value, bool):  # True == 1 would share a cache entry with a valid width
+        return tuple(freeze(v) for v in value)
+    if isinstance(value, bool):
         return (bool, value)
     return value
 
@@ -74,8 +75,8 @@ def family_table(families, text: str = "") -> dict[str, tuple[str, ...]]:
     return {name: tuple(family_member(text, name, m).name for m in members) for name, members in frozen}
 
 
-def check_spec(spec: TensorSpec, op: str, where: str = "the spec") -> None:
-    """A plain spec: no annotations, ``...``, factored axes, partial sums or repeated names."""
+def check_spec(spec: TensorSpec, op: str, where: str = "the spec", unique: bool = True) -> None:
+    """A plain spec: no annotations, ``...``, factored axes, partial sums or (``unique``) repeated names."""
     if spec.annotations:
         raise EinshardError(f"{op} takes no annotations like [{spec.annotations[0]}] on {where}")
     for item in spec.items:
@@ -92,7 +93,7 @@ def check_spec(spec: TensorSpec, op: str, where: str = "the spec") -> None:
             f"{where} '{spec}' is partial over {', '.join(spec.partial)!r}; sum it first (es.einshard)"
         )
     seen = set()
-    for a in spec.axes:
+    for a in spec.axes if unique else ():
         if a.name in seen:
             raise EinshardError(f"axis {a.name!r} appears twice in {where}")
         seen.add(a.name)
