@@ -12,19 +12,21 @@ from __future__ import annotations
 import zlib
 
 from . import _context, checks
-from .errors import EinshardError
+from ._cache import BoundedCache
+from .errors import EinshardError, naming
 from .execute import Embedding, transition
 from .layout import MeshShape
 from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
 from .notation import expand
 from .ops.local import Contraction, expand_sizes
+from .ops.pipeline import agree, check_dtypes, check_tensors
 from .plan.contraction import Problem, plan_schedule
 from .policy import resolve_policy
 from .resolve import freeze_shapes, resolve
 
 __all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
 
-_PLANS: dict = {}
+_PLANS = BoundedCache(16384)
 
 
 class DistributedPlan:
@@ -145,6 +147,7 @@ def _then(core, embedding):
     return lambda tensors: embedding(core(tensors))
 
 
+@naming()
 def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=(), duties=()):
     """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled).
 
@@ -160,9 +163,7 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
         duties = duty_dims(duties, mesh, parsed.text)
         for k, (duty, layout) in enumerate(zip(duties, resolved.operands)):
             if duty is not None and layout.partial:
-                raise EinshardError(
-                    f"{parsed.text!r}: operand {k} carries a gradient duty, so it must not be partial (// ...)"
-                )
+                raise EinshardError(f"operand {k} carries a gradient duty, so it must not be partial (// ...)")
     problem = Problem(
         resolved.operands,
         resolved.output,
@@ -175,10 +176,6 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
     return DistributedPlan(problem, plan_schedule(problem, policy), resolved, mesh)
 
 
-def _agree_group(mesh):
-    return mesh.group(tuple(mesh.names))
-
-
 def _frozen_shapes(key, shapes):
     try:
         return None if shapes is None else freeze_shapes(shapes)
@@ -188,9 +185,9 @@ def _frozen_shapes(key, shapes):
 
 def _agree_on_plan(plan, mesh, key, facts) -> None:
     """Raise this rank's layout error; with checks on, every rank raises when any rank has one."""
-    checks.agree(
-        _agree_group(mesh),
-        None if plan.local_error is None else EinshardError(plan.local_error),
+    agree(
+        mesh,
+        None if plan.local_error is None else EinshardError(plan.local_error, key[0]),
         fingerprint=plan.fingerprint,
         what=f"the operands of {key[0]!r}",
         describe=plan.describe,
@@ -218,20 +215,18 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
         frozen_shapes = _frozen_shapes(key, shapes)
     except ValueError as err:  # the arguments may be wrong on one rank only: agreed when checks are on
         if checks.checks_enabled():
-            checks.agree(_agree_group(mesh), err, point="einshard")
+            agree(mesh, err, point="einshard")
         raise
     # a non-tensor operand has no dtype: no plan is cached for it (the operand check below reports it, agreed)
     full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, duties,
                 *[getattr(t, "dtype", None) for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
-        from .ops.einshard import _check_tensors
-
         try:
-            _check_tensors(expand(key[0], key[2]), tensors)
+            check_tensors(expand(key[0], key[2]), tensors)
         except ValueError as err:
             if checks.checks_enabled():
-                checks.agree(_agree_group(mesh), err, point="einshard")
+                agree(mesh, err, point="einshard")
             raise
         plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol,
                          duties)
@@ -245,11 +240,10 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
 
 def _run_without_mesh(key, tensors):
     """No mesh anywhere: a formula whose sharded axes do not move runs on the local blocks."""
-    from .ops.einshard import _check_tensors
     from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
 
     parsed = expand(key[0], key[2])
-    _check_tensors(parsed, tensors)
+    check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
         raise EinshardError(_MESH_REQUIRED)
     why = needs_mesh_for_grad(parsed, tensors)
@@ -262,19 +256,14 @@ def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol, duties=())
     formula, sizes, families = key[0], key[1], key[2]
     parsed = expand(formula, families)
     try:
-        names = sorted({str(d) for d in dtypes})
-        if len(names) > 1:  # torch.einsum would fail after the operands' collectives
-            raise EinshardError(f"{formula!r}: the operands have different dtypes ({', '.join(names)}); convert them first")
+        check_dtypes(formula, dtypes)
         itemsize = max(d.itemsize for d in dtypes)
         plan = plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, pol, families, duties).compile()
     except ValueError as err:
         if checks.checks_enabled():
-            checks.agree(_agree_group(mesh), err, point="einshard")
+            agree(mesh, err, point="einshard")
         raise
-    if len(_PLANS) > 16384:
-        _PLANS.clear()
-    _PLANS[full_key] = plan
-    return plan
+    return _PLANS.put(full_key, plan)
 
 
 def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):

@@ -20,7 +20,7 @@ import torch
 from .. import _context, checks
 from .. import vma as _vma
 from .._cache import BoundedCache
-from ..errors import EinshardError
+from ..errors import EinshardError, naming
 from ..layout import Layout
 from ..mesh import resolve_mesh
 from ..notation import Formula, Group, TensorSpec, expand, family_member, freeze_families
@@ -39,6 +39,8 @@ __all__ = [
     "pick_mesh",
     "ambient_key",
     "spec_layout",
+    "check_tensors",
+    "check_dtypes",
     "agree",
     "agree_before_communicating",
     "build_plan",
@@ -168,6 +170,24 @@ def check_boundary(boundary: str) -> str:
     if boundary not in BOUNDARIES:
         raise EinshardError(f"boundary must be one of {list(BOUNDARIES)}, got {boundary!r}")
     return boundary
+
+
+@naming()
+def check_tensors(formula, tensors, dtypes: bool = True) -> None:
+    """The operands are tensors (of one dtype: :func:`check_dtypes`); the error names the operand."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise EinshardError(f"operand {i} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes:
+        check_dtypes(formula, [t.dtype for t in tensors])
+
+
+@naming()
+def check_dtypes(formula, dtypes) -> None:
+    """One dtype for all operands: ``torch.einsum`` would fail (after the operands' collectives, when distributed)."""
+    names = sorted({str(d) for d in dtypes})
+    if len(names) > 1:
+        raise EinshardError(f"the operands have different dtypes ({', '.join(names)}); convert them first")
 
 
 # -- mesh, layouts, agreement, plans ------------------------------------------------------------
