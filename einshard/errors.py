@@ -1,11 +1,8 @@
-"""``EinshardError``: the one error class of invalid calls, and how it names the expression.
+"""``EinshardError``: the error of every invalid call, and how it comes to name the expression.
 
-Every invalid call (a bad formula, operand, argument or layout) raises
-:class:`EinshardError`, a ``ValueError``, before any collective starts. A
-check deep inside the library states only what is wrong; the function that
-knows the expression (a public op, or the module entry that receives the
-formula) attaches it once, as ``'<expression>': <reason>``, with
-:meth:`EinshardError.within` or the :func:`naming` decorator.
+A check deep inside the library states only what is wrong; the function that
+knows the expression (a public op, or the entry of a module that receives
+the formula: :func:`naming`) prefixes it once, as ``'<expression>': <reason>``.
 """
 
 from __future__ import annotations
@@ -16,17 +13,16 @@ __all__ = ["EinshardError", "naming"]
 
 
 class EinshardError(ValueError):
-    """An invalid einshard call; ``expression`` is the formula or spec its message names.
+    """An invalid einshard call (formula, operand, argument or layout), raised before any collective.
 
-    An error raised without ``expression`` gets it from the entry point that
-    knows it (:meth:`within`); one raised with it is complete as it is.
+    ``expression``: the formula or spec the message names (``None`` until an entry point attaches it).
 
-    >>> import einshard as es
+    >>> import torch, einshard as es
     >>> try:
-    ...     es.einshard("a b -> c", __import__("torch").ones(2, 2))
+    ...     es.einshard("a b -> a", torch.ones(2, 3), torch.ones(3))
     ... except es.EinshardError as err:
-    ...     print(err.expression, isinstance(err, ValueError))
-    a b -> c True
+    ...     print(err)
+    'a b -> a': the formula has 1 operand(s) but 2 tensor(s) were given
     """
 
     expression: str | None = None
@@ -37,7 +33,7 @@ class EinshardError(ValueError):
             self.expression = expression
 
     def within(self, expression: str, op: str | None = None) -> "EinshardError":
-        """This error, its message prefixed by ``'expression': `` (``op: 'expression': ``) unless it names one.
+        """This error, prefixed by ``'expression': `` (``op: 'expression': ``) unless it names one already.
 
         >>> str(EinshardError("axis 'h' is empty").within("b h", "einhalo"))
         "einhalo: 'b h': axis 'h' is empty"
@@ -50,18 +46,8 @@ class EinshardError(ValueError):
 
 
 def naming(expression_arg: int = 0):
-    """Decorate a function whose positional argument ``expression_arg`` is the expression (or a parsed
-    ``Formula``): the :class:`EinshardError` s it raises name it (see :meth:`EinshardError.within`).
-
-    >>> @naming()
-    ... def check(text):
-    ...     raise EinshardError("no such axis")
-    >>> try:
-    ...     check("a b")
-    ... except EinshardError as err:
-    ...     print(err)
-    'a b': no such axis
-    """
+    """Decorator: the :class:`EinshardError` s of the function name its argument ``expression_arg``
+    (a formula string or a parsed ``Formula``), see :meth:`EinshardError.within`."""
 
     def wrap(fn):
         @functools.wraps(fn)

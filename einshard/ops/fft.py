@@ -31,7 +31,7 @@ from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
 from ..notation import Axis, Formula, TensorSpec
 from ..notation import check_semantics, expand_tensor, family_member, freeze_families, invalid
-from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope
+from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis
 from ..notation.grammar import parse_text
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
@@ -81,47 +81,19 @@ def _axes_form(formula: str, axes) -> str:
     )
 
 
-def _expand_pairs(text, axes, in_names, table) -> tuple[tuple[str, str], ...]:
-    if not isinstance(axes, Mapping) or not axes:
+def _expand_pairs(axes, in_names, families) -> tuple[tuple[str, str], ...]:
+    """``axes=`` as ``(input axis, output axis)`` pairs, in order (family keys expanded)."""
+    pairs = tuple(per_axis(axes, in_names, families, "axes").items())
+    if not pairs:
         raise EinshardError(f"axes= must be a non-empty dict {{input axis: output axis}}, got {axes!r}")
-    pairs: list[tuple[str, str]] = []
-    for key, value in axes.items():
-        if not isinstance(key, str):
-            raise EinshardError(f"axes= keys must be axis or family names, got {key!r}")
-        if key not in in_names and key in table:
-            members = table[key]
-            if isinstance(value, str):
-                if value not in table:
-                    raise EinshardError(
-                        f"axes[{key!r}] maps family {key!r} to {value!r}, which is not a family; "
-                        f"give a tuple of {len(members)} output axes"
-                    )
-                value = table[value]
-            value = tuple(value)
-            if len(value) != len(members):
-                raise EinshardError(
-                    f"axes[{key!r}] has {len(value)} output axes but family {key!r} has "
-                    f"{len(members)} members"
-                )
-            pairs.extend(zip(members, value))
-        else:
-            if key not in in_names:
-                raise EinshardError(
-                    f"axes= names axis {key!r}, which is not an input axis (input axes: "
-                    f"{list(in_names)})"
-                )
-            pairs.append((key, value))
-    seen_in, seen_out = set(), set()
+    seen = set()
     for a, b in pairs:
         if not isinstance(b, str) or not b.isidentifier():
             raise EinshardError(f"axes[{a!r}] must be an output axis name, got {b!r}")
-        if a in seen_in:
-            raise EinshardError(f"axis {a!r} appears twice in axes=")
-        if b in seen_out:
+        if b in seen:
             raise EinshardError(f"output axis {b!r} is the transform of two axes in axes=")
-        seen_in.add(a)
-        seen_out.add(b)
-    return tuple(pairs)
+        seen.add(b)
+    return pairs
 
 
 @naming()
@@ -138,7 +110,7 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
     check_spec(out, "einfft", "the output", unique=False)  # repeated names: below, with a caret
     check_semantics(Formula(text, (inp,), None))
     in_names = tuple(a.name for a in inp.axes)
-    pairs = _expand_pairs(text, dict(axes_key), in_names, family_table(families, text))
+    pairs = _expand_pairs(dict(axes_key), in_names, families)
     transformed = {a for a, _ in pairs}
     untouched = [n for n in in_names if n not in transformed]
     for _, b in pairs:
@@ -194,10 +166,6 @@ def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _real_dtype(dtype: torch.dtype) -> torch.dtype:
     return {torch.complex128: torch.float64, torch.complex32: torch.float16}.get(_complex_dtype(dtype), torch.float32)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -> dict[str, int]:
@@ -302,46 +270,30 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
         splits[name] = tuple(found)
     names = src.axes
     dst = Layout(names, tuple(after[n] for n in names), tuple(shard[n] for n in names), tuple(splits[n] for n in names))
-    index = {n: i for i, n in enumerate(names)}
+    problem = _fft_problem(spec, src, dst, dtype, real, inverse, MeshShape.of(mesh))
+    return problem, resolved.local_error
+
+
+def _fft_problem(spec: _Spec, src: Layout, dst: Layout, dtype, real, inverse, mesh_shape) -> FFTProblem:
+    index = {n: i for i, n in enumerate(src.axes)}
     renamed = dict(spec.pairs)
     cdtype = _complex_dtype(dtype)
     out_dtype = _real_dtype(dtype) if real and inverse else cdtype
-    problem = FFTProblem(
-        names=names,
-        out_names=tuple(renamed.get(n, n) for n in names),
-        before=src.sizes,
-        after=dst.sizes,
-        transform=tuple(index[a] for a, _ in spec.pairs),
-        real=real,
-        inverse=inverse,
-        src=src,
-        dst=dst,
-        mesh=MeshShape.of(mesh),
-        itemsize_in=_itemsize(dtype),
-        itemsize_complex=_itemsize(cdtype),
-        itemsize_out=_itemsize(out_dtype),
+    return FFTProblem(
+        src.axes, tuple(renamed.get(n, n) for n in src.axes), src.sizes, dst.sizes,
+        tuple(index[a] for a, _ in spec.pairs), real, inverse, src, dst, mesh_shape,
+        dtype.itemsize, cdtype.itemsize, out_dtype.itemsize,
     )
-    return problem, resolved.local_error
 
 
 def _local_plan(spec: _Spec, shape, dtype, real, inverse, signal) -> FFTPlan:
     names = spec.in_names
-    before = dict(zip(names, shape))
-    after = _after_sizes(spec, before, real, inverse, signal)
-    index = {n: i for i, n in enumerate(names)}
-    transform = tuple(index[a] for a, _ in spec.pairs)
-    sizes_b = tuple(shape)
+    after = _after_sizes(spec, dict(zip(names, shape)), real, inverse, signal)
     sizes_a = tuple(after[n] for n in names)
-    none = tuple(() for _ in names)
-    nosplit = tuple(None for _ in names)
-    src = Layout(names, sizes_b, none, nosplit)
-    dst = Layout(names, sizes_a, none, nosplit)
-    renamed = dict(spec.pairs)
-    cdtype = _complex_dtype(dtype)
-    problem = FFTProblem(
-        names, tuple(renamed.get(n, n) for n in names), sizes_b, sizes_a, transform, real, inverse, src, dst,
-        MeshShape((), ()), _itemsize(dtype), _itemsize(cdtype), _itemsize(_real_dtype(dtype) if real and inverse else cdtype),
-    )
+    src = Layout(names, tuple(shape), ((),) * len(names), (None,) * len(names))
+    dst = Layout(names, sizes_a, src.shard, src.splits)
+    problem = _fft_problem(spec, src, dst, dtype, real, inverse, MeshShape((), ()))
+    transform = problem.transform
     if real:
         dims = tuple(sorted(transform[:-1])) + (transform[-1],)
         kind = "c2r" if inverse else "r2c"

@@ -27,24 +27,9 @@ from ..notation import Formula, Group, TensorSpec, expand, family_member, freeze
 from ..plan.halo import BOUNDARIES
 from ..resolve import resolve
 
-__all__ = [
-    "in_vma_scope",
-    "freeze",
-    "family_table",
-    "check_spec",
-    "parse_spec",
-    "per_axis",
-    "width_pair",
-    "check_boundary",
-    "pick_mesh",
-    "ambient_key",
-    "spec_layout",
-    "check_tensors",
-    "check_dtypes",
-    "agree",
-    "agree_before_communicating",
-    "build_plan",
-]
+__all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "parse_spec", "per_axis", "width_pair",
+           "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout", "agree",
+           "agree_before_communicating", "build_plan"]
 
 
 def in_vma_scope() -> bool:
@@ -134,12 +119,10 @@ def per_axis(mapping, names: Sequence[str], families, arg: str) -> dict:
                 )
             targets, values = members, tuple(value)
         else:
-            raise EinshardError(f"{arg} names axis {key!r}, which is not in the spec (axes: {list(names)})")
+            raise EinshardError(f"{arg} names axis {key!r}, which is not an input axis (input axes: {list(names)})")
         for t, v in zip(targets, values):
             if t not in names:
-                raise EinshardError(
-                    f"{arg} names axis {t!r} (family {key!r}), which is not in the spec (axes: {list(names)})"
-                )
+                raise EinshardError(f"{arg} names axis {t!r} (family {key!r}), which is not an input axis")
             if t in out:
                 raise EinshardError(f"{arg} gives axis {t!r} twice")
             out[t] = v
