@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import optree
 
 from .errors import EinshardError
-from ._split import _lookup_dim, _MISSING
+from ._split import MISSING, lookup_dim
 from .notation import EllipsisItem, Group, expand, freeze_families
 from .resolve import ELLIPSIS_PREFIX, resolve
 
@@ -295,8 +295,8 @@ def explicit_entries(layout, shapes, mesh):
     labels = {mesh.label(dims) for dims, _ in entries}
     for (dims, axis), splits in entries.items():
         if isinstance(shapes, Mapping):
-            entry = _lookup_dim(shapes, mesh.label(dims))
-            if entry is _MISSING:
+            entry = lookup_dim(shapes, mesh.label(dims))
+            if entry is MISSING:
                 continue
             if isinstance(entry, Mapping) and axis not in entry:
                 continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import EinshardError
 
@@ -13,6 +13,8 @@ __all__ = [
     "resolve_split_shapes",
     "canonical_mesh_dim",
     "is_size",
+    "as_sizes",
+    "lookup_dim",
 ]
 
 
@@ -96,8 +98,8 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
     if shapes is None:
         return None
     if isinstance(shapes, Mapping):
-        entry = _lookup_dim(shapes, mesh_dim)
-        if entry is _MISSING:
+        entry = lookup_dim(shapes, mesh_dim)
+        if entry is MISSING:
             raise EinshardError(
                 f"shapes has no entry for mesh dimension {mesh_dim!r} (axis {axis_name!r}); "
                 f"it has {sorted(shapes)}"
@@ -108,9 +110,9 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
                     f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r}; it has {sorted(entry)}"
                 )
             entry = entry[axis_name]
-        result = _as_sizes(entry, f"shapes[{mesh_dim!r}]")
+        result = as_sizes(entry, f"shapes[{mesh_dim!r}]")
     else:
-        result = _as_sizes(shapes, "shapes")
+        result = as_sizes(shapes, "shapes")
     size = _group_size(group)
     if size is not None and len(result) != size:
         raise EinshardError(
@@ -120,17 +122,18 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
     return result
 
 
-_MISSING = object()
+MISSING = object()
 
 
-def _lookup_dim(shapes: Mapping, mesh_dim: str):
+def lookup_dim(shapes: Mapping, mesh_dim: str):
+    """``shapes``' entry for ``mesh_dim`` (a compound one in any order), or ``MISSING``."""
     if mesh_dim in shapes:
         return shapes[mesh_dim]
     wanted = frozenset(mesh_dim.split("-"))
     for key, value in shapes.items():
         if isinstance(key, str) and frozenset(key.split("-")) == wanted:
             return value
-    return _MISSING
+    return MISSING
 
 
 def is_size(v) -> bool:
@@ -145,12 +148,12 @@ def is_size(v) -> bool:
     return 0 <= operator.index(v) < 1 << 63
 
 
-def _as_sizes(value, what: str) -> list[int]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        try:
-            value = list(value)
-        except TypeError:
-            raise EinshardError(f"{what} must be a list of per-rank sizes, got {value!r}") from None
+def as_sizes(value, what: str) -> list[int]:
+    """``value`` as a list of per-rank sizes (any iterable of sizes, not a string); ``what`` names it in errors."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise EinshardError(f"{what} must be a list of per-rank sizes, got {value!r}")
+        value = list(value)
     sizes = []
     for v in value:
         if not is_size(v):

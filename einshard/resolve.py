@@ -15,7 +15,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import EinshardError, naming
-from ._split import compute_split_shapes, is_size
+from ._split import as_sizes, compute_split_shapes
 from .layout import Layout, broadcast_size
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
 
@@ -155,14 +155,7 @@ class Splits:
         return None
 
     def _sizes(self, value, what):
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise EinshardError(f"{what} must be a list of per-rank sizes, got {value!r}")
-        out = []
-        for v in value:
-            if not is_size(v):
-                raise EinshardError(f"{what} must hold non-negative integers (below 2**63), got {list(value)!r}")
-            out.append(int(v))
-        return tuple(out)
+        return tuple(as_sizes(value, what))
 
 
 def _dims_at(mesh, text: str, name: str, position: int) -> tuple:
@@ -185,7 +178,7 @@ def resolve(
     """
     text = formula.text
     if formula.output is None:
-        raise EinshardError(f"einshard needs a formula 'inputs -> output'")
+        raise EinshardError("einshard needs a formula 'inputs -> output'")
     if len(local_shapes) != len(formula.inputs):
         raise EinshardError(
             f"the formula has {len(formula.inputs)} operand(s) but {len(local_shapes)} tensor(s) were given"

@@ -86,7 +86,7 @@ class _ConvSpec:
         wmap = per_axis(windows, x_names, families, "windows")
         table = family_table(families)
         if not wmap:
-            raise EinshardError(f"windows= must map the spatial axes to kernel axes")
+            raise EinshardError("windows= must map the spatial axes to kernel axes")
         if not 1 <= len(wmap) <= 3:
             raise EinshardError(f"1 to 3 spatial axes are supported, got {list(wmap)}")
         for axis, k in wmap.items():
@@ -99,7 +99,7 @@ class _ConvSpec:
             if axis in w_names:
                 raise EinshardError(f"spatial axis {axis!r} must not appear in the weight")
         if len(set(wmap.values())) != len(wmap):
-            raise EinshardError(f"two spatial axes share a kernel axis")
+            raise EinshardError("two spatial axes share a kernel axis")
         self.spatial = [a for a in x_names if a in wmap]  # in input order
         kernels = [wmap[a] for a in self.spatial]
 

@@ -35,7 +35,7 @@ from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per
 from ..notation.grammar import parse_text
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
-from ..resolve import Splits, freeze_shapes, resolve
+from ..resolve import Splits, resolve
 
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 
@@ -100,7 +100,7 @@ def _expand_pairs(axes, in_names, families) -> tuple[tuple[str, str], ...]:
 def _parse(text: str, axes_key, families: tuple) -> _Spec:
     inputs, output = parse_text(text)
     if output is None:
-        raise EinshardError(f"einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
+        raise EinshardError("einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
     if len(inputs) != 1:
         raise EinshardError(f"einfft takes one input tensor, the formula has {len(inputs)}")
     table_axes = {name: tuple(family_member(text, name, m) for m in members) for name, members in families}
@@ -172,9 +172,8 @@ def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -
     """``signal_sizes`` keyed by input axis (family keys expanded, output names mapped back)."""
     if signal_sizes is None:
         return {}
-    text = spec.text
     if not (real and inverse):
-        raise EinshardError(f"signal_sizes= is for inverse real transforms (real=True, inverse=True)")
+        raise EinshardError("signal_sizes= is for inverse real transforms (real=True, inverse=True)")
     if not isinstance(signal_sizes, Mapping):
         raise EinshardError(f"signal_sizes= must be a dict {{axis: length}}, got {signal_sizes!r}")
     back = {b: a for a, b in spec.pairs}
@@ -199,7 +198,6 @@ def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -
 
 
 def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, int]:
-    text = spec.text
     after = dict(before)
     half = spec.pairs[-1][0] if real else None
     for a, _ in spec.pairs:
@@ -680,7 +678,7 @@ def einfft(
             raise
         if not explain:
             if bound.mesh is None and bound.plan.problem.mesh.names:
-                raise EinshardError(f"a virtual mesh has no process groups; use it with explain=True", formula)
+                raise EinshardError("a virtual mesh has no process groups; use it with explain=True", formula)
             _PLANS.put(key, bound)
     if explain:
         if bound.local_error is not None:

@@ -279,7 +279,7 @@ class LocalPlan:
 def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (), families: tuple = ()) -> LocalPlan:
     """Plan a local formula for inputs of the given shapes."""
     if formula.output is None:
-        raise EinshardError(f"einshard needs a formula 'inputs -> output'")
+        raise EinshardError("einshard needs a formula 'inputs -> output'")
     if len(shapes) != len(formula.inputs):
         raise EinshardError(
             f"the formula has {len(formula.inputs)} operand(s) but "
