@@ -20,6 +20,7 @@ from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
 from .notation import expand
 from .ops.local import Contraction, expand_sizes
 from .ops.pipeline import agree, check_dtypes, check_tensors
+from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
 from .plan.contraction import Problem, plan_schedule
 from .policy import resolve_policy
 from .resolve import freeze_shapes, resolve
@@ -187,7 +188,7 @@ def _agree_on_plan(plan, mesh, key, facts) -> None:
     """Raise this rank's layout error; with checks on, every rank raises when any rank has one."""
     agree(
         mesh,
-        None if plan.local_error is None else EinshardError(plan.local_error, key[0]),
+        None if plan.local_error is None else EinshardError.named(plan.local_error, key[0]),
         fingerprint=plan.fingerprint,
         what=f"the operands of {key[0]!r}",
         describe=plan.describe,
@@ -207,7 +208,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
     if mesh is None:
         mesh = ambient.mesh
         if mesh is None:
-            return _run_without_mesh(key, tensors)
+            return _stationary(key, tensors).run(tensors)
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     try:
@@ -238,18 +239,20 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
     return plan.run(tensors)
 
 
-def _run_without_mesh(key, tensors):
-    """No mesh anywhere: a formula whose sharded axes do not move runs on the local blocks."""
-    from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
+def _stationary(key, tensors=None):
+    """No mesh anywhere: the plan of a formula whose sharded axes do not move, on the local blocks.
 
+    ``tensors``: the eager operands (checked, and none may need a gradient summed over ranks); ``None`` when traced.
+    """
     parsed = expand(key[0], key[2])
-    check_tensors(parsed, tensors)
+    if tensors is not None:
+        check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
         raise EinshardError(_MESH_REQUIRED)
-    why = needs_mesh_for_grad(parsed, tensors)
+    why = None if tensors is None else needs_mesh_for_grad(parsed, tensors)
     if why is not None:
         raise EinshardError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
-    return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
+    return stationary_plan(key, parsed, [tuple(s) for s in key[3:]])
 
 
 def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol, duties=()):
@@ -274,12 +277,7 @@ def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
     them as in eager mode (every rank traces the same program).
     """
     if mesh is None:  # no mesh anywhere: only a stationary formula runs (on the local blocks)
-        from .ops.stationary import is_stationary, stationary_plan
-
-        parsed = expand(key[0], key[2])
-        if not is_stationary(parsed, key[1]):
-            raise EinshardError(_MESH_REQUIRED)
-        return stationary_plan(key, parsed, [tuple(s) for s in key[3:]]).run_traced
+        return _stationary(key).run_traced
     if not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)

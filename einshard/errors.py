@@ -25,12 +25,14 @@ class EinshardError(ValueError):
     'a b -> a': the formula has 1 operand(s) but 2 tensor(s) were given
     """
 
-    expression: str | None = None
+    expression: str | None = None  # no __init__ of its own: torch.compile traces raising it
 
-    def __init__(self, message: str = "", expression: str | None = None):
-        super().__init__(message)
-        if expression is not None:
-            self.expression = expression
+    @classmethod
+    def named(cls, message: str, expression: str) -> "EinshardError":
+        """An error whose ``message`` names ``expression`` already (:meth:`within` adds nothing)."""
+        err = cls(message)
+        err.expression = expression
+        return err
 
     def within(self, expression: str, op: str | None = None) -> "EinshardError":
         """This error, prefixed by ``'expression': `` (``op: 'expression': ``) unless it names one already.

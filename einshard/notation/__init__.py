@@ -119,12 +119,12 @@ def family_member(formula: str, family: str, member) -> Axis:
     if isinstance(member, Axis):
         return member
     if not isinstance(member, str):
-        raise EinshardError(
+        raise EinshardError.named(
             f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})", formula
         )
     parsed = parse_axis(member)
     if parsed is None or str(parsed) != "".join(member.split()):
-        raise EinshardError(
+        raise EinshardError.named(
             f"Invalid einshard expression: families[{family!r}] entry {member!r} is not an axis "
             f"like 'h' or 'h/sp' (in {formula!r})", formula
         )

@@ -248,7 +248,7 @@ def invalid(expression: str, position: int, reason: str) -> EinshardError:
     """An ``EinshardError`` with the expression and a caret under ``position``."""
     position = max(0, min(position, len(expression)))
     caret = " " * position + "^"
-    return EinshardError(f"Invalid einshard expression: {reason}\n    {expression}\n    {caret}", expression)
+    return EinshardError.named(f"Invalid einshard expression: {reason}\n    {expression}\n    {caret}", expression)
 
 
 def _explain_syntax_error(text: str, index: int) -> tuple[int, str]:

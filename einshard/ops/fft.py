@@ -655,7 +655,7 @@ def einfft(
     fam_key = freeze_families(families)
     if not explain and in_vma_scope():  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
-            raise EinshardError(_axes_form(formula, axes), formula)
+            raise EinshardError.named(_axes_form(formula, axes), formula)
         proxy = _parse_cached(formula, axes_key, fam_key).proxy
 
         def untracked(_proxy, t, mesh=None):
@@ -678,17 +678,17 @@ def einfft(
             raise
         if not explain:
             if bound.mesh is None and bound.plan.problem.mesh.names:
-                raise EinshardError("a virtual mesh has no process groups; use it with explain=True", formula)
+                raise EinshardError("a virtual mesh has no process groups; use it with explain=True").within(formula)
             _PLANS.put(key, bound)
     if explain:
         if bound.local_error is not None:
-            raise EinshardError(bound.local_error, formula)
+            raise EinshardError.named(bound.local_error, formula)
         spec = _parse_cached(formula, axes_key, fam_key)
         return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
     if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
         agree(
             bound.mesh,
-            None if bound.local_error is None else EinshardError(bound.local_error, formula),
+            None if bound.local_error is None else EinshardError.named(bound.local_error, formula),
             fingerprint=bound.fingerprint,
             what=f"the layouts of {formula!r}",
             facts=(("dtype", x.dtype), ("device", x.device)),
@@ -718,7 +718,7 @@ def _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh) -> None:
 def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes):
     """Parse, validate, resolve and plan one call; returns ``(bound plan, spec)``."""
     if not isinstance(axes, Mapping):
-        raise EinshardError(_axes_form(formula, axes), formula)
+        raise EinshardError.named(_axes_form(formula, axes), formula)
     spec = _parse_cached(formula, axes_key, fam_key)
     if real and not inverse and dtype.is_complex:
         raise EinshardError(f"real=True (rfftn) needs a real input, got {dtype}")

@@ -1,18 +1,12 @@
 """The front end every operation shares, each step written once.
 
-``einshard``, ``einfft`` and the stencil ops (``einhalo``, ``einwindow``,
-``einconv``, ``einroll``) run one pipeline: parse the expression and expand
-its families, check the specs, freeze the keyword arguments into a cache
-key, look the plan up (:class:`~einshard._cache.BoundedCache`), build it
-when missing (ranks agree on a build error when checks are on), agree on
-this rank's layout error before communicating, and bind the plan to the
-rank. Inside ``shard_map(check_vma=True)`` the variance hook
-(:func:`in_vma_scope`) sends the call to :mod:`einshard.vma` first.
+``einshard``, ``einfft`` and the stencil ops parse and check their specs, freeze their arguments into cache
+keys, build a plan once (the ranks agree on a build error), agree on a rank-local error before communicating,
+and go through :mod:`einshard.vma` first inside ``shard_map(check_vma=True)`` (:func:`in_vma_scope`).
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -20,6 +14,7 @@ import torch
 from .. import _context, checks
 from .. import vma as _vma
 from .._cache import BoundedCache
+from .._split import is_size
 from ..errors import EinshardError, naming
 from ..layout import Layout
 from ..mesh import resolve_mesh
@@ -129,22 +124,13 @@ def per_axis(mapping, names: Sequence[str], families, arg: str) -> dict:
     return out
 
 
-def _nonneg_int(v) -> bool:
-    if isinstance(v, bool):
-        return False
-    try:
-        return operator.index(v) >= 0
-    except TypeError:
-        return False
-
-
 def width_pair(value, axis: str, arg: str) -> tuple[int, int]:
     """``w`` or ``(left, right)`` as ``(left, right)`` of non-negative ints."""
     if isinstance(value, (tuple, list)):
-        if len(value) != 2 or not all(_nonneg_int(v) for v in value):
+        if len(value) != 2 or not all(is_size(v) for v in value):
             raise EinshardError(f"{arg} of axis {axis!r} must be an int or (left, right) of ints >= 0, got {value!r}")
         return int(value[0]), int(value[1])
-    if not _nonneg_int(value):
+    if not is_size(value):
         raise EinshardError(f"{arg} of axis {axis!r} must be an int >= 0 or (left, right), got {value!r}")
     return int(value), int(value)
 
