@@ -66,18 +66,6 @@ class _Occurrence:
         self.operand, self.axis, self.dims, self.local, self.in_group = operand, axis, dims, local, in_group
 
 
-def _items_per_dim(spec: TensorSpec, ndim: int, text: str, where: str):
-    named = [i for i in spec.items if not isinstance(i, EllipsisItem)]
-    if spec.has_ellipsis:
-        if ndim < len(named):
-            raise EinshardError(
-                f"{where} '{spec}' names {len(named)} dimensions besides '...' but the tensor has {ndim}"
-            )
-    elif ndim != len(named):
-        raise EinshardError(f"{where} '{spec}' names {len(named)} dimensions but the tensor has {ndim}")
-    return ndim - len(named)
-
-
 class Splits:
     """Looks up split shapes from ``shapes=`` and the ambient context."""
 
@@ -210,7 +198,7 @@ def resolve(
     ellipsis_ndims = []
     for k, (spec, shape) in enumerate(zip(formula.inputs, local_shapes)):
         where = f"operand {k}"
-        n_ell = _items_per_dim(spec, len(shape), text, where)
+        n_ell = spec.ellipsis_ndim(len(shape), where)
         ellipsis_ndims.append(n_ell if spec.has_ellipsis else None)
         dims = []
         pos = 0

@@ -136,29 +136,17 @@ def operand_name(index: int) -> str:
     return f"operand {index}"
 
 
-def dims_of(spec: TensorSpec, ndim: int, formula: Formula, index: int):
+def dims_of(spec: TensorSpec, ndim: int, index: int):
     """Match a tensor spec's items to ``ndim`` tensor dimensions.
 
     Returns a list with one entry per tensor dimension: an ``Axis``, a
     ``Group`` or ``EllipsisItem`` (one per ellipsis dimension).
     """
-    named = [i for i in spec.items if not isinstance(i, EllipsisItem)]
-    if spec.has_ellipsis:
-        extra = ndim - len(named)
-        if extra < 0:
-            raise EinshardError(
-                f"{operand_name(index)} '{spec}' names {len(named)} dimensions "
-                f"besides '...' but the tensor has only {ndim}"
-            )
-    elif ndim != len(named):
-        raise EinshardError(
-            f"{operand_name(index)} '{spec}' names {len(named)} dimensions "
-            f"but the tensor has {ndim}"
-        )
+    extra = spec.ellipsis_ndim(ndim, operand_name(index))
     dims = []
     for item in spec.items:
         if isinstance(item, EllipsisItem):
-            dims.extend([item] * (ndim - len(named)))
+            dims.extend([item] * extra)
         else:
             dims.append(item)
     return dims
@@ -287,7 +275,7 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
         )
     known = expand_sizes(formula, sizes, families)
     given = dict(known)
-    per_input = [dims_of(spec, len(shape), formula, i) for i, (spec, shape) in enumerate(zip(formula.inputs, shapes))]
+    per_input = [dims_of(spec, len(shape), i) for i, (spec, shape) in enumerate(zip(formula.inputs, shapes))]
     ellipsis_shapes = []
     # plain axes first, so groups can use their sizes
     for i, (dims, shape) in enumerate(zip(per_input, shapes)):
