@@ -106,9 +106,7 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
             )
         if isinstance(entry, Mapping):
             if axis_name not in entry:
-                raise EinshardError(
-                    f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r}; it has {sorted(entry)}"
-                )
+                raise EinshardError(f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r}; it has {sorted(entry)}")
             entry = entry[axis_name]
         result = as_sizes(entry, f"shapes[{mesh_dim!r}]")
     else:

@@ -89,9 +89,7 @@ class Splits:
             if isinstance(value, Mapping):
                 for axis, sizes in value.items():
                     if axes is not None and axis not in axes:
-                        raise EinshardError(
-                            f"shapes[{key!r}] names axis {axis!r}, which is not in the formula"
-                        )
+                        raise EinshardError(f"shapes[{key!r}] names axis {axis!r}, which is not in the formula")
                     self._sizes(sizes, f"shapes[{key!r}][{axis!r}]")
             else:
                 self._sizes(value, f"shapes[{key!r}]")

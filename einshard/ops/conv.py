@@ -164,9 +164,7 @@ class _ConvSpec:
         out_per = wsize[self.o] if self.o else 1
         if self.g:
             if groups not in (1, xsize[self.g]):
-                raise EinshardError(
-                    f"groups={groups} but the group axis {self.g!r} has size {xsize[self.g]}"
-                )
+                raise EinshardError(f"groups={groups} but the group axis {self.g!r} has size {xsize[self.g]}")
             self.groups = xsize[self.g]
             if c_w != c_x:
                 raise EinshardError(
@@ -181,10 +179,7 @@ class _ConvSpec:
                     f"{c_x}/{groups} channels; the input has {c_x}, the weight {c_w}"
                 )
             if out_per % groups:
-                raise EinshardError(
-                    f"output channel axis {self.o!r} ({out_per}) is not divisible by "
-                    f"groups={groups}"
-                )
+                raise EinshardError(f"output channel axis {self.o!r} ({out_per}) is not divisible by groups={groups}")
         self.out_channels = (xsize[self.g] if self.g else 1) * out_per
 
         # permutations

@@ -214,10 +214,7 @@ def infer_group_sizes(formula: Formula, index: int, group: Group, dim_size: int,
         known[unknown[0]] = dim_size // product
     elif product != dim_size:
         sizes = " * ".join(f"{a.name}={known[a.name]}" for a in group.axes)
-        raise EinshardError(
-            f"group '{group}' of {operand_name(index)} has size {dim_size}, "
-            f"but {sizes} = {product}"
-        )
+        raise EinshardError(f"group '{group}' of {operand_name(index)} has size {dim_size}, but {sizes} = {product}")
 
 
 def check_size(formula: Formula, index: int, axis: str, size: int, known: dict) -> None:
@@ -227,9 +224,7 @@ def check_size(formula: Formula, index: int, axis: str, size: int, known: dict) 
     elif old == 1:
         known[axis] = size
     elif size != 1:
-        raise EinshardError(
-            f"axis {axis!r} has size {size} in {operand_name(index)} but {old} elsewhere"
-        )
+        raise EinshardError(f"axis {axis!r} has size {size} in {operand_name(index)} but {old} elsewhere")
 
 
 class LocalPlan:
@@ -269,10 +264,7 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
     if formula.output is None:
         raise EinshardError("einshard needs a formula 'inputs -> output'")
     if len(shapes) != len(formula.inputs):
-        raise EinshardError(
-            f"the formula has {len(formula.inputs)} operand(s) but "
-            f"{len(shapes)} tensor(s) were given"
-        )
+        raise EinshardError(f"the formula has {len(formula.inputs)} operand(s) but {len(shapes)} tensor(s) were given")
     known = expand_sizes(formula, sizes, families)
     given = dict(known)
     per_input = [dims_of(spec, len(shape), i) for i, (spec, shape) in enumerate(zip(formula.inputs, shapes))]

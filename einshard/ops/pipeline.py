@@ -71,9 +71,7 @@ def check_spec(spec: TensorSpec, op: str, where: str = "the spec", unique: bool 
     if spec.has_ellipsis:
         raise EinshardError(f"'...' is not supported in {where}; name every axis")
     if spec.partial:
-        raise EinshardError(
-            f"{where} '{spec}' is partial over {', '.join(spec.partial)!r}; sum it first (es.einshard)"
-        )
+        raise EinshardError(f"{where} '{spec}' is partial over {', '.join(spec.partial)!r}; sum it first (es.einshard)")
     seen = set()
     for a in spec.axes if unique else ():
         if a.name in seen:
