@@ -64,10 +64,12 @@ def parse_sharding(formula: str) -> Formula:
     return parsed
 
 
-def freeze_families(families: Mapping | None) -> tuple:
-    """A hashable form of ``families=`` (used as a cache key)."""
+def freeze_families(families: Mapping | tuple | None) -> tuple:
+    """A hashable form of ``families=`` (used as a cache key; a frozen one is returned as it is)."""
     if not families:
         return ()
+    if isinstance(families, tuple):
+        return families
     frozen = []
     for name, members in families.items():
         if isinstance(members, str):
@@ -76,18 +78,12 @@ def freeze_families(families: Mapping | None) -> tuple:
     return tuple(sorted(frozen))
 
 
-def _frozen(families) -> tuple:
-    if families is None:
-        return ()
-    return families if isinstance(families, tuple) else freeze_families(families)
-
-
 def expand(formula: str, families: Mapping | tuple | None = None) -> Formula:
     """Parse ``formula`` and expand its families; the result has no ``*f`` or zips.
 
     Validated as an einsum: every output axis must come from an input.
     """
-    return _expand_cached(formula, _frozen(families), True)
+    return _expand_cached(formula, freeze_families(families), True)
 
 
 def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formula:
@@ -97,7 +93,7 @@ def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formu
     frequency axes, ``einwindow``'s window axes); each tensor spec is still
     checked on its own.
     """
-    return _expand_cached(formula, _frozen(families), False)
+    return _expand_cached(formula, freeze_families(families), False)
 
 
 @lru_cache(maxsize=4096)

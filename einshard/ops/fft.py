@@ -61,10 +61,6 @@ class _Spec:
         return tuple(a.name for a in self.inp.axes)
 
     @property
-    def out_names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.out.axes)
-
-    @property
     def proxy(self) -> str:
         """The same layouts as an einshard formula (frequency axes renamed back): for variance rules."""
         back = {b: a for a, b in self.pairs}

@@ -53,7 +53,7 @@ def freeze(value):
 
 def family_table(families, text: str = "") -> dict[str, tuple[str, ...]]:
     """``{family: (member axis names)}`` of ``families=`` (a mapping or its frozen form), validated."""
-    frozen = families if isinstance(families, tuple) else freeze_families(families)
+    frozen = freeze_families(families)
     return {name: tuple(family_member(text, name, m).name for m in members) for name, members in frozen}
 
 
@@ -83,7 +83,7 @@ def parse_spec(text: str, families, op: str) -> TensorSpec:
     """The one tensor spec of ``text`` (families expanded), checked by :func:`check_spec`."""
     if not isinstance(text, str):
         raise EinshardError(f"the spec must be a string like 'b h/sp w c', got {type(text).__name__}")
-    parsed = expand(text, freeze_families(families))
+    parsed = expand(text, families)
     if parsed.output is not None or len(parsed.inputs) != 1:
         raise EinshardError("expects one tensor spec like 'b h/sp w c' (no '->', no ',')")
     check_spec(parsed.inputs[0], op)

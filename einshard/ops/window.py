@@ -29,8 +29,7 @@ def parse_window_formula(formula, windows, radius, families):
     if not isinstance(formula, str) or formula.count("->") != 1:
         raise EinshardError("expects a formula 'input -> output'")
     left, right = (side.strip() for side in formula.split("->"))
-    fam = freeze_families(families)
-    parsed_in, parsed_out = expand(left, fam), expand(right, fam)
+    parsed_in, parsed_out = expand(left, families), expand(right, families)
     if parsed_in.output is not None or len(parsed_in.inputs) != 1 or len(parsed_out.inputs) != 1:
         raise EinshardError("expects one input and one output tensor")
     ins, out = parsed_in.inputs[0], parsed_out.inputs[0]
