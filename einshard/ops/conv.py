@@ -47,8 +47,8 @@ from ..errors import EinshardError
 from ..layout import MeshShape
 from ..notation import expand, freeze_families
 from .halo import halo_plan
-from .pipeline import check_boundary, check_spec, family_table, freeze, in_vma_scope, per_axis, pick_mesh, width_pair
-from .window import same_sharding
+from .pipeline import (check_boundary, check_kept_sharding, check_spec, family_table, freeze, in_vma_scope, per_axis,
+                       pick_mesh, width_pair)
 
 __all__ = ["einconv"]
 
@@ -134,11 +134,8 @@ class _ConvSpec:
             if a.mesh:
                 raise EinshardError(f"channel axis {a.name!r} of the input must not be sharded")
         for a in xs.axes:
-            if a.name in out_axes and not same_sharding(a, out_axes[a.name]):
-                raise EinshardError(
-                    f"the output changes the sharding of axis {a.name!r} "
-                    f"('{a}' -> '{out_axes[a.name]}'); it must stay as in the input"
-                )
+            if a.name in out_axes:
+                check_kept_sharding(a, out_axes[a.name])
         for name in oc:
             if out_axes[name].mesh:
                 raise EinshardError(f"output channel axis {name!r} must not be sharded")

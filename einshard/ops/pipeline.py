@@ -18,13 +18,13 @@ from .._split import is_size
 from ..errors import EinshardError, naming
 from ..layout import Layout
 from ..mesh import resolve_mesh
-from ..notation import Formula, Group, TensorSpec, expand, family_member, freeze_families
+from ..notation import Axis, Formula, Group, TensorSpec, expand, family_member, freeze_families
 from ..plan.halo import BOUNDARIES
 from ..resolve import resolve
 
-__all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "parse_spec", "per_axis", "width_pair",
-           "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout", "agree",
-           "agree_before_communicating", "build_plan"]
+__all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_sharding", "parse_spec", "per_axis",
+           "width_pair", "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout",
+           "agree", "agree_before_communicating", "build_plan"]
 
 
 def in_vma_scope() -> bool:
@@ -77,6 +77,14 @@ def check_spec(spec: TensorSpec, op: str, where: str = "the spec", unique: bool 
         if a.name in seen:
             raise EinshardError(f"axis {a.name!r} appears twice in {where}")
         seen.add(a.name)
+
+
+def check_kept_sharding(a: Axis, b: Axis) -> None:
+    """Input axis ``a`` reaches the output as ``b`` sharded the same way (compound names in any order)."""
+    if frozenset(a.mesh_components) != frozenset(b.mesh_components):
+        raise EinshardError(
+            f"the output changes the sharding of axis {a.name!r} ('{a}' -> '{b}'); it must stay as in the input"
+        )
 
 
 def parse_spec(text: str, families, op: str) -> TensorSpec:

@@ -14,14 +14,10 @@ from .. import vma as _vma
 from ..errors import EinshardError
 from ..notation import expand, freeze_families
 from .halo import halo_plan
-from .pipeline import check_boundary, check_spec, family_table, in_vma_scope, per_axis, pick_mesh, width_pair
+from .pipeline import (check_boundary, check_kept_sharding, check_spec, family_table, in_vma_scope, per_axis,
+                       pick_mesh, width_pair)
 
 __all__ = ["einwindow", "parse_window_formula"]
-
-
-def same_sharding(a, b) -> bool:
-    """Whether two axes are sharded over the same (compound) mesh dimension."""
-    return frozenset(a.mesh_components) == frozenset(b.mesh_components)
 
 
 def parse_window_formula(formula, windows, radius, families):
@@ -65,11 +61,7 @@ def parse_window_formula(formula, windows, radius, families):
     for a in ins.axes:
         if a.name not in out_axes:
             raise EinshardError(f"input axis {a.name!r} is missing from the output")
-        if not same_sharding(a, out_axes[a.name]):
-            raise EinshardError(
-                f"the output changes the sharding of axis {a.name!r} ('{a}' -> '{out_axes[a.name]}'); it must stay "
-                f"as in the input"
-            )
+        check_kept_sharding(a, out_axes[a.name])
     for name in out_axes:
         if name not in in_names and name not in seen:
             raise EinshardError(f"output axis {name!r} is neither an input axis nor a window axis")
