@@ -19,7 +19,6 @@ __all__ = ["einshard"]
 
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
 _LOCAL_PLANS = BoundedCache(65536)
-_NO_KEY = ()
 # (formula, families key) known to be distributed -> its [param] recorder (None: no [param])
 _DISTRIBUTED = BoundedCache()
 _MAX_DISTRIBUTED = 4096
@@ -78,7 +77,7 @@ def einshard(
         key = (formula, freeze_sizes(sizes), freeze_families(families))
         return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
     if sizes is None and families is None:
-        key = (formula, _NO_KEY, _NO_KEY, *in_shapes)
+        key = (formula, (), (), *in_shapes)
     else:
         key = (formula, freeze_sizes(sizes), freeze_families(families), *in_shapes)
     plan = _LOCAL_PLANS.get(key)
