@@ -35,7 +35,7 @@ class EinshardError(ValueError):
         return err
 
     def within(self, expression: str, op: str | None = None) -> "EinshardError":
-        """This error, prefixed by ``'expression': `` (``op: 'expression': ``) unless it names one already.
+        """This error as ``'expression': message`` (``op: 'expression': message``) unless it names one already.
 
         >>> str(EinshardError("axis 'h' is empty").within("b h", "einhalo"))
         "einhalo: 'b h': axis 'h' is empty"
