@@ -75,7 +75,7 @@ class Splits:
         if isinstance(shapes, Mapping):
             self._check_keys(shapes, None if axes is None else set(axes))
         elif shapes is not None:
-            self._sizes(shapes, "shapes")
+            as_sizes(shapes, "shapes")
 
     def _check_keys(self, shapes: Mapping, axes: set | None) -> None:
         """Every key names mesh dimensions of the mesh, every per-axis key an axis of the formula."""
@@ -90,9 +90,9 @@ class Splits:
                 for axis, sizes in value.items():
                     if axes is not None and axis not in axes:
                         raise EinshardError(f"shapes[{key!r}] names axis {axis!r}, which is not in the formula")
-                    self._sizes(sizes, f"shapes[{key!r}][{axis!r}]")
+                    as_sizes(sizes, f"shapes[{key!r}][{axis!r}]")
             else:
-                self._sizes(value, f"shapes[{key!r}]")
+                as_sizes(value, f"shapes[{key!r}]")
 
     def explicit(self, dims: tuple, axis: str, missing_ok: bool = False):
         """The split shapes ``shapes=`` (or the ambient context) gives, or ``None``.
@@ -116,14 +116,14 @@ class Splits:
                                 f"it has {sorted(entry)}"
                             )
                         entry = entry[axis]
-                    found = self._sizes(entry, f"shapes[{label!r}]")
+                    found = as_sizes(entry, f"shapes[{label!r}]")
             else:
                 if len(self.labels) != 1:
                     raise EinshardError(
                         f"shapes= as a list needs exactly one sharded mesh dimension, but the "
                         f"formula shards over {sorted(self.labels)}; use {{'dim': [...]}} instead"
                     )
-                found = self._sizes(shapes, "shapes")
+                found = as_sizes(shapes, "shapes")
         if found is None and self.ambient:
             found = self.ambient.get((dims, axis))
         if found is not None and len(found) != self.mesh.size(dims):
@@ -139,10 +139,6 @@ class Splits:
             if isinstance(key, str) and frozenset(self.mesh.dims(key)) == wanted:
                 return value
         return None
-
-    def _sizes(self, value, what):
-        return tuple(as_sizes(value, what))
-
 
 def _dims_at(mesh, text: str, name: str, position: int) -> tuple:
     """``mesh.dims(name)``; an unknown dimension is an ``invalid`` error with a caret at ``position``."""
