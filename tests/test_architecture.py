@@ -1,0 +1,202 @@
+"""The package's import graph matches docs/development/architecture.md.
+
+The architecture note has one table row per module: its layer, its name and
+its one job. This test reads every module's imports (with ``ast``, without
+importing anything) and fails on
+
+- a module missing from the table, or a table row naming no module;
+- an import cycle between the package's modules;
+- a module importing one of a higher layer;
+- an import inside a function, except of the optional or heavy third-party
+  modules listed in the note;
+- a private name (``_x``) of another module imported or read from outside it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "einshard"
+NOTE = ROOT / "docs" / "development" / "architecture.md"
+_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`(einshard(?:\.\w+)*)`\s*\|")
+_LAZY = re.compile(r"^Imported inside functions:(.*)$", re.M)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layers() -> dict[str, int]:
+    layers: dict[str, int] = {}
+    for line in NOTE.read_text().splitlines():
+        m = _ROW.match(line)
+        if m:
+            assert m.group(2) not in layers, f"{m.group(2)} is listed twice in {NOTE.name}"
+            layers[m.group(2)] = int(m.group(1))
+    return layers
+
+
+def _lazy_allowed() -> set[str]:
+    m = _LAZY.search(NOTE.read_text())
+    assert m, f"{NOTE.name} must list what may be imported inside functions"
+    return set(re.findall(r"`([\w.]+)`", m.group(1)))
+
+
+class _Imports(ast.NodeVisitor):
+    """Every import of one module: ``(target, names, line, inside a function)``."""
+
+    def __init__(self, name: str, is_package: bool, modules: dict):
+        self.name, self.modules = name, modules
+        self.base = name if is_package else name.rpartition(".")[0]
+        self.found: list[tuple[str, tuple, int, bool]] = []
+        self.aliases: dict[str, str] = {}  # local name -> package module it is bound to
+        self.depth = 0
+
+    def _absolute(self, module: str | None, level: int) -> str:
+        if level == 0:
+            return module or ""
+        base = self.base.split(".")
+        base = base[: len(base) - (level - 1)]
+        return ".".join(base + ([module] if module else []))
+
+    def _function(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def visit_Import(self, node):
+        for a in node.names:
+            self.found.append((a.name, (), node.lineno, self.depth > 0))
+            if a.asname and a.name in self.modules:
+                self.aliases[a.asname] = a.name
+
+    def visit_ImportFrom(self, node):
+        target = self._absolute(node.module, node.level)
+        names = tuple(a.name for a in node.names)
+        for a in node.names:
+            sub = f"{target}.{a.name}"
+            if sub in self.modules:  # ``from . import x``: the submodule x
+                self.found.append((sub, (), node.lineno, self.depth > 0))
+                self.aliases[a.asname or a.name] = sub
+                names = tuple(n for n in names if n != a.name)
+        if names or target not in self.modules:
+            self.found.append((target, names, node.lineno, self.depth > 0))
+
+    def visit_Attribute(self, node):
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in self.aliases and node.attr.startswith("_"):
+            if not node.attr.startswith("__"):
+                self.found.append((self.aliases[value.id], (node.attr,), node.lineno, self.depth > 0))
+        self.generic_visit(node)
+
+
+def _graph():
+    modules = _modules()
+    out = {}
+    for name, path in modules.items():
+        v = _Imports(name, path.name == "__init__.py", modules)
+        v.visit(ast.parse(path.read_text(), str(path)))
+        out[name] = v.found
+    return modules, out
+
+
+def _internal(target: str, modules) -> str | None:
+    """The package module an import refers to (``None``: a third-party module)."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def _is_ancestor(a: str, b: str) -> bool:
+    return b.startswith(a + ".")
+
+
+def test_every_module_is_in_the_note():
+    modules, layers = _modules(), _layers()
+    assert sorted(set(modules) - set(layers)) == [], f"modules missing from {NOTE.name}"
+    assert sorted(set(layers) - set(modules)) == [], f"{NOTE.name} names modules that do not exist"
+
+
+def test_no_import_cycles():
+    modules, graph = _graph()
+    edges = {m: set() for m in modules}
+    for m, found in graph.items():
+        for target, _names, _line, _lazy in found:
+            t = _internal(target, modules)
+            # a package's __init__ importing its own submodules, and a submodule its parent package
+            # (Python runs the parent first anyway), are not edges of the layering
+            if t and t != m and not _is_ancestor(m, t) and not _is_ancestor(t, m):
+                edges[m].add(t)
+                # importing ``a.b.c`` first runs the packages ``a.b`` (unless ``m`` is inside them)
+                parent = t.rpartition(".")[0]
+                while parent and not (parent == m or _is_ancestor(parent, m)):
+                    edges[m].add(parent)
+                    parent = parent.rpartition(".")[0]
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(modules):
+        if m not in state:
+            visit(m)
+
+
+def test_layers_point_down():
+    modules, graph = _graph()
+    layers = _layers()
+    bad = []
+    for m, found in graph.items():
+        for target, _names, line, _lazy in found:
+            t = _internal(target, modules)
+            if t and t != m and not _is_ancestor(m, t) and not _is_ancestor(t, m):
+                if layers.get(t, 0) > layers.get(m, 0):
+                    bad.append(f"{m}:{line} (layer {layers.get(m)}) imports {t} (layer {layers.get(t)})")
+    assert not bad, "imports of a higher layer:\n" + "\n".join(bad)
+
+
+def test_no_imports_inside_functions():
+    modules, graph = _graph()
+    allowed = _lazy_allowed()
+    bad = []
+    for m, found in graph.items():
+        for target, _names, line, lazy in found:
+            third_party = _internal(target, modules) is None
+            if lazy and not (third_party and any(target == a or target.startswith(a + ".") for a in allowed)):
+                bad.append(f"{m}:{line} imports {target} inside a function")
+    assert not bad, "imports inside functions:\n" + "\n".join(bad)
+
+
+def test_no_private_names_across_modules():
+    modules, graph = _graph()
+    bad = []
+    for m, found in graph.items():
+        for target, names, line, _lazy in found:
+            t = _internal(target, modules)
+            if t is None or t == m:
+                continue
+            for n in names:
+                if n.startswith("_") and not n.startswith("__"):
+                    bad.append(f"{m}:{line} uses {t}.{n}")
+    assert not bad, "private names used across modules:\n" + "\n".join(bad)
