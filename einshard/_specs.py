@@ -16,9 +16,10 @@ from collections.abc import Mapping
 
 import optree
 
-from .errors import EinshardError
 from ._split import MISSING, lookup_dim
+from .errors import EinshardError
 from .notation import EllipsisItem, Group, expand, freeze_families
+from .ops.local import expand_sizes, freeze_sizes
 from .resolve import ELLIPSIS_PREFIX, resolve
 
 __all__ = ["Spec", "parse_spec", "spec_tree", "match", "leaf_path", "resolve_spec", "layout_entries"]
@@ -222,12 +223,10 @@ def maybe_dtensor(x) -> bool:
 # -- layouts ----------------------------------------------------------------------------------
 
 
-def _sizes_for(parsed, sizes, families):
+def sizes_for(parsed, sizes, families):
     """The entries of ``sizes`` that concern ``parsed`` (family keys expanded)."""
     if not sizes:
         return {}
-    from .ops.local import expand_sizes, freeze_sizes
-
     names = {a.name for t in parsed.tensors for a in t.axes}
     fams = dict(freeze_families(families))
     picked = {}
@@ -273,7 +272,7 @@ def shapes_subset(parsed, shapes):
 def resolve_spec(formula_text: str, local_shape, mesh, shapes, sizes, families, ambient=None):
     """``resolve`` a unary formula (``"S -> S"`` or a conversion) for one local shape."""
     parsed = expand(formula_text, families)
-    return resolve(parsed, [tuple(local_shape)], mesh, shapes=shapes, sizes=_sizes_for(parsed, sizes, families),
+    return resolve(parsed, [tuple(local_shape)], mesh, shapes=shapes, sizes=sizes_for(parsed, sizes, families),
                    ambient=ambient, axes=None)
 
 

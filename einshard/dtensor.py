@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ._specs import sizes_for
 from ._specs import strip_spec as _strip
 from .execute import transition
 from .layout import Layout
@@ -123,10 +124,8 @@ def plan_from_dtensor(dt, spec: str, mesh, *, shapes=None, sizes=None, families=
     parsed_spec = expand(spec, families).inputs[0]
     if parsed_spec.has_groups:
         raise ValueError(f"{where}: DTensor arguments need specs without factored groups, got {spec!r}")
-    from ._specs import _sizes_for
-
     formula = expand(f"{_strip(parsed_spec)} -> {spec}", families)
-    resolved = resolve(formula, [tuple(dt.shape)], mesh, shapes=shapes, sizes=_sizes_for(formula, sizes, families),
+    resolved = resolve(formula, [tuple(dt.shape)], mesh, shapes=shapes, sizes=sizes_for(formula, sizes, families),
                        axes=None)
     whole, target = resolved.operands[0], resolved.output
     return dtensor_layout(dt, whole, mesh, where), target

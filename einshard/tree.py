@@ -29,7 +29,7 @@ import optree
 import torch
 
 from . import collectives as C
-from ._specs import _sizes_for, match, shapes_subset, sizes_subset, spec_tree
+from ._specs import match, shapes_subset, sizes_for, sizes_subset, spec_tree
 from ._specs import maybe_dtensor as is_dtensor
 from ._specs import strip_spec as _strip
 from .dtensor import from_dtensor
@@ -191,6 +191,6 @@ def _known_sizes(spec, sizes, families) -> dict:
     if not sizes:
         return {}
     try:
-        return dict(_sizes_for(expand(spec.inner, families), sizes, families))
+        return dict(sizes_for(expand(spec.inner, families), sizes, families))
     except ValueError:
         return {}

@@ -7,13 +7,14 @@ import torch
 from .. import _context, _trace
 from .. import vma as _vma
 from .._cache import BoundedCache
+from ..distributed import run_distributed, traced_run
 from ..errors import EinshardError
 from ..notation import Axis, TensorSpec, expand, freeze_families
+from ..params.formula import ANY, duty_of, formula_names, recorder_for, resolve_pending, state_duties
+from ..params.state import ParameterState
 from ..policy import resolve_policy
-from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
 from .pipeline import check_tensors, in_vma_scope
-from ..params.formula import ANY, formula_names, recorder_for, resolve_pending, state_duties
 
 __all__ = ["einshard"]
 
@@ -275,8 +276,6 @@ def _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, fami
     recorder = _DISTRIBUTED.get((formula, key[2]))
     if recorder is not None:
         _refuse_annotated_duties(recorder, mesh)
-    from ..distributed import traced_run
-
     return _trace.register(traced_run(key, dtypes, mesh, split_shapes, optimize, policy, ambient))
 
 
@@ -296,9 +295,6 @@ def _refuse_attached_duties(formula, tensors) -> None:
 
 def _refuse_annotated_duties(recorder, mesh) -> None:
     """ValueError for a ``[param, grad=...]`` operand of a distributed formula traced by torch.compile."""
-    from ..params.formula import duty_of
-    from ..params.state import ParameterState
-
     names = formula_names(mesh)
     for k in recorder.indices:
         spec = recorder.parsed.inputs[k]

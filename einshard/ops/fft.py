@@ -24,18 +24,27 @@ import torch
 from .. import _context, checks
 from .. import vma as _vma
 from .._cache import BoundedCache
+from .._split import compute_split_shapes
 from .._table import text_table
 from ..errors import EinshardError, naming
-from ..mesh import resolve_mesh
-from .._split import compute_split_shapes
+from ..execute import transition
 from ..layout import Layout, MeshShape
-from ..notation import Axis, Formula, TensorSpec
-from ..notation import check_semantics, expand_tensor, family_member, freeze_families, invalid
-from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis
+from ..mesh import resolve_mesh
+from ..notation import (
+    Axis,
+    Formula,
+    TensorSpec,
+    check_semantics,
+    expand_tensor,
+    family_member,
+    freeze_families,
+    invalid,
+)
 from ..notation.grammar import parse_text
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
 from ..resolve import Splits, resolve
+from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis
 
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 
@@ -342,8 +351,6 @@ def _compile_local_fft(act: LocalFFT, inverse: bool, norm, dtypes):
 
 
 def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes):
-    from ..execute import transition
-
     shape = MeshShape.of(mesh)
     coord = mesh.coordinate
     i = fs.axis
@@ -422,8 +429,6 @@ class _Bound:
     __slots__ = ("plan", "steps", "local_error", "warning", "mesh", "fingerprint")
 
     def __init__(self, plan: FFTPlan, mesh, norm, dtype, order, local_error=None, warning=None):
-        from ..execute import transition
-
         self.plan = plan
         self.local_error = local_error
         self.warning = warning
