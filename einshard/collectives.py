@@ -43,6 +43,7 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "all_to_all_v",
+    "isend_irecv",
     "ppermute",
 ]
 
@@ -535,25 +536,30 @@ def all_to_all_v(
 def _pairwise(chunks, recv_numels, group, rank, own) -> list[torch.Tensor]:
     """The transport of ``all_to_all_v(pairwise=True)``: one batched isend/irecv per peer with data."""
     out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
-    out = own.new_empty(sum(out_splits))
-    result = list(out.split(out_splits))
-    ops, sent = [], 0
-    for j, c in enumerate(chunks):
-        if j != rank and c.numel():
-            flat = _flat(c.detach().contiguous())  # a view when the chunk is already contiguous
-            sent += c.numel()
-            ops.append(dist.P2POp(dist.isend, flat, _global_rank(group, j), group))
-    for j, buf in enumerate(result):
-        if j != rank and buf.numel():
-            ops.append(dist.P2POp(dist.irecv, _flat(buf), _global_rank(group, j), group))
-    if _stats._ACTIVE:
-        isz = own.element_size()
-        _stats.record("all_to_all_v", group, sent * isz, sum(out_splits) * isz)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    result = list(own.new_empty(sum(out_splits)).split(out_splits))
+    sends = [(j, c.detach().contiguous()) for j, c in enumerate(chunks) if j != rank and c.numel()]
+    for work in isend_irecv(sends, [(j, b) for j, b in enumerate(result) if j != rank and b.numel()], group):
+        work.wait()
     result[rank] = own
     return result
+
+
+def isend_irecv(sends, recvs, group, kind: str = "all_to_all_v") -> list:
+    """Start batched point-to-point transfers; returns the works to ``wait()`` on.
+
+    ``sends`` / ``recvs``: ``(group rank, contiguous tensor)`` pairs; received
+    tensors are written in place (views of a larger buffer are fine). Records
+    one ``kind`` call in :mod:`einshard.comm_stats`, also when nothing moves.
+
+    >>> works = isend_irecv([(1, x)], [(1, buf)], group)  # a swap with group rank 1  # doctest: +SKIP
+    >>> for w in works: w.wait()  # doctest: +SKIP
+    """
+    if _stats._ACTIVE:
+        _stats.record(kind, group, sum(t.numel() * t.element_size() for _, t in sends),
+                      sum(t.numel() * t.element_size() for _, t in recvs))
+    ops = [dist.P2POp(dist.isend, _flat(t), _global_rank(group, j), group) for j, t in sends]
+    ops += [dist.P2POp(dist.irecv, _flat(t), _global_rank(group, j), group) for j, t in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 # -- ppermute --------------------------------------------------------------------

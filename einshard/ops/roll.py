@@ -3,7 +3,7 @@
 On a sharded axis the rolled tensor keeps the input's layout (the same split
 shapes), so each rank's new block is made of at most two slices of the
 global axis. Each owner sends each destination exactly the part of its
-block that lands there (one ``all_to_all_v`` over the mesh dimensions that
+block that lands there (one :class:`~einshard.exchange.Exchange` over the mesh dimensions that
 shard the rolled axes; several sharded axes move together, so a cell that
 crosses two block boundaries moves once, straight to its destination). The
 part of a block that stays on its rank is copied locally. Unsharded axes
@@ -19,22 +19,12 @@ import torch
 
 from .. import vma as _vma
 from .. import _context
-from ..layout import Layout, MeshShape
+from ..layout import Layout
 from ..notation import freeze_families
 from ..plan.halo import roll_runs
 from ..resolve import freeze_shapes
-from .halo import (
-    agree_before_communicating,
-    ambient_key,
-    build_plan,
-    compile_exchange,
-    exchange_group,
-    freeze,
-    parse_spec,
-    per_axis,
-    pick_mesh,
-    spec_layout,
-)
+from ..exchange import exchange_group, runs_exchange
+from .halo import agree_before_communicating, ambient_key, build_plan, freeze, parse_spec, per_axis, pick_mesh, spec_layout
 
 __all__ = ["einroll", "RollPlan"]
 
@@ -53,11 +43,9 @@ class RollPlan:
         self.local_shifts = tuple(moving[i] for i in self.local_dims)
         self.exchange = None
         if ex_axes and local_error is None:
-            local = layout.local_shape(mesh.coordinate, MeshShape.of(mesh))
-            self.exchange = compile_exchange(
-                layout, ex_axes, dims, mesh,
-                lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
-                {i: local[i] for i in ex_axes},
+            self.exchange = runs_exchange(
+                layout, ex_axes, dims, mesh, lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
+                {},
             )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

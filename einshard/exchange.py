@@ -1,0 +1,282 @@
+"""One exchange of rectangular pieces between the ranks of a group, bound to this rank.
+
+Transition ``exchange`` steps, halos (so windows and convolutions too) and
+rolls all move pieces of rank blocks: every rank sends each peer the part of
+its block the peer needs. A piece is, per tensor dimension, a tuple of *runs*
+``(src_start, dst_start, length)`` (see :mod:`einshard.plan.halo`): the
+product of the runs, read at their ``src`` side of the sender's block and
+written at their ``dst`` side of the receiver's output.
+
+Everything is decided once, when the exchange is built: the sub-boxes of
+every piece; which pieces are contiguous already (sent as views of the
+input, received straight into views of the output: no packing, no
+unpacking); the part that stays on this rank (copied while the messages are
+in flight); and whether the output simply *is* the input (a rank that keeps
+its block). The transport is batched point-to-point ``isend``/``irecv`` with
+only the peers that have data, so ranks that exchange nothing do not take
+part; under ``torch.compile`` it is one functional ``all_to_all_single``
+(packed) that the graph can schedule.
+
+The adjoint (:meth:`Exchange.adjoint`) moves the same pieces back, adding
+into the sources; each is the other's backward, so gradients are exact and
+double backward works.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from . import _traced_collectives as TC
+from . import checks as _checks
+from . import collectives as C
+from .layout import Layout, MeshShape
+from .mappings import make_mapping
+
+__all__ = ["Exchange", "exchange_group", "runs_exchange", "transition_exchange"]
+
+
+def _narrow(t: torch.Tensor, cuts) -> torch.Tensor:
+    for dim, start, length in cuts:
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def _cuts(shape, box) -> tuple:
+    """The ``(dim, start, length)`` narrows that take ``box`` (``(start, length)`` per dim) out of ``shape``."""
+    return tuple((d, s, n) for d, ((s, n), full) in enumerate(zip(box, shape)) if s or n != full)
+
+
+def _contiguous(shape, box) -> bool:
+    """Whether ``box`` of a contiguous tensor of ``shape`` is contiguous itself."""
+    inner = False
+    for full, (_, n) in zip(shape, box):
+        if inner and n != full:
+            return False
+        inner = inner or n > 1
+    return True
+
+
+def _boxes(runs) -> tuple[list, tuple]:
+    """``([(src box, dst box, packed box)] per combination of runs, packed shape)`` of a piece."""
+    per_dim, shape = [], []
+    for rs in runs:
+        off, opts = 0, []
+        for s, d, n in rs:
+            opts.append(((s, n), (d, n), (off, n)))
+            off += n
+        per_dim.append(opts)
+        shape.append(off)
+    return [tuple(zip(*combo)) for combo in itertools.product(*per_dim)], tuple(shape)
+
+
+def _numel(runs) -> int:
+    return 0 if runs is None else math.prod(sum(r[2] for r in rs) for rs in runs)
+
+
+def _flip(runs):
+    return None if runs is None else tuple(tuple((d, s, n) for s, d, n in rs) for rs in runs)
+
+
+class Exchange:
+    """Pieces of this rank's block to and from the ranks of ``group`` (``None``: this rank alone).
+
+    ``sends[j]`` / ``recvs[j]``: the runs per dimension of the piece this
+    rank sends to / receives from group rank ``j`` (``None``: nothing);
+    ``sends[rank]`` is the part that stays. Every output element is written
+    exactly once, or lies in a ``blank`` box (``(start, length)`` per dim),
+    set to ``fill``. ``add``: sum the pieces into zeros (the adjoint).
+    """
+
+    __slots__ = ("group", "in_shape", "out_shape", "sends", "recvs", "add", "blank", "send_to", "recv_from",
+                 "local", "keep", "whole", "recv_numels", "_adjoint")
+
+    def __init__(self, group, in_shape, out_shape, sends, recvs, add=False, blank=()):
+        rank = 0 if group is None else C.group_rank(group)
+        self.group, self.add = group, add
+        self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        self.sends, self.recvs = list(sends), list(recvs)
+        self.blank = tuple(_cuts(self.out_shape, b) for b in blank)
+        self.recv_numels = [_numel(r) for r in self.recvs]
+        self.send_to, self.recv_from, self.local = [], [], []
+        for j, runs in enumerate(self.sends):
+            if _numel(runs) == 0:
+                continue
+            boxes, shape = _boxes(runs)
+            if j == rank:
+                self.local = [(_cuts(self.in_shape, s), _cuts(self.out_shape, d)) for s, d, _ in boxes]
+            else:
+                self.send_to.append((j, [(_cuts(self.in_shape, s), _cuts(shape, p)) for s, _, p in boxes], shape))
+        self.whole = None
+        for j, runs in enumerate(self.recvs):
+            if j == rank or self.recv_numels[j] == 0:
+                continue
+            boxes, shape = _boxes(runs)
+            direct = len(boxes) == 1 and not add and _contiguous(self.out_shape, boxes[0][1])
+            if direct and self.recv_numels[j] == math.prod(self.out_shape):
+                self.whole = j
+            self.recv_from.append((j, direct, [(_cuts(self.out_shape, d), _cuts(shape, p)) for _, d, p in boxes],
+                                   shape))
+        whole_local = len(self.local) == 1 and not self.local[0][0] and not self.local[0][1]
+        self.keep = whole_local and not add and not self.blank and self.in_shape == self.out_shape
+        self._adjoint = None
+
+    def adjoint(self) -> "Exchange":
+        """The same pieces moved back, summed into the sources (the exact adjoint)."""
+        if self._adjoint is None:
+            back = Exchange(self.group, self.out_shape, self.in_shape, [_flip(r) for r in self.recvs],
+                            [_flip(s) for s in self.sends], add=not self.add)
+            back._adjoint, self._adjoint = self, back
+        return self._adjoint
+
+    def _into(self, out, piece, cuts):
+        target = _narrow(out, cuts)
+        if self.add:
+            target.add_(piece)
+        else:
+            target.copy_(piece)
+
+    def _pack(self, x, boxes, shape):
+        if len(boxes) == 1:
+            return _narrow(x, boxes[0][0])
+        buf = x.new_empty(shape)
+        for src, packed in boxes:
+            _narrow(buf, packed).copy_(_narrow(x, src))
+        return buf
+
+    def _finish(self, x, out, fill):
+        """The part that stays, and the blank boxes (while messages are in flight)."""
+        for src, dst in self.local:
+            self._into(out, _narrow(x, src), dst)
+        for cuts in self.blank:
+            _narrow(out, cuts).fill_(fill)
+
+    def run(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """The exchange on this rank (eager, point-to-point): the output block."""
+        if self.group is not None and _checks.agreement_needed():
+            _checks.agree(self.group, None, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
+        out = x if self.keep else (x.new_zeros if self.add else x.new_empty)(self.out_shape)
+        sends = [(j, self._pack(x, boxes, shape).contiguous()) for j, boxes, shape in self.send_to]
+        recvs, later = [], []
+        for j, direct, boxes, shape in self.recv_from:
+            buf = _narrow(out, boxes[0][0]) if direct else x.new_empty(shape)
+            recvs.append((j, buf))
+            if not direct:
+                later.append((buf, boxes))
+        works = C.isend_irecv(sends, recvs, self.group) if self.group is not None else ()
+        if not self.keep:
+            self._finish(x, out, fill)
+        for work in works:
+            work.wait()
+        for buf, boxes in later:
+            for dst, packed in boxes:
+                self._into(out, _narrow(buf, packed), dst)
+        return out
+
+    def run_traced(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """The exchange in code that ``torch.compile`` traces (one functional all-to-all)."""
+        chunks = [x.new_empty(0)] * len(self.recvs)
+        for j, boxes, shape in self.send_to:
+            chunks[j] = self._pack(x, boxes, shape)
+        got = TC.all_to_all_v(chunks, self.recv_numels, self.group)
+        if self.keep:
+            return x
+        if self.whole is not None:
+            return got[self.whole].view(self.out_shape)
+        out = (x.new_zeros if self.add else x.new_empty)(self.out_shape)
+        self._finish(x, out, fill)
+        for j, _, boxes, shape in self.recv_from:
+            buf = got[j].view(shape)
+            for dst, packed in boxes:
+                self._into(out, _narrow(buf, packed), dst)
+        return out
+
+    def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """The exchange as an autograd Function (backward: :meth:`adjoint`)."""
+        return _exchange(x, self, fill)
+
+
+def _forward(x, ex, fill):
+    y = ex.run(x, fill)
+    return x.view_as(x) if y is x else y
+
+
+# each direction's backward is the other one
+_exchange = make_mapping("Exchange", _forward, lambda g, ex, fill: _exchange(g, ex.adjoint(), 0))
+
+
+def _box_runs(owner, dest):
+    """The runs of the intersection of two global boxes, relative to each (``None``: empty)."""
+    runs = []
+    for (a, b), (c, d) in zip(owner, dest):
+        lo, hi = max(a, c), min(b, d)
+        if hi <= lo:
+            return None
+        runs.append(((lo - a, lo - c, hi - lo),))
+    return tuple(runs)
+
+
+def transition_exchange(src: Layout, dst: Layout, dims, mesh, traced: bool = False):
+    """The ``exchange`` step ``src -> dst`` over the mesh ``dims`` on this rank, as a callable ``x -> y``.
+
+    Every rank receives each part of its new block it lacks from the peer
+    that holds it and agrees with it on every exchanged mesh dimension that
+    shards nothing in ``src``: replicated data is read from the "nearest"
+    copy and every element moves at most once. ``traced``: functional
+    collectives (for ``torch.compile``).
+    """
+    shape = MeshShape.of(mesh)
+    coord = mesh.coordinate
+    free = [shape.names.index(d) for d in dims if src.owner(d) is None]
+    my_src, my_dst = src.box(coord, shape), dst.box(coord, shape)
+    sends, recvs = [], []
+    for m in shape.group_coords(dims, coord):
+        near = all(m[p] == coord[p] for p in free)
+        sends.append(_box_runs(my_src, dst.box(m, shape)) if near else None)
+        recvs.append(_box_runs(src.box(m, shape), my_dst) if near else None)
+    ex = Exchange(mesh.group(dims), [b - a for a, b in my_src], [b - a for a, b in my_dst], sends, recvs)
+    return ex.run_traced if traced else ex.run
+
+
+def exchange_group(layout: Layout, axes, mesh) -> tuple[tuple, tuple]:
+    """``(exchanged axes, mesh dims)``: those of ``axes`` sharded over more than one rank, and their dims."""
+    if mesh is None:
+        return (), ()
+    shape = MeshShape.of(mesh)
+    ex = [i for i in axes if layout.shard[i] and shape.size(layout.shard[i]) > 1]
+    return tuple(ex), shape.sort(d for i in ex for d in layout.shard[i])
+
+
+def runs_exchange(layout: Layout, axes, dims, mesh, runs_fn, out_sizes, blank=()) -> Exchange:
+    """An :class:`Exchange` over the group of the mesh ``dims`` (none, or ``mesh=None``: local).
+
+    ``runs_fn(i, owner_interval, dest_interval)`` gives the runs on axis
+    ``i`` (one of ``axes``) from an owner's block to a destination's;
+    ``out_sizes[i]`` is the output size on that axis. Other axes move whole.
+    """
+    shape = MeshShape.of(mesh) if mesh is not None else None
+    coord = mesh.coordinate if mesh is not None else None
+    in_shape = layout.local_shape(coord, shape) if shape is not None else tuple(layout.sizes)
+
+    def interval(i, c):
+        return layout.interval(i, c, shape) if shape is not None else (0, layout.sizes[i])
+
+    def piece(owner, dest):
+        runs = []
+        for d, n in enumerate(in_shape):
+            r = runs_fn(d, owner[d], dest[d]) if d in owner else ((0, 0, n),) if n else ()
+            if not r:
+                return None
+            runs.append(r)
+        return tuple(runs)
+
+    mine = {i: interval(i, coord) for i in axes}
+    sends, recvs = [], []
+    for m in shape.group_coords(dims, coord) if dims else [coord]:
+        theirs = {i: interval(i, m) for i in axes}
+        sends.append(piece(mine, theirs))
+        recvs.append(piece(theirs, mine))
+    out_shape = [out_sizes.get(d, n) for d, n in enumerate(in_shape)]
+    return Exchange(mesh.group(dims) if dims else None, in_shape, out_shape, sends, recvs, blank=blank)
