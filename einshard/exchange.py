@@ -85,7 +85,7 @@ class Exchange:
 
     ``sends[j]`` / ``recvs[j]``: the runs per dimension of the piece this
     rank sends to / receives from group rank ``j`` (``None``: nothing);
-    ``sends[rank]`` is the part that stays. Every output element is written
+    ``sends[rank]`` (equal to ``recvs[rank]``) is the part that stays. Every output element is written
     exactly once, or lies in a ``blank`` box (``(start, length)`` per dim),
     set to ``fill``. ``add``: sum the pieces into zeros (the adjoint).
     """
