@@ -471,20 +471,15 @@ def all_to_all(
     return torch.cat(parts, sd)
 
 
-def all_to_all_v(
-    chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group, *, pairwise: bool = False
-) -> list[torch.Tensor]:
+def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group) -> list[torch.Tensor]:
     """General exchange: ``chunks[j]`` goes to group rank ``j``; returns what each rank sent here.
 
     Chunks may have any shape (they are flattened) and must share one dtype;
     ``recv_numels[j]`` is the element count rank ``j`` sends to this rank.
     Returns flat 1-D tensors, one per source rank. This rank's own chunk is
     passed through without communication (the result may share its memory).
-    One ``all_to_all_single`` with split sizes; with ``pairwise=True``
-    (every rank of the group must pass the same), batched point-to-point
-    ``isend``/``irecv`` with only the ranks it exchanges data with: no
-    packing of the send blocks (contiguous chunks are sent as they are), and
-    ranks that exchange nothing do not take part.
+    One ``all_to_all_single`` with split sizes (for point-to-point transfers
+    with only some peers, see :func:`isend_irecv`).
 
     >>> got = all_to_all_v([torch.full((j,), float(rank)) for j in range(P)], [rank] * P, group)  # doctest: +SKIP
     >>> got[j]  # rank j's chunk for this rank: `rank` elements equal to j  # doctest: +SKIP
@@ -509,8 +504,6 @@ def all_to_all_v(
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
-    if pairwise:
-        return _pairwise(chunks, recv_numels, group, rank, own)
     in_splits = [0 if j == rank else c.numel() for j, c in enumerate(chunks)]
     out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
     send = [c.detach().reshape(-1) for j, c in enumerate(chunks) if j != rank and c.numel()]
@@ -529,17 +522,6 @@ def all_to_all_v(
         group=group,
     )
     result = list(out.split(out_splits))
-    result[rank] = own
-    return result
-
-
-def _pairwise(chunks, recv_numels, group, rank, own) -> list[torch.Tensor]:
-    """The transport of ``all_to_all_v(pairwise=True)``: one batched isend/irecv per peer with data."""
-    out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
-    result = list(own.new_empty(sum(out_splits)).split(out_splits))
-    sends = [(j, c.detach().contiguous()) for j, c in enumerate(chunks) if j != rank and c.numel()]
-    for work in isend_irecv(sends, [(j, b) for j, b in enumerate(result) if j != rank and b.numel()], group):
-        work.wait()
     result[rank] = own
     return result
 

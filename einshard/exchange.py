@@ -1,25 +1,16 @@
 """One exchange of rectangular pieces between the ranks of a group, bound to this rank.
 
-Transition ``exchange`` steps, halos (so windows and convolutions too) and
-rolls all move pieces of rank blocks: every rank sends each peer the part of
-its block the peer needs. A piece is, per tensor dimension, a tuple of *runs*
-``(src_start, dst_start, length)`` (see :mod:`einshard.plan.halo`): the
-product of the runs, read at their ``src`` side of the sender's block and
-written at their ``dst`` side of the receiver's output.
-
-Everything is decided once, when the exchange is built: the sub-boxes of
-every piece; which pieces are contiguous already (sent as views of the
-input, received straight into views of the output: no packing, no
-unpacking); the part that stays on this rank (copied while the messages are
-in flight); and whether the output simply *is* the input (a rank that keeps
-its block). The transport is batched point-to-point ``isend``/``irecv`` with
-only the peers that have data, so ranks that exchange nothing do not take
-part; under ``torch.compile`` it is one functional ``all_to_all_single``
-(packed) that the graph can schedule.
-
-The adjoint (:meth:`Exchange.adjoint`) moves the same pieces back, adding
-into the sources; each is the other's backward, so gradients are exact and
-double backward works.
+Transition ``exchange`` steps, halos (so windows and convolutions) and rolls
+all run on it. A piece is, per tensor dimension, a tuple of *runs*
+``(src_start, dst_start, length)`` (:mod:`einshard.plan.halo`): their product,
+read at the ``src`` side of the sender's block, written at the ``dst`` side
+of the receiver's output. Decided once, when the exchange is built: which
+pieces are contiguous (sent as views of the input, received straight into
+views of the output), the part that stays (copied while messages are in
+flight), and whether the output *is* the input (a rank keeping its block).
+Eager transport: batched ``isend``/``irecv`` with only the peers that have
+data; traced (``torch.compile``): one functional ``all_to_all_single``. The
+adjoint moves the same pieces back, adding into the sources.
 """
 
 from __future__ import annotations
