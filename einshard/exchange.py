@@ -198,36 +198,18 @@ def _forward(x, ex, fill):
 _exchange = make_mapping("Exchange", _forward, lambda g, ex, fill: _exchange(g, ex.adjoint(), 0))
 
 
-def _box_runs(owner, dest):
-    """The runs of the intersection of two global boxes, relative to each (``None``: empty)."""
-    runs = []
-    for (a, b), (c, d) in zip(owner, dest):
-        lo, hi = max(a, c), min(b, d)
-        if hi <= lo:
-            return None
-        runs.append(((lo - a, lo - c, hi - lo),))
-    return tuple(runs)
+def _intersect(i, owner, dest):
+    """The run of the intersection of two intervals, relative to each (none when empty)."""
+    lo, hi = max(owner[0], dest[0]), min(owner[1], dest[1])
+    return ((lo - owner[0], lo - dest[0], hi - lo),) if hi > lo else ()
 
 
 def transition_exchange(src: Layout, dst: Layout, dims, mesh, traced: bool = False):
     """The ``exchange`` step ``src -> dst`` over the mesh ``dims`` on this rank, as a callable ``x -> y``.
 
-    Every rank receives each part of its new block it lacks from the peer
-    that holds it and agrees with it on every exchanged mesh dimension that
-    shards nothing in ``src``: replicated data is read from the "nearest"
-    copy and every element moves at most once. ``traced``: functional
-    collectives (for ``torch.compile``).
+    ``traced``: with functional collectives (for ``torch.compile``).
     """
-    shape = MeshShape.of(mesh)
-    coord = mesh.coordinate
-    free = [shape.names.index(d) for d in dims if src.owner(d) is None]
-    my_src, my_dst = src.box(coord, shape), dst.box(coord, shape)
-    sends, recvs = [], []
-    for m in shape.group_coords(dims, coord):
-        near = all(m[p] == coord[p] for p in free)
-        sends.append(_box_runs(my_src, dst.box(m, shape)) if near else None)
-        recvs.append(_box_runs(src.box(m, shape), my_dst) if near else None)
-    ex = Exchange(mesh.group(dims), [b - a for a, b in my_src], [b - a for a, b in my_dst], sends, recvs)
+    ex = runs_exchange(src, dst, dims, mesh)
     return ex.run_traced if traced else ex.run
 
 
@@ -240,19 +222,27 @@ def exchange_group(layout: Layout, axes, mesh) -> tuple[tuple, tuple]:
     return tuple(ex), shape.sort(d for i in ex for d in layout.shard[i])
 
 
-def runs_exchange(layout: Layout, axes, dims, mesh, runs_fn, out_sizes, blank=()) -> Exchange:
-    """An :class:`Exchange` over the group of the mesh ``dims`` (none, or ``mesh=None``: local).
+def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes=None, out_sizes=None,
+                  blank=()) -> Exchange:
+    """An :class:`Exchange` from ``src`` blocks to ``dst`` blocks over the group of the mesh ``dims``.
 
-    ``runs_fn(i, owner_interval, dest_interval)`` gives the runs on axis
-    ``i`` (one of ``axes``) from an owner's block to a destination's;
-    ``out_sizes[i]`` is the output size on that axis. Other axes move whole.
+    No ``dims`` (or ``mesh=None``): a local one. On each of ``axes`` (default
+    all) a piece is ``runs_fn(i, owner's src interval, receiver's dst
+    interval)`` (default: their intersection); other axes move whole.
+    ``out_sizes[i]`` overrides the output size on axis ``i``. A peer that
+    differs from the receiver on an exchanged dimension sharding nothing in
+    ``src`` sends nothing: replicated data is read from the "nearest" copy,
+    so every element moves at most once.
     """
     shape = MeshShape.of(mesh) if mesh is not None else None
     coord = mesh.coordinate if mesh is not None else None
-    in_shape = layout.local_shape(coord, shape) if shape is not None else tuple(layout.sizes)
+    in_shape = src.local_shape(coord, shape) if shape is not None else tuple(src.sizes)
+    out_shape = dst.local_shape(coord, shape) if shape is not None else tuple(dst.sizes)
+    axes = range(len(in_shape)) if axes is None else axes
+    free = [shape.names.index(d) for d in dims if src.owner(d) is None]
 
-    def interval(i, c):
-        return layout.interval(i, c, shape) if shape is not None else (0, layout.sizes[i])
+    def intervals(layout, c):
+        return {i: layout.interval(i, c, shape) if shape is not None else (0, layout.sizes[i]) for i in axes}
 
     def piece(owner, dest):
         runs = []
@@ -263,11 +253,11 @@ def runs_exchange(layout: Layout, axes, dims, mesh, runs_fn, out_sizes, blank=()
             runs.append(r)
         return tuple(runs)
 
-    mine = {i: interval(i, coord) for i in axes}
+    mine_src, mine_dst = intervals(src, coord), intervals(dst, coord)
     sends, recvs = [], []
     for m in shape.group_coords(dims, coord) if dims else [coord]:
-        theirs = {i: interval(i, m) for i in axes}
-        sends.append(piece(mine, theirs))
-        recvs.append(piece(theirs, mine))
-    out_shape = [out_sizes.get(d, n) for d, n in enumerate(in_shape)]
+        near = all(m[p] == coord[p] for p in free)
+        sends.append(piece(mine_src, intervals(dst, m)) if near else None)
+        recvs.append(piece(intervals(src, m), mine_dst) if near else None)
+    out_shape = [(out_sizes or {}).get(d, n) for d, n in enumerate(out_shape)]
     return Exchange(mesh.group(dims) if dims else None, in_shape, out_shape, sends, recvs, blank=blank)

@@ -117,7 +117,7 @@ def test_local_exchange_views_packing_and_adjoint():
 
 def test_layout_exchange_without_a_mesh_is_local():
     layout = Layout(("a", "b"), (4, 3), ((), ()), (None, None))
-    ex = runs_exchange(layout, (0,), (), None, lambda i, owner, dest: ((0, 1, 4),), {0: 5}, blank=[((0, 1), (0, 3))])
+    ex = runs_exchange(layout, layout, (), None, lambda i, owner, dest: ((0, 1, 4),), (0,), {0: 5}, [((0, 1), (0, 3))])
     x = _randn((4, 3), 1)
     torch.testing.assert_close(ex(x, 7.0), torch.cat([torch.full((1, 3), 7.0, dtype=DT), x]))
 

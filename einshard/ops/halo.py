@@ -262,7 +262,7 @@ class HaloPlan:
         self.exchange = None
         if local_error is None:
             sizes = {i: h.left_fill + h.buffer_size + h.right_fill for i, h in mine.items()}
-            self.exchange = runs_exchange(layout, axes, dims if ex_axes else (), mesh, runs, sizes, blank)
+            self.exchange = runs_exchange(layout, layout, dims if ex_axes else (), mesh, runs, axes, sizes, blank)
         self.indices = [(i, torch.tensor(h.index, dtype=torch.long, device=device))
                         for i, h in mine.items() if h.index is not None]
 

@@ -43,8 +43,9 @@ class RollPlan:
         ex_axes, dims = exchange_group(layout, moving, mesh)
         self.exchange = None
         if ex_axes and local_error is None:  # every moving axis in one exchange (unsharded ones locally)
-            self.exchange = runs_exchange(layout, self.dims, dims, mesh,
-                                          lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]), {})
+            self.exchange = runs_exchange(layout, layout, dims, mesh,
+                                          lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
+                                          self.dims)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         agree_before_communicating(self.mesh, self.local_error, x)
