@@ -76,9 +76,10 @@ class Exchange:
 
     ``sends[j]`` / ``recvs[j]``: the runs per dimension of the piece this
     rank sends to / receives from group rank ``j`` (``None``: nothing);
-    ``sends[rank]`` (equal to ``recvs[rank]``) is the part that stays. Every output element is written
-    exactly once, or lies in a ``blank`` box (``(start, length)`` per dim),
-    set to ``fill``. ``add``: sum the pieces into zeros (the adjoint).
+    ``sends[rank]`` (equal to ``recvs[rank]``) is the part that stays.
+    Every output element is written exactly once, or lies in a ``blank`` box
+    (``(start, length)`` per dim), set to ``fill``. ``add``: sum the pieces
+    into zeros (the adjoint).
     """
 
     __slots__ = ("group", "in_shape", "out_shape", "sends", "recvs", "add", "blank", "send_to", "recv_from",
@@ -86,33 +87,26 @@ class Exchange:
 
     def __init__(self, group, in_shape, out_shape, sends, recvs, add=False, blank=()):
         rank = 0 if group is None else C.group_rank(group)
-        self.group, self.add = group, add
-        self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        self.group, self.add, self._adjoint = group, add, None
+        self.in_shape, self.out_shape = ins, outs = tuple(in_shape), tuple(out_shape)
         self.sends, self.recvs = list(sends), list(recvs)
-        self.blank = tuple(_cuts(self.out_shape, b) for b in blank)
+        self.blank = tuple(_cuts(outs, b) for b in blank)
         self.recv_numels = [_numel(r) for r in self.recvs]
-        self.send_to, self.recv_from, self.local = [], [], []
-        for j, runs in enumerate(self.sends):
-            if _numel(runs) == 0:
-                continue
-            boxes, shape = _boxes(runs)
-            if j == rank:
-                self.local = [(_cuts(self.in_shape, s), _cuts(self.out_shape, d)) for s, d, _ in boxes]
-            else:
-                self.send_to.append((j, [(_cuts(self.in_shape, s), _cuts(shape, p)) for s, _, p in boxes], shape))
-        self.whole = None
-        for j, runs in enumerate(self.recvs):
-            if j == rank or self.recv_numels[j] == 0:
-                continue
-            boxes, shape = _boxes(runs)
-            direct = len(boxes) == 1 and not add and _contiguous(self.out_shape, boxes[0][1])
-            if direct and self.recv_numels[j] == math.prod(self.out_shape):
-                self.whole = j
-            self.recv_from.append((j, direct, [(_cuts(self.out_shape, d), _cuts(shape, p)) for _, d, p in boxes],
-                                   shape))
-        whole_local = len(self.local) == 1 and not self.local[0][0] and not self.local[0][1]
-        self.keep = whole_local and not add and not self.blank and self.in_shape == self.out_shape
-        self._adjoint = None
+        self.send_to, self.recv_from, self.local, self.whole = [], [], [], None
+        for j, (send, recv) in enumerate(zip(self.sends, self.recvs)):
+            if _numel(send):
+                boxes, shape = _boxes(send)
+                if j == rank:
+                    self.local = [(_cuts(ins, s), _cuts(outs, d)) for s, d, _ in boxes]
+                else:
+                    self.send_to.append((j, [(_cuts(ins, s), _cuts(shape, p)) for s, _, p in boxes], shape))
+            if j != rank and self.recv_numels[j]:
+                boxes, shape = _boxes(recv)
+                direct = len(boxes) == 1 and not add and _contiguous(outs, boxes[0][1])
+                if direct and self.recv_numels[j] == math.prod(outs):
+                    self.whole = j
+                self.recv_from.append((j, direct, [(_cuts(outs, d), _cuts(shape, p)) for _, d, p in boxes], shape))
+        self.keep = not add and not blank and ins == outs and self.local == [((), ())]
 
     def adjoint(self) -> "Exchange":
         """The same pieces moved back, summed into the sources (the exact adjoint)."""

@@ -27,6 +27,7 @@ backward moves the gradient back, adding into the owners.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Mapping, Sequence
 
@@ -238,12 +239,7 @@ class HaloPlan:
         self.layout, self.mesh, self.local_error = layout, mesh, local_error
         axes = [i for i, (l, r) in sorted(widths.items()) if l or r]
         ex_axes, dims = exchange_group(layout, axes, mesh)
-        reads: dict = {}
-
-        def read(i, iv):
-            if (i, iv) not in reads:
-                reads[i, iv] = halo_axis(iv[0], iv[1], *widths[i], layout.sizes[i], boundary)
-            return reads[i, iv]
+        read = functools.lru_cache(None)(lambda i, iv: halo_axis(*iv, *widths[i], layout.sizes[i], boundary))
 
         def runs(i, owner, dest):
             h = read(i, dest)
@@ -253,16 +249,12 @@ class HaloPlan:
         local = layout.local_shape(mesh.coordinate, shape) if mesh is not None else layout.sizes
         mine = {i: read(i, layout.interval(i, mesh.coordinate, shape) if mesh is not None else (0, local[i]))
                 for i in axes}
-        out = [n + sum(widths[i]) if i in mine else n for i, n in enumerate(local)]
-        blank = []
-        for i, h in mine.items():
-            for start, n in ((0, h.left_fill), (out[i] - h.right_fill, h.right_fill)):
-                if n:
-                    blank.append(tuple((start, n) if d == i else (0, m) for d, m in enumerate(out)))
-        self.exchange = None
-        if local_error is None:
-            sizes = {i: h.left_fill + h.buffer_size + h.right_fill for i, h in mine.items()}
-            self.exchange = runs_exchange(layout, layout, dims if ex_axes else (), mesh, runs, axes, sizes, blank)
+        sizes = {i: h.left_fill + h.buffer_size + h.right_fill for i, h in mine.items()}
+        out = [sizes.get(d, n) for d, n in enumerate(local)]
+        blank = [tuple((start, n) if d == i else (0, m) for d, m in enumerate(out))  # constant-boundary cells
+                 for i, h in mine.items() for start, n in ((0, h.left_fill), (out[i] - h.right_fill, h.right_fill)) if n]
+        self.exchange = None if local_error is not None else runs_exchange(
+            layout, layout, dims if ex_axes else (), mesh, runs, axes, sizes, blank)
         self.indices = [(i, torch.tensor(h.index, dtype=torch.long, device=device))
                         for i, h in mine.items() if h.index is not None]
 
