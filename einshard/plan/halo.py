@@ -74,15 +74,6 @@ def halo_needed(start: int, stop: int, left: int, right: int, n: int, boundary: 
     return ((s, n), (0, s + hi - lo - n))
 
 
-def _position(g: int, needed: tuple[Interval, ...]) -> int:
-    off = 0
-    for a, b in needed:
-        if a <= g < b:
-            return off + g - a
-        off += b - a
-    raise AssertionError((g, needed))
-
-
 @dataclass(frozen=True)
 class HaloAxis:
     """How one axis of a widened block is read from its buffer.
@@ -121,7 +112,8 @@ def halo_axis(start: int, stop: int, left: int, right: int, n: int, boundary: st
         sources = [p % n for p in range(lo, hi)]
     else:
         sources = [min(max(p, 0), n - 1) for p in range(lo, hi)]
-    index = tuple(_position(g, needed) for g in sources)
+    position = {g: k for k, g in enumerate(g for a, b in needed for g in range(a, b))}
+    index = tuple(position[g] for g in sources)
     if index == tuple(range(len(index))) and len(index) == sum(b - a for a, b in needed):
         index = None
     return HaloAxis(needed, 0, index, 0)
