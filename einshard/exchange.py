@@ -26,6 +26,8 @@ from . import collectives as C
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 
+_transforms_active = torch._C._are_functorch_transforms_active
+
 __all__ = ["Exchange", "exchange_group", "runs_exchange", "transition_exchange"]
 
 
@@ -179,7 +181,9 @@ class Exchange:
         return out
 
     def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
-        """The exchange as an autograd Function (backward: :meth:`adjoint`)."""
+        """The exchange as an autograd Function (backward: :meth:`adjoint`) when a backward may run."""
+        if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
+            return self.run(x, fill)
         return _exchange(x, self, fill)
 
 
