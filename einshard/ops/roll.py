@@ -6,10 +6,10 @@ global axis. Each owner sends each destination exactly the part of its
 block that lands there (one :class:`~einshard.exchange.Exchange` over the
 mesh dimensions that shard the rolled axes; several sharded axes move
 together, so a cell that crosses two block boundaries moves once, straight
-to its destination). The
-part of a block that stays on its rank is copied locally, and unsharded
-axes roll in the same exchange (without one, ``torch.roll``). Backward
-moves the pieces back (a roll by the opposite shifts).
+to its destination). The part of a block that stays on its rank is copied
+locally, and unsharded axes roll in the same exchange (without one,
+``torch.roll``). Backward moves the pieces back (a roll by the opposite
+shifts).
 """
 
 from __future__ import annotations
@@ -25,7 +25,16 @@ from ..layout import Layout
 from ..notation import freeze_families
 from ..plan.halo import roll_runs
 from ..resolve import freeze_shapes
-from .halo import agree_before_communicating, ambient_key, build_plan, freeze, parse_spec, per_axis, pick_mesh, spec_layout
+from .halo import (
+    agree_before_communicating,
+    ambient_key,
+    build_plan,
+    freeze,
+    parse_spec,
+    per_axis,
+    pick_mesh,
+    spec_layout,
+)
 
 __all__ = ["einroll", "RollPlan"]
 
