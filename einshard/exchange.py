@@ -202,6 +202,10 @@ def _intersect(i, owner, dest):
     return ((lo - owner[0], lo - dest[0], hi - lo),) if hi > lo else ()
 
 
+def _meet(a, b) -> bool:
+    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b))
+
+
 def transition_exchange(src: Layout, dst: Layout, dims, mesh, traced: bool = False):
     """The ``exchange`` step ``src -> dst`` over the mesh ``dims`` on this rank, as a callable ``x -> y``.
 
@@ -227,13 +231,15 @@ def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes
     No ``dims`` (or ``mesh=None``): a local one. On each of ``axes`` (default
     all) a piece is ``runs_fn(i, owner's src interval, receiver's dst
     interval)`` (default: their intersection); other axes move whole.
-    ``out_sizes[i]`` overrides the output size on axis ``i``. A peer that
-    differs from the receiver on an exchanged dimension sharding nothing in
-    ``src`` sends nothing: replicated data is read from the "nearest" copy,
-    so every element moves at most once.
+    ``out_sizes[i]`` overrides the output size on axis ``i``. Data
+    replicated in ``src`` (over exchanged dimensions sharding nothing there)
+    is read from one copy, so every element moves at most once: the
+    receiver's own, else one whose holder reads from the receiver too (so
+    ranks exchange in pairs, as a hand-written swap does), else the one that
+    shares the receiver's coordinates on those dimensions.
     """
     shape = MeshShape.of(mesh) if mesh is not None else None
-    coord = mesh.coordinate if mesh is not None else None
+    coord = tuple(mesh.coordinate) if mesh is not None else None
     in_shape = src.local_shape(coord, shape) if shape is not None else tuple(src.sizes)
     out_shape = dst.local_shape(coord, shape) if shape is not None else tuple(dst.sizes)
     axes = range(len(in_shape)) if axes is None else axes
@@ -251,11 +257,26 @@ def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes
             runs.append(r)
         return tuple(runs)
 
+    members = shape.group_coords(dims, coord) if dims else [coord]
+
+    def held(c):  # the coordinates that pick the src block
+        return tuple(v for p, v in enumerate(c) if p not in free)
+
+    def reads_from(r, s) -> bool:
+        """Whether receiver ``r`` reads sender ``s``'s src block from ``s`` (and not from another copy)."""
+        if not free:
+            return True
+        copies = [c for c in members if held(c) == held(s)]
+        if r in copies:
+            return r == s
+        pairs = [c for c in copies if _meet(dst.box(c, shape), src.box(r, shape))]
+        same = next(c for c in copies if all(c[p] == r[p] for p in free))
+        return (same if same in pairs or not pairs else pairs[0]) == s
+
     mine_src, mine_dst = intervals(src, coord), intervals(dst, coord)
     sends, recvs = [], []
-    for m in shape.group_coords(dims, coord) if dims else [coord]:
-        near = all(m[p] == coord[p] for p in free)
-        sends.append(piece(mine_src, intervals(dst, m)) if near else None)
-        recvs.append(piece(intervals(src, m), mine_dst) if near else None)
+    for m in members:
+        sends.append(piece(mine_src, intervals(dst, m)) if reads_from(m, coord) else None)
+        recvs.append(piece(intervals(src, m), mine_dst) if reads_from(coord, m) else None)
     out_shape = [(out_sizes or {}).get(d, n) for d, n in enumerate(out_shape)]
     return Exchange(mesh.group(dims) if dims else None, in_shape, out_shape, sends, recvs, blank=blank)
