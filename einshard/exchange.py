@@ -1,16 +1,12 @@
 """One exchange of rectangular pieces between the ranks of a group, bound to this rank.
 
 Transition ``exchange`` steps, halos (so windows and convolutions) and rolls
-all run on it. A piece is, per tensor dimension, a tuple of *runs*
-``(src_start, dst_start, length)`` (:mod:`einshard.plan.halo`): their product,
-read at the ``src`` side of the sender's block, written at the ``dst`` side
-of the receiver's output. Decided once, when the exchange is built: which
-pieces are contiguous (sent as views of the input, received straight into
-views of the output), the part that stays (copied while messages are in
-flight), and whether the output *is* the input (a rank keeping its block).
-Eager transport: batched ``isend``/``irecv`` with only the peers that have
-data; traced (``torch.compile``): one functional ``all_to_all_single``. The
-adjoint moves the same pieces back, adding into the sources.
+run on it. A piece is, per dimension, a tuple of *runs* ``(src_start,
+dst_start, length)`` (:mod:`einshard.plan.halo`). Decided once: contiguous
+pieces are sent as views and received into views of the output, the part
+that stays is copied while messages fly, a rank keeping its block returns
+it. Eager: batched ``isend``/``irecv`` with the peers that have data;
+traced: one functional ``all_to_all_single``. The adjoint adds back.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from .mappings import make_mapping
 
 _transforms_active = torch._C._are_functorch_transforms_active
 
-__all__ = ["Exchange", "exchange_group", "runs_exchange", "transition_exchange"]
+__all__ = ["Exchange", "exchange_group", "runs_exchange"]
 
 
 def _narrow(t: torch.Tensor, cuts) -> torch.Tensor:
@@ -38,7 +34,7 @@ def _narrow(t: torch.Tensor, cuts) -> torch.Tensor:
 
 
 def _cuts(shape, box) -> tuple:
-    """The ``(dim, start, length)`` narrows that take ``box`` (``(start, length)`` per dim) out of ``shape``."""
+    """The ``(dim, start, length)`` narrows taking ``box`` (``(start, length)`` per dim) out of ``shape``."""
     return tuple((d, s, n) for d, ((s, n), full) in enumerate(zip(box, shape)) if s or n != full)
 
 
@@ -76,12 +72,10 @@ def _flip(runs):
 class Exchange:
     """Pieces of this rank's block to and from the ranks of ``group`` (``None``: this rank alone).
 
-    ``sends[j]`` / ``recvs[j]``: the runs per dimension of the piece this
-    rank sends to / receives from group rank ``j`` (``None``: nothing);
-    ``sends[rank]`` (equal to ``recvs[rank]``) is the part that stays.
-    Every output element is written exactly once, or lies in a ``blank`` box
-    (``(start, length)`` per dim), set to ``fill``. ``add``: sum the pieces
-    into zeros (the adjoint).
+    ``sends[j]`` / ``recvs[j]``: the runs per dimension of the piece sent to /
+    received from group rank ``j`` (``None``: nothing; ``j`` = this rank: the
+    part that stays). Output elements are written once, or lie in a
+    ``blank`` box, set to ``fill``. ``add``: sum into zeros (the adjoint).
     """
 
     __slots__ = ("group", "in_shape", "out_shape", "sends", "recvs", "add", "blank", "send_to", "recv_from",
@@ -120,10 +114,7 @@ class Exchange:
 
     def _into(self, out, piece, cuts):
         target = _narrow(out, cuts)
-        if self.add:
-            target.add_(piece)
-        else:
-            target.copy_(piece)
+        (target.add_ if self.add else target.copy_)(piece)
 
     def _pack(self, x, boxes, shape):
         if len(boxes) == 1:
@@ -146,12 +137,9 @@ class Exchange:
             _checks.agree(self.group, None, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
         out = x if self.keep else (x.new_zeros if self.add else x.new_empty)(self.out_shape)
         sends = [(j, self._pack(x, boxes, shape).contiguous()) for j, boxes, shape in self.send_to]
-        recvs, later = [], []
-        for j, direct, boxes, shape in self.recv_from:
-            buf = _narrow(out, boxes[0][0]) if direct else x.new_empty(shape)
-            recvs.append((j, buf))
-            if not direct:
-                later.append((buf, boxes))
+        recvs = [(j, _narrow(out, boxes[0][0]) if direct else x.new_empty(shape))
+                 for j, direct, boxes, shape in self.recv_from]  # direct: straight into the output
+        later = [(buf, boxes) for (_, buf), (_, direct, boxes, _) in zip(recvs, self.recv_from) if not direct]
         works = C.isend_irecv(sends, recvs, self.group) if self.group is not None else ()
         if not self.keep:
             self._finish(x, out, fill)
@@ -202,19 +190,6 @@ def _intersect(i, owner, dest):
     return ((lo - owner[0], lo - dest[0], hi - lo),) if hi > lo else ()
 
 
-def _meet(a, b) -> bool:
-    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b))
-
-
-def transition_exchange(src: Layout, dst: Layout, dims, mesh, traced: bool = False):
-    """The ``exchange`` step ``src -> dst`` over the mesh ``dims`` on this rank, as a callable ``x -> y``.
-
-    ``traced``: with functional collectives (for ``torch.compile``).
-    """
-    ex = runs_exchange(src, dst, dims, mesh)
-    return ex.run_traced if traced else ex.run
-
-
 def exchange_group(layout: Layout, axes, mesh) -> tuple[tuple, tuple]:
     """``(exchanged axes, mesh dims)``: those of ``axes`` sharded over more than one rank, and their dims."""
     if mesh is None:
@@ -226,17 +201,13 @@ def exchange_group(layout: Layout, axes, mesh) -> tuple[tuple, tuple]:
 
 def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes=None, out_sizes=None,
                   blank=()) -> Exchange:
-    """An :class:`Exchange` from ``src`` blocks to ``dst`` blocks over the group of the mesh ``dims``.
+    """An :class:`Exchange` from ``src`` to ``dst`` blocks over the mesh ``dims`` (none: a local one).
 
-    No ``dims`` (or ``mesh=None``): a local one. On each of ``axes`` (default
-    all) a piece is ``runs_fn(i, owner's src interval, receiver's dst
-    interval)`` (default: their intersection); other axes move whole.
-    ``out_sizes[i]`` overrides the output size on axis ``i``. Data
-    replicated in ``src`` (over exchanged dimensions sharding nothing there)
-    is read from one copy, so every element moves at most once: the
-    receiver's own, else one whose holder reads from the receiver too (so
-    ranks exchange in pairs, as a hand-written swap does), else the one that
-    shares the receiver's coordinates on those dimensions.
+    On each of ``axes`` (default all) a piece is ``runs_fn(i, owner's src
+    interval, receiver's dst interval)`` (default: their intersection); other
+    axes move whole; ``out_sizes[i]`` overrides an output size. Replicated
+    data moves once, from the receiver's own copy, else one whose holder
+    reads from the receiver too (pairs), else the one at its coordinates.
     """
     shape = MeshShape.of(mesh) if mesh is not None else None
     coord = tuple(mesh.coordinate) if mesh is not None else None
@@ -259,17 +230,14 @@ def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes
 
     members = shape.group_coords(dims, coord) if dims else [coord]
 
-    def held(c):  # the coordinates that pick the src block
-        return tuple(v for p, v in enumerate(c) if p not in free)
-
     def reads_from(r, s) -> bool:
         """Whether receiver ``r`` reads sender ``s``'s src block from ``s`` (and not from another copy)."""
         if not free:
             return True
-        copies = [c for c in members if held(c) == held(s)]
+        copies = [c for c in members if all(c[p] == s[p] for p in range(len(s)) if p not in free)]
         if r in copies:
             return r == s
-        pairs = [c for c in copies if _meet(dst.box(c, shape), src.box(r, shape))]
+        pairs = [c for c in copies if all(_intersect(0, *iv) for iv in zip(dst.box(c, shape), src.box(r, shape)))]
         same = next(c for c in copies if all(c[p] == r[p] for p in free))
         return (same if same in pairs or not pairs else pairs[0]) == s
 

@@ -14,7 +14,7 @@ from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
 from . import collectives as _eager_collectives
-from .exchange import transition_exchange
+from .exchange import runs_exchange
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 from .plan.transition import Step, plan_gradient, plan_transition
@@ -36,7 +36,8 @@ def compile_step(step, mesh, C=C):
 
 def _exchange(src: Layout, dst: Layout, dims, mesh, C):
     """The general exchange of a transition step ``src -> dst`` over ``dims`` (the ``exchange`` primitive's run)."""
-    return transition_exchange(src, dst, dims, mesh, traced=C is not _eager_collectives)
+    ex = runs_exchange(src, dst, dims, mesh)
+    return ex.run if C is _eager_collectives else ex.run_traced
 
 
 class Transition:
