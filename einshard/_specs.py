@@ -18,8 +18,8 @@ import optree
 
 from ._split import MISSING, lookup_dim
 from .errors import EinshardError
+from .local import expand_sizes, freeze_sizes
 from .notation import EllipsisItem, Group, expand, freeze_families
-from .ops.local import expand_sizes, freeze_sizes
 from .resolve import ELLIPSIS_PREFIX, resolve
 
 __all__ = ["Spec", "parse_spec", "spec_tree", "match", "leaf_path", "resolve_spec", "layout_entries"]

@@ -16,14 +16,14 @@ from ._cache import BoundedCache
 from .errors import EinshardError, naming
 from .execute import Embedding, transition
 from .layout import MeshShape
+from .local import Contraction, expand_sizes
 from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
 from .notation import expand
-from .ops.local import Contraction, expand_sizes
-from .ops.pipeline import agree, check_dtypes, check_tensors
-from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
-from .plan.contraction import Problem, plan_schedule
+from .pipeline import agree, check_dtypes, check_tensors
+from .plan.contraction import Problem, duty_dims, plan_schedule
 from .policy import resolve_policy
 from .resolve import freeze_shapes, resolve
+from .stationary import is_stationary, needs_mesh_for_grad, stationary_plan
 
 __all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
 
@@ -159,9 +159,7 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
     sizes = expand_sizes(parsed, sizes, families)
     resolved = resolve(parsed, local_shapes, mesh, shapes=shapes, sizes=sizes, ambient=ambient)
     if duties:
-        from .params.formula import duty_dims
-
-        duties = duty_dims(duties, mesh, parsed.text)
+        duties = duty_dims(duties, mesh.names)
         for k, (duty, layout) in enumerate(zip(duties, resolved.operands)):
             if duty is not None and layout.partial:
                 raise EinshardError(f"operand {k} carries a gradient duty, so it must not be partial (// ...)")

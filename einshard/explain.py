@@ -8,9 +8,9 @@ import torch
 
 from ._table import text_table
 from .layout import MeshShape
+from .local import freeze_sizes
 from .mesh import resolve_mesh
 from .notation import expand, freeze_families
-from .ops.local import freeze_sizes
 from .params.formula import explain_duties
 from .policy import PlanPolicy, resolve_policy
 

@@ -46,9 +46,18 @@ from .._cache import BoundedCache
 from ..errors import EinshardError
 from ..layout import MeshShape
 from ..notation import expand, freeze_families
+from ..pipeline import (
+    check_boundary,
+    check_kept_sharding,
+    check_spec,
+    family_table,
+    freeze,
+    in_vma_scope,
+    per_axis,
+    pick_mesh,
+    width_pair,
+)
 from .halo import halo_plan
-from .pipeline import (check_boundary, check_kept_sharding, check_spec, family_table, freeze, in_vma_scope, per_axis,
-                       pick_mesh, width_pair)
 
 __all__ = ["einconv"]
 

@@ -9,12 +9,12 @@ from .. import vma as _vma
 from .._cache import BoundedCache
 from ..distributed import run_distributed, traced_run
 from ..errors import EinshardError
+from ..local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..params.formula import ANY, duty_of, formula_names, recorder_for, resolve_pending, state_duties
 from ..params.state import ParameterState
+from ..pipeline import check_tensors, in_vma_scope
 from ..policy import resolve_policy
-from .local import build_local_plan, freeze_sizes
-from .pipeline import check_tensors, in_vma_scope
 
 __all__ = ["einshard"]
 

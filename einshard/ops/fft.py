@@ -41,10 +41,10 @@ from ..notation import (
     invalid,
 )
 from ..notation.grammar import parse_text
+from ..pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
 from ..resolve import Splits, resolve
-from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis
 
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 

@@ -38,9 +38,7 @@ from ..errors import EinshardError
 from ..exchange import exchange_group, runs_exchange
 from ..layout import Layout, MeshShape
 from ..notation import TensorSpec, freeze_families
-from ..plan.halo import halo_axis, halo_runs
-from ..resolve import freeze_shapes
-from .pipeline import (
+from ..pipeline import (
     agree_before_communicating,
     ambient_key,
     build_plan,
@@ -53,6 +51,8 @@ from .pipeline import (
     spec_layout,
     width_pair,
 )
+from ..plan.halo import halo_axis, halo_runs
+from ..resolve import freeze_shapes
 
 __all__ = ["einhalo", "HaloPlan", "halo_plan"]
 

@@ -25,9 +25,7 @@ from ..errors import EinshardError
 from ..exchange import exchange_group, runs_exchange
 from ..layout import Layout
 from ..notation import freeze_families
-from ..plan.halo import roll_runs
-from ..resolve import freeze_shapes
-from .pipeline import (
+from ..pipeline import (
     agree_before_communicating,
     ambient_key,
     build_plan,
@@ -38,6 +36,8 @@ from .pipeline import (
     pick_mesh,
     spec_layout,
 )
+from ..plan.halo import roll_runs
+from ..resolve import freeze_shapes
 
 __all__ = ["einroll", "RollPlan"]
 

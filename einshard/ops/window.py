@@ -13,9 +13,17 @@ from __future__ import annotations
 from .. import vma as _vma
 from ..errors import EinshardError
 from ..notation import expand, freeze_families
+from ..pipeline import (
+    check_boundary,
+    check_kept_sharding,
+    check_spec,
+    family_table,
+    in_vma_scope,
+    per_axis,
+    pick_mesh,
+    width_pair,
+)
 from .halo import halo_plan
-from .pipeline import (check_boundary, check_kept_sharding, check_spec, family_table, in_vma_scope, per_axis,
-                       pick_mesh, width_pair)
 
 __all__ = ["einwindow", "parse_window_formula"]
 

@@ -34,7 +34,7 @@ from .operand import parameter_operand_state
 from .state import ParameterGradComm, ParameterState, check_state
 from .store import PARAM_STATE_ATTR, prepare_registration, set_parameter_state
 
-__all__ = ["duty_of", "state_duties", "duty_dims", "explain_duties", "FormulaRecorder", "recorder_for", "formula_names"]
+__all__ = ["duty_of", "state_duties", "explain_duties", "FormulaRecorder", "recorder_for", "formula_names"]
 
 _TENSOR = torch.Tensor
 _NO_DUTY_BACKENDS = ("none", "vma")  # vma: satisfied inside shard_map only; outside, the formula reduces
@@ -69,26 +69,6 @@ def state_duties(tensors) -> tuple:
                 found = [None] * len(tensors)
             found[k] = duty
     return () if found is None else tuple(found)
-
-
-def duty_dims(duties, mesh, formula: str) -> tuple:
-    """Planner duties: group names turned into sets of atomic mesh dimensions (ValueError if unknown)."""
-    out = []
-    for k, duty in enumerate(duties):
-        if duty is None or duty == ANY:
-            out.append(duty)
-            continue
-        dims = set()
-        for g in duty:
-            for c in g.split("-"):
-                if c not in mesh.names:
-                    raise ValueError(
-                        f"{formula!r}: operand {k} has a gradient duty over {g!r}, but {c!r} is not in the mesh "
-                        f"{list(mesh.names)}"
-                    )
-                dims.add(c)
-        out.append(frozenset(dims))
-    return tuple(out)
 
 
 def _groups_of(dims, names) -> tuple[str, ...]:

@@ -9,9 +9,9 @@ import torch
 
 from .._split import compute_split_shapes
 from ..distributed import plan_distributed
+from ..local import freeze_sizes
 from ..mesh import resolve_mesh
 from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
-from ..ops.local import freeze_sizes
 from ..policy import resolve_policy
 from .formula import recorder_for
 from .names import mesh_names

@@ -26,12 +26,13 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .._split import compute_split_shapes
+from ..errors import EinshardError
 from ..layout import Layout, MeshShape, broadcast_size
 from ..policy import PlanPolicy
 from .cost import Cost, price
 from .transition import Step, plan_gradient, plan_transition
 
-__all__ = ["Problem", "Candidate", "Schedule", "plan_contraction", "plan_schedule"]
+__all__ = ["Problem", "Candidate", "Schedule", "plan_contraction", "plan_schedule", "duty_dims", "ANY"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,32 @@ class Problem:
 
 
 ANY = "any"  # a pending gradient duty: the planner leaves the gradient partial wherever it varies
+
+
+def duty_dims(duties, mesh_names) -> tuple:
+    """Planner duties: each operand's duty groups (``("dp", "sp-tp")``) as a set of atomic mesh dimensions.
+
+    ``None`` (no duty) and :data:`ANY` pass through; a name not in the mesh is an error.
+
+    >>> none, dims = duty_dims([None, ("dp", "sp-tp")], ("dp", "sp", "tp"))
+    >>> none, sorted(dims)
+    (None, ['dp', 'sp', 'tp'])
+    """
+    out = []
+    for k, duty in enumerate(duties):
+        if duty is None or duty == ANY:
+            out.append(duty)
+            continue
+        dims = set()
+        for g in duty:
+            for c in g.split("-"):
+                if c not in mesh_names:
+                    raise EinshardError(
+                        f"operand {k} has a gradient duty over {g!r}, but {c!r} is not in the mesh {list(mesh_names)}"
+                    )
+                dims.add(c)
+        out.append(frozenset(dims))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .. import _context, checks
-from .. import vma as _vma
-from .._cache import BoundedCache
-from .._split import is_size
-from ..errors import EinshardError, naming
-from ..layout import Layout
-from ..mesh import resolve_mesh
-from ..notation import Axis, Formula, Group, TensorSpec, expand, family_member, freeze_families
-from ..plan.halo import BOUNDARIES
-from ..resolve import resolve
+from . import _context, checks
+from . import vma as _vma
+from ._cache import BoundedCache
+from ._split import is_size
+from .errors import EinshardError, naming
+from .layout import Layout
+from .mesh import resolve_mesh
+from .notation import Axis, Formula, Group, TensorSpec, expand, family_member, freeze_families
+from .plan.halo import BOUNDARIES
+from .resolve import resolve
 
 __all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_sharding", "parse_spec", "per_axis",
            "width_pair", "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout",

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..errors import EinshardError, naming
-from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
+from .errors import EinshardError, naming
+from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec
 
 try:  # the C++ entry point skips torch.einsum's Python-level argument handling
     _einsum = torch._C._VariableFunctions.einsum

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .._cache import BoundedCache
-from ..notation import Axis, Formula, Group, TensorSpec
+from ._cache import BoundedCache
 from .local import build_local_plan
+from .notation import Axis, Formula, Group, TensorSpec
 
 __all__ = ["is_stationary", "local_formula", "needs_mesh_for_grad", "stationary_plan"]
 
