@@ -226,11 +226,13 @@ def _body_group():
     return None if body is None else getattr(body, "group", None)
 
 
-# torch 2.13 renamed the tensor collectives; older versions only have the old names.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_tensor = None  # looked up on first use: a wrapper put on ``dist`` later (benchmarks) is seen
 
 
 def _gather(record: torch.Tensor, group, size: int) -> torch.Tensor:
+    global _all_gather_tensor
+    if _all_gather_tensor is None:
+        _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     out = record.new_empty((size,) + tuple(record.shape))
     _all_gather_tensor(out.view(-1), record.contiguous().view(-1), group=group)
     if comm_stats._ACTIVE:
