@@ -45,6 +45,7 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "all_to_all_v",
+    "isend_irecv",
     "ppermute",
 ]
 
@@ -464,20 +465,15 @@ def all_to_all(
     return torch.cat(parts, sd)
 
 
-def all_to_all_v(
-    chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group, *, pairwise: bool = False
-) -> list[torch.Tensor]:
+def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group) -> list[torch.Tensor]:
     """General exchange: ``chunks[j]`` goes to group rank ``j``; returns what each rank sent here.
 
     Chunks may have any shape (they are flattened) and must share one dtype;
     ``recv_numels[j]`` is the element count rank ``j`` sends to this rank.
     Returns flat 1-D tensors, one per source rank. This rank's own chunk is
     passed through without communication (the result may share its memory).
-    One ``all_to_all_single`` with split sizes; with ``pairwise=True``
-    (every rank of the group must pass the same), batched point-to-point
-    ``isend``/``irecv`` with only the ranks it exchanges data with: no
-    packing of the send blocks (contiguous chunks are sent as they are), and
-    ranks that exchange nothing do not take part.
+    One ``all_to_all_single`` with split sizes (for point-to-point transfers
+    with only some peers, see :func:`isend_irecv`).
 
     >>> got = all_to_all_v([torch.full((j,), float(rank)) for j in range(P)], [rank] * P, group)  # doctest: +SKIP
     >>> got[j]  # rank j's chunk for this rank: `rank` elements equal to j  # doctest: +SKIP
@@ -502,8 +498,6 @@ def all_to_all_v(
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
-    if pairwise:
-        return _pairwise(chunks, recv_numels, group, rank, own)
     in_splits = [0 if j == rank else c.numel() for j, c in enumerate(chunks)]
     out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
     send = [c.detach().reshape(-1) for j, c in enumerate(chunks) if j != rank and c.numel()]
@@ -526,28 +520,22 @@ def all_to_all_v(
     return result
 
 
-def _pairwise(chunks, recv_numels, group, rank, own) -> list[torch.Tensor]:
-    """The transport of ``all_to_all_v(pairwise=True)``: one batched isend/irecv per peer with data."""
-    out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
-    out = own.new_empty(sum(out_splits))
-    result = list(out.split(out_splits))
-    ops, sent = [], 0
-    for j, c in enumerate(chunks):
-        if j != rank and c.numel():
-            flat = _flat(c.detach().contiguous())  # a view when the chunk is already contiguous
-            sent += c.numel()
-            ops.append(dist.P2POp(dist.isend, flat, _global_rank(group, j), group))
-    for j, buf in enumerate(result):
-        if j != rank and buf.numel():
-            ops.append(dist.P2POp(dist.irecv, _flat(buf), _global_rank(group, j), group))
+def isend_irecv(sends, recvs, group, kind: str = "all_to_all_v") -> list:
+    """Start batched point-to-point transfers; returns the works to ``wait()`` on.
+
+    ``sends`` / ``recvs``: ``(group rank, contiguous tensor)`` pairs; received
+    tensors are written in place (views of a larger buffer are fine). Records
+    one ``kind`` call in :mod:`einshard.comm_stats`, also when nothing moves.
+
+    >>> works = isend_irecv([(1, x)], [(1, buf)], group)  # a swap with group rank 1  # doctest: +SKIP
+    >>> for w in works: w.wait()  # doctest: +SKIP
+    """
     if _stats._ACTIVE:
-        isz = own.element_size()
-        _stats.record("all_to_all_v", group, sent * isz, sum(out_splits) * isz)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    result[rank] = own
-    return result
+        _stats.record(kind, group, sum(t.numel() * t.element_size() for _, t in sends),
+                      sum(t.numel() * t.element_size() for _, t in recvs))
+    ops = [dist.P2POp(dist.isend, _flat(t), _global_rank(group, j), group) for j, t in sends]
+    ops += [dist.P2POp(dist.irecv, _flat(t), _global_rank(group, j), group) for j, t in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 # -- ppermute --------------------------------------------------------------------
