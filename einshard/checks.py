@@ -226,7 +226,7 @@ def _body_group():
     return None if body is None else getattr(body, "group", None)
 
 
-_all_gather_tensor = None
+_all_gather_tensor = None  # looked up on first use: a wrapper put on ``dist`` later (benchmarks) is seen
 
 
 def _gather(record: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -57,26 +57,17 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # -- small helpers -------------------------------------------------------------
 
 
-def _size(group) -> int:
-    """``dist.get_world_size(group)`` without its Python checks for a ``ProcessGroup`` (the hot path)."""
-    if type(group) is dist.ProcessGroup:
-        return group.size()
-    return dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    if type(group) is dist.ProcessGroup:
-        return group.rank()
-    return dist.get_rank(group)
-
-
 def group_size(group=None) -> int:
     """The number of ranks in ``group`` (``None``: the world).
+
+    A ``ProcessGroup`` is asked directly (the hot path skips ``dist``'s Python checks).
 
     >>> group_size(mesh.get_group("tp"))  # doctest: +SKIP
     4
     """
-    return _size(group)
+    if type(group) is dist.ProcessGroup:
+        return group.size()
+    return dist.get_world_size(group)
 
 
 def group_rank(group=None) -> int:
@@ -85,7 +76,12 @@ def group_rank(group=None) -> int:
     >>> group_rank(mesh.get_group("tp"))  # doctest: +SKIP
     2
     """
-    return _rank(group)
+    if type(group) is dist.ProcessGroup:
+        return group.rank()
+    return dist.get_rank(group)
+
+
+_size, _rank = group_size, group_rank
 
 
 def _global_rank(group, rank: int) -> int:
@@ -152,6 +148,12 @@ def _dim(dim, ndim: int, fn: str, what: str = "dim"):
     if not -max(ndim, 1) <= d < max(ndim, 1) or ndim == 0:
         return 0, ValueError(f"{fn}: {what}={dim} is out of range for a tensor with {ndim} dimensions")
     return d % ndim, None
+
+
+def _along(x, group, dim, shapes, fn: str):
+    """``(size, shapes, dim, error)`` along ``dim``: the group's size, ``shapes`` checked, ``dim`` normalised."""
+    size = _size(group)
+    return (size, None if shapes is None else _sizes(shapes, f"{fn}: shapes", size), *_dim(dim, x.dim(), fn))
 
 
 def _whole_split(shapes, length: int, size: int, what: str, dim_text: str):
@@ -234,8 +236,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         return (y, _CompletedWork()) if async_op else y
     if _stats._ACTIVE:
         _record("all_reduce", group, size, y.numel() * y.element_size())
-    buf = torch.view_as_real(y) if y.is_complex() else y
-    work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=async_op)
+    work = dist.all_reduce(_flat(y), op=reduce_op, group=group, async_op=async_op)
     return (y, work) if async_op else y
 
 
@@ -261,8 +262,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     y = _contiguous_clone(x) if rank == src else torch.empty_like(x, memory_format=torch.contiguous_format)
     if _stats._ACTIVE:
         _record("broadcast", group, size, y.numel() * y.element_size(), rank == src)
-    buf = torch.view_as_real(y) if y.is_complex() else y
-    dist.broadcast(buf, src=_global_rank(group, src), group=group)
+    dist.broadcast(_flat(y), src=_global_rank(group, src), group=group)
     return y
 
 
@@ -278,10 +278,7 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
     >>> split(torch.arange(10), group, 0)  # rank 3 of 4 → shapes [3, 3, 3, 1]  # doctest: +SKIP
     tensor([9])
     """
-    size = _size(group)
-    if shapes is not None:
-        shapes = _sizes(shapes, "split: shapes", size)
-    d, err = _dim(dim, x.dim(), "split")
+    size, shapes, d, err = _along(x, group, dim, shapes, "split")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
     if err is not None or _checks.agreement_needed():
@@ -301,10 +298,7 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
             [1., 1.]])
     >>> all_gather(x, group, dim=1, shapes=[3, 3, 3, 0])  # doctest: +SKIP
     """
-    size = _size(group)
-    if shapes is not None:
-        shapes = _sizes(shapes, "all_gather: shapes", size)
-    d, err = _dim(dim, x.dim(), "all_gather")
+    size, shapes, d, err = _along(x, group, dim, shapes, "all_gather")
     rank = _rank(group) if size > 1 else 0
     if err is None and shapes is not None and x.shape[d] != shapes[rank]:
         err = ValueError(
@@ -347,10 +341,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     >>> reduce_scatter(torch.ones(4), group, 0)  # 2 ranks  # doctest: +SKIP
     tensor([2., 2.])
     """
-    size = _size(group)
-    if shapes is not None:
-        shapes = _sizes(shapes, "reduce_scatter: shapes", size)
-    d, err = _dim(dim, x.dim(), "reduce_scatter")
+    size, shapes, d, err = _along(x, group, dim, shapes, "reduce_scatter")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "reduce_scatter: shapes", f"dim {dim}")
     if err is not None or _checks.agreement_needed():

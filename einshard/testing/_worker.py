@@ -148,7 +148,7 @@ def _run_task(rank, task_id, context, payload, log_path):
     ok, value, exc_bytes = True, None, None
     try:
         _prepare(context)
-        _set_checks(context.get("checks", True))
+        set_checks(context.get("checks", True))  # cross-rank checks: on unless the task opted out
         fn, args, kwargs = pickle.loads(payload)
         args, kwargs = _materialise(args, kwargs)
         result = fn(*args, **kwargs)
@@ -279,17 +279,8 @@ def _install_reprcompare():
         util._reprcompare = callbinrepr
 
 
-def _set_checks(flag):
-    """Cross-rank checks for this task (on unless the task opted out)."""
-    set_checks(flag)
-
-
 def _materialise(args, kwargs):
     """Replace top-level MeshSpec arguments by their built DeviceMesh."""
-    if not any(isinstance(a, MeshSpec) for a in args) and not any(
-        isinstance(v, MeshSpec) for v in kwargs.values()
-    ):
-        return args, kwargs
     args = tuple(a.build() if isinstance(a, MeshSpec) else a for a in args)
     kwargs = {k: (v.build() if isinstance(v, MeshSpec) else v) for k, v in kwargs.items()}
     return args, kwargs
