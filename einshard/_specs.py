@@ -21,6 +21,7 @@ from .errors import EinshardError
 from .local import expand_sizes, freeze_sizes
 from .notation import EllipsisItem, Group, expand, freeze_families
 from .resolve import ELLIPSIS_PREFIX, resolve
+from .vma import spec_mask
 
 __all__ = ["Spec", "parse_spec", "spec_tree", "match", "leaf_path", "resolve_spec", "layout_entries"]
 
@@ -45,9 +46,7 @@ class Spec:
         """Bit mask (over ``info``'s mesh) of the dims the inner layout shards or is partial over."""
         m = self._masks.get(info)
         if m is None:
-            from .vma import _spec_mask
-
-            m = _spec_mask(info, self.inner_spec)
+            m = spec_mask(info, self.inner_spec)
             self._masks[info] = m
         return m
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _context, comm_stats
+from .errors import EinshardError
 
 __all__ = ["set_checks", "checks_enabled", "agree", "report_failure", "RankFailedError"]
 
@@ -38,7 +39,7 @@ def _env_default() -> bool:
     return os.environ.get("EINSHARD_CHECKS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-_ENABLED: bool = _env_default()
+ENABLED: bool = _env_default()  # read by the hot paths of other modules; set it with set_checks
 
 # Inside a planned operation every argument has been checked (and agreed on) once for the
 # whole operation, so its collectives skip their own agreement: see :func:`planned`.
@@ -89,7 +90,7 @@ class planned:
 
 def agreement_needed() -> bool:
     """Checks are on and no planned operation has agreed already."""
-    return _ENABLED and not getattr(_PLANNED, "depth", 0)
+    return ENABLED and not getattr(_PLANNED, "depth", 0)
 
 
 def set_checks(flag: bool) -> None:
@@ -102,8 +103,8 @@ def set_checks(flag: bool) -> None:
 
     >>> es.set_checks(True)   # every rank raises the same ValueError  # doctest: +SKIP
     """
-    global _ENABLED
-    _ENABLED = bool(flag)
+    global ENABLED
+    ENABLED = bool(flag)
 
 
 def checks_enabled() -> bool:
@@ -112,7 +113,7 @@ def checks_enabled() -> bool:
     >>> checks_enabled() in (True, False)
     True
     """
-    return _ENABLED
+    return ENABLED
 
 
 def was_agreed(exc: BaseException, body: bool = False) -> bool:
@@ -235,7 +236,7 @@ def _gather(record: torch.Tensor, group, size: int) -> torch.Tensor:
         _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     out = record.new_empty((size,) + tuple(record.shape))
     _all_gather_tensor(out.view(-1), record.contiguous().view(-1), group=group)
-    if comm_stats._ACTIVE:
+    if comm_stats.is_active():
         n = (size - 1) * record.numel() * record.element_size()
         comm_stats.record("check", group, n, n)
     return out
@@ -288,7 +289,7 @@ def agree(
     >>> err = None if x.shape[0] == shapes[rank] else ValueError("size mismatch")  # doctest: +SKIP
     >>> agree(group, err, facts=(("dtype", x.dtype),), point="all_gather")  # doctest: +SKIP
     """
-    if not _ENABLED:
+    if not ENABLED:
         if error is not None:
             raise error
         return
@@ -348,7 +349,7 @@ def report_failure(group, exc: BaseException) -> None:
     ...     report_failure(group, exc)
     ...     raise
     """
-    if not _ENABLED or was_agreed(exc, body=True):
+    if not ENABLED or was_agreed(exc, body=True):
         return
     size = dist.get_world_size(group)
     _mark_agreed(exc)
@@ -446,17 +447,17 @@ def _decide(rows, texts, members, what) -> BaseException:
         text = f"rank {members[j]}: {texts[j][1]}"
         if len(errors) > 1:
             text += f" (reported by {_ranks_text(members[k] for k in errors)})"
-        return ValueError(text)
+        return EinshardError(text)
     points: dict = {}
     for j, r in enumerate(rows):
         points.setdefault(texts[j][0], []).append(members[j])
     if len({r[2] for r in rows}) > 1:
         where = "; ".join(f"{_ranks_text(rs)} at {p}" for p, rs in points.items())
-        return ValueError(f"the ranks reached different collective operations: {where}")
+        return EinshardError(f"the ranks reached different collective operations: {where}")
     bad = _bad_pairs(rows)
     if bad:
         s, d = bad[0]
-        return ValueError(
+        return EinshardError(
             f"the ranks disagree on the sizes of {what or texts[s][0]}: rank {members[s]} sends {rows[s][5]} elements to "
             f"rank {members[d]}, which expects {rows[d][6]}"
         )
@@ -477,6 +478,6 @@ def _decide(rows, texts, members, what) -> BaseException:
                 values.setdefault(value, []).append(members[j])
             if len(values) > 1:
                 how = "; ".join(f"{_ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {v}" for v, rs in values.items())
-                return ValueError(f"the ranks disagree on {subject}: {label or 'a value'}: {how}")
-        return ValueError(f"the ranks disagree on {subject}")
-    return ValueError(f"the ranks disagree on {what or texts[0][0]}")
+                return EinshardError(f"the ranks disagree on {subject}: {label or 'a value'}: {how}")
+        return EinshardError(f"the ranks disagree on {subject}")
+    return EinshardError(f"the ranks disagree on {what or texts[0][0]}")

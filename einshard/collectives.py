@@ -33,6 +33,7 @@ import torch.distributed as dist
 from . import checks as _checks
 from . import comm_stats as _stats
 from ._split import compute_split_shapes
+from .errors import EinshardError
 from .primitives import PRIMITIVES
 
 __all__ = [
@@ -126,16 +127,16 @@ def _sizes(shapes, what: str, size: int) -> list[int]:
         try:
             shapes = list(shapes)
         except TypeError:
-            raise ValueError(f"{what} must be a list of per-rank sizes, got {shapes!r}") from None
+            raise EinshardError(f"{what} must be a list of per-rank sizes, got {shapes!r}") from None
     out = []
     for s in shapes:
         if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)) and int(s) != s:
-            raise ValueError(f"{what} must hold integers, got {list(shapes)!r}")
+            raise EinshardError(f"{what} must hold integers, got {list(shapes)!r}")
         out.append(int(s))
     if len(out) != size:
-        raise ValueError(f"{what} {out} has {len(out)} entries but the group has {size} ranks")
+        raise EinshardError(f"{what} {out} has {len(out)} entries but the group has {size} ranks")
     if any(s < 0 for s in out):
-        raise ValueError(f"{what} {out} holds a negative size")
+        raise EinshardError(f"{what} {out} holds a negative size")
     return out
 
 
@@ -144,9 +145,9 @@ def _dim(dim, ndim: int, fn: str, what: str = "dim"):
     try:
         d = int(dim)
     except (TypeError, ValueError):
-        return 0, ValueError(f"{fn}: {what} must be an int, got {dim!r}")
+        return 0, EinshardError(f"{fn}: {what} must be an int, got {dim!r}")
     if not -max(ndim, 1) <= d < max(ndim, 1) or ndim == 0:
-        return 0, ValueError(f"{fn}: {what}={dim} is out of range for a tensor with {ndim} dimensions")
+        return 0, EinshardError(f"{fn}: {what}={dim} is out of range for a tensor with {ndim} dimensions")
     return d % ndim, None
 
 
@@ -161,7 +162,7 @@ def _whole_split(shapes, length: int, size: int, what: str, dim_text: str):
     if shapes is None:
         return compute_split_shapes(length, size), None
     if sum(shapes) != length:
-        return shapes, ValueError(
+        return shapes, EinshardError(
             f"{what} {shapes} sum to {sum(shapes)} but the tensor has size {length} along {dim_text}"
         )
     return shapes, None
@@ -216,12 +217,12 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
     """
     name = op.lower() if isinstance(op, str) else op
     if name not in _REDUCE_OPS:
-        raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        raise EinshardError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     err = None  # depends on the dtype, which may differ on one rank: agreed
     if x.is_complex() and name in ("max", "min"):
-        err = ValueError(f"all_reduce: op={op!r} is not defined for complex tensors")
+        err = EinshardError(f"all_reduce: op={op!r} is not defined for complex tensors")
     elif name in ("avg", "mean") and not (x.is_floating_point() or x.is_complex()):
-        err = ValueError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
+        err = EinshardError(f"all_reduce: op={op!r} needs a floating or complex tensor, got {x.dtype}")
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "all_reduce", x, extra=(("op", name),))
     size = _size(group)
@@ -234,7 +235,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[name])
     if size == 1:
         return (y, _CompletedWork()) if async_op else y
-    if _stats._ACTIVE:
+    if _stats.is_active():
         _record("all_reduce", group, size, y.numel() * y.element_size())
     work = dist.all_reduce(_flat(y), op=reduce_op, group=group, async_op=async_op)
     return (y, work) if async_op else y
@@ -252,7 +253,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     """
     size = _size(group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
-        raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {size})")
+        raise EinshardError(f"broadcast: src={src!r} is not a rank of the group (size {size})")
     if _checks.agreement_needed():
         _agree(group, None, "broadcast", x, extra=(("src", src),))
     x = x.detach()
@@ -260,7 +261,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
         return _contiguous_clone(x)
     rank = _rank(group)
     y = _contiguous_clone(x) if rank == src else torch.empty_like(x, memory_format=torch.contiguous_format)
-    if _stats._ACTIVE:
+    if _stats.is_active():
         _record("broadcast", group, size, y.numel() * y.element_size(), rank == src)
     dist.broadcast(_flat(y), src=_global_rank(group, src), group=group)
     return y
@@ -301,7 +302,7 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
     size, shapes, d, err = _along(x, group, dim, shapes, "all_gather")
     rank = _rank(group) if size > 1 else 0
     if err is None and shapes is not None and x.shape[d] != shapes[rank]:
-        err = ValueError(
+        err = EinshardError(
             f"all_gather: this rank (group rank {rank}) holds {x.shape[d]} elements along dim {dim} "
             f"but shapes[{rank}] = {shapes[rank]} (shapes {shapes})"
         )
@@ -323,7 +324,7 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
         block.narrow(d, 0, local).copy_(x)
     out = block.new_empty((size,) + block.shape)
     if block.numel() > 0:
-        if _stats._ACTIVE:
+        if _stats.is_active():
             _record("all_gather", group, size, block.numel() * block.element_size())
         _all_gather_tensor(_flat(out), _flat(block), group=group)
     if even:
@@ -361,7 +362,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     out = buf.new_empty(buf.shape[1:])
     if out.numel() == 0:
         return out.narrow(d, 0, shapes[rank]).contiguous()
-    if _stats._ACTIVE:
+    if _stats.is_active():
         _record("reduce_scatter", group, size, out.numel() * out.element_size())
     _reduce_scatter_tensor(_flat(out), _flat(buf), op=dist.ReduceOp.SUM, group=group)
     if shapes[rank] == m:
@@ -402,12 +403,12 @@ def all_to_all(
     dd, err2 = _dim(dst_dim, x.dim(), "all_to_all", "dst_dim")
     err = err or err2
     if err is None and sd == dd:
-        err = ValueError(f"all_to_all: src_dim ({src_dim}) and dst_dim ({dst_dim}) must differ")
+        err = EinshardError(f"all_to_all: src_dim ({src_dim}) and dst_dim ({dst_dim}) must differ")
     if err is None:
         if src_shapes is None:
             src_shapes = [x.shape[sd]] * size
         elif x.shape[sd] != src_shapes[rank]:
-            err = ValueError(
+            err = EinshardError(
                 f"all_to_all: this rank (group rank {rank}) holds {x.shape[sd]} elements along src_dim "
                 f"{src_dim} but src_shapes[{rank}] = {src_shapes[rank]} (src_shapes {src_shapes})"
             )
@@ -436,7 +437,7 @@ def all_to_all(
     out = x.new_empty(sum(out_splits))
     # Skip only when nobody moves anything (decided from shared sizes, so every rank agrees).
     if sum(src_shapes) * sum(dst_shapes) * other:
-        if _stats._ACTIVE:
+        if _stats.is_active():
             isz = x.element_size()
             _stats.record(
                 "all_to_all",
@@ -481,15 +482,15 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
     size = _size(group)
     chunks = list(chunks)
     if len(chunks) != size:
-        raise ValueError(f"all_to_all_v: got {len(chunks)} chunks but the group has {size} ranks")
+        raise EinshardError(f"all_to_all_v: got {len(chunks)} chunks but the group has {size} ranks")
     recv_numels = _sizes(recv_numels, "all_to_all_v: recv_numels", size)
     rank = _rank(group) if size > 1 else 0
     err = None
     dtype = chunks[rank].dtype
     if any(c.dtype != dtype for c in chunks):
-        err = ValueError(f"all_to_all_v: chunks have different dtypes {sorted({str(c.dtype) for c in chunks})}")
+        err = EinshardError(f"all_to_all_v: chunks have different dtypes {sorted({str(c.dtype) for c in chunks})}")
     elif chunks[rank].numel() != recv_numels[rank]:
-        err = ValueError(
+        err = EinshardError(
             f"all_to_all_v: this rank (group rank {rank}) keeps {chunks[rank].numel()} elements for itself "
             f"but recv_numels[{rank}] = {recv_numels[rank]}"
         )
@@ -504,7 +505,7 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
     inp = torch.cat(send) if send else own.new_empty(0)
     out = own.new_empty(sum(out_splits))
     # Always called: a rank cannot know whether the others exchange anything.
-    if _stats._ACTIVE:
+    if _stats.is_active():
         isz = own.element_size()
         _stats.record("all_to_all_v", group, sum(in_splits) * isz, sum(out_splits) * isz)
     factor = _real_factor(own)
@@ -530,7 +531,7 @@ def isend_irecv(sends, recvs, group, kind: str = "all_to_all_v") -> list:
     >>> works = isend_irecv([(1, x)], [(1, buf)], group)  # a swap with group rank 1  # doctest: +SKIP
     >>> for w in works: w.wait()  # doctest: +SKIP
     """
-    if _stats._ACTIVE:
+    if _stats.is_active():
         _stats.record(kind, group, sum(t.numel() * t.element_size() for _, t in sends),
                       sum(t.numel() * t.element_size() for _, t in recvs))
     ops = [dist.P2POp(dist.isend, _flat(t), _global_rank(group, j), group) for j, t in sends]
@@ -541,7 +542,8 @@ def isend_irecv(sends, recvs, group, kind: str = "all_to_all_v") -> list:
 # -- ppermute --------------------------------------------------------------------
 
 
-def _check_perm(perm, size: int) -> list[tuple[int, int]]:
+def check_perm(perm, size: int) -> list[tuple[int, int]]:
+    """``perm`` as ``(source, destination)`` pairs, checked against a group of ``size`` ranks."""
     pairs = []
     try:
         for pair in perm:
@@ -550,16 +552,16 @@ def _check_perm(perm, size: int) -> list[tuple[int, int]]:
                 raise TypeError
             pairs.append((int(s), int(d)))
     except (TypeError, ValueError):
-        raise ValueError(f"ppermute: perm must be a list of (src, dst) rank pairs, got {perm!r}") from None
+        raise EinshardError(f"ppermute: perm must be a list of (src, dst) rank pairs, got {perm!r}") from None
     for s, d in pairs:
         if not (0 <= s < size and 0 <= d < size):
-            raise ValueError(f"ppermute: pair {(s, d)} names a rank outside the group (size {size})")
+            raise EinshardError(f"ppermute: pair {(s, d)} names a rank outside the group (size {size})")
     srcs = [s for s, _ in pairs]
     dsts = [d for _, d in pairs]
     if len(set(srcs)) != len(srcs):
-        raise ValueError(f"ppermute: a rank sends more than once in {pairs}")
+        raise EinshardError(f"ppermute: a rank sends more than once in {pairs}")
     if len(set(dsts)) != len(dsts):
-        raise ValueError(f"ppermute: a rank receives more than once in {pairs}")
+        raise EinshardError(f"ppermute: a rank receives more than once in {pairs}")
     return pairs
 
 
@@ -574,7 +576,7 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
     >>> ppermute(torch.tensor([float(rank)]), group, ring)  # rank r gets r-1  # doctest: +SKIP
     """
     size = _size(group)
-    pairs = _check_perm(perm, size)
+    pairs = check_perm(perm, size)
     x = x.detach()
     recv_shape = tuple(x.shape) if recv_shape is None else tuple(int(s) for s in recv_shape)
     rank = _rank(group) if size > 1 else 0
@@ -582,7 +584,7 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
     src = next((s for s, d in pairs if d == rank), None)
     err = None
     if src == rank and math.prod(recv_shape) != x.numel():
-        err = ValueError(f"ppermute: rank {rank} sends to itself but recv_shape {recv_shape} != {tuple(x.shape)}")
+        err = EinshardError(f"ppermute: rank {rank} sends to itself but recv_shape {recv_shape} != {tuple(x.shape)}")
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "ppermute", extra=(("dtype", x.dtype), ("device", x.device), ("perm", pairs)),
                sent=x.numel() if dst is not None else -1, received=math.prod(recv_shape) if src is not None else -1,
@@ -604,7 +606,7 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
     if src is not None and src != rank and out.numel():
         ops.append(dist.P2POp(dist.irecv, _flat(out), _global_rank(group, src), group))
         received = out.numel() * out.element_size()
-    if _stats._ACTIVE:
+    if _stats.is_active():
         _stats.record("ppermute", group, sent, received)
     if ops:
         for work in dist.batch_isend_irecv(ops):

@@ -43,8 +43,8 @@ __all__ = [
     "is_active",
 ]
 
-# The active CommStats objects. Collectives test ``if _ACTIVE:`` before doing
-# any accounting work, so the cost without a context is one truthiness test.
+# The active CommStats objects. Collectives test ``is_active()`` before doing
+# any accounting work, so the cost without a context is one call and a truthiness test.
 _ACTIVE: list["CommStats"] = []
 _LOCK = threading.Lock()
 

@@ -17,7 +17,7 @@ from .errors import EinshardError, naming
 from .execute import Embedding, transition
 from .layout import MeshShape
 from .local import Contraction, expand_sizes
-from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
+from .mesh import MESH_REQUIRED, Mesh, resolve_mesh
 from .notation import expand
 from .pipeline import agree, check_dtypes, check_tensors
 from .plan.contraction import Problem, duty_dims, plan_schedule
@@ -231,7 +231,7 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
                          duties)
     if plan_out is not None:
         plan_out.append(plan)
-    if plan.local_error is not None or checks._ENABLED:
+    if plan.local_error is not None or checks.ENABLED:
         _agree_on_plan(plan, mesh, key, (("dtypes", tuple(t.dtype for t in tensors)),
                                          ("devices", tuple(t.device for t in tensors))))
     return plan.run(tensors)
@@ -246,10 +246,10 @@ def _stationary(key, tensors=None):
     if tensors is not None:
         check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
-        raise EinshardError(_MESH_REQUIRED)
+        raise EinshardError(MESH_REQUIRED)
     why = None if tensors is None else needs_mesh_for_grad(parsed, tensors)
     if why is not None:
-        raise EinshardError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
+        raise EinshardError(f"{MESH_REQUIRED} ({key[0]!r}: {why})")
     return stationary_plan(key, parsed, [tuple(s) for s in key[3:]])
 
 
@@ -284,6 +284,6 @@ def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
     plan = _PLANS.get(full_key)
     if plan is None:
         plan = _new_plan(full_key, key, [tuple(s) for s in key[3:]], list(dtypes), mesh, shapes, pol)
-    if plan.local_error is not None or checks._ENABLED:
+    if plan.local_error is not None or checks.ENABLED:
         _agree_on_plan(plan, mesh, key, (("dtypes", tuple(dtypes)),))
     return plan.traced_run()

@@ -24,6 +24,7 @@ import torch
 
 from ._specs import sizes_for
 from ._specs import strip_spec as _strip
+from .errors import EinshardError
 from .execute import transition
 from .layout import Layout
 from .notation import expand
@@ -82,7 +83,7 @@ def _check_mesh(dt, mesh, where: str):
         and torch.equal(dm.mesh, mesh.device_mesh.mesh)
     )
     if not same:
-        raise ValueError(
+        raise EinshardError(
             f"{where}: the DTensor lives on mesh {names or tuple(dm.mesh.shape)} but shard_map runs on "
             f"{tuple(mesh.names)}; redistribute it to the shard_map mesh first"
         )
@@ -96,23 +97,23 @@ def dtensor_layout(dt, whole: Layout, mesh, where: str = "DTensor") -> Layout:
     if order is not None:
         check = getattr(DTensorSpec, "is_default_device_order", None)
         if check is not None and not check(order):
-            raise ValueError(f"{where}: DTensors with a non-default shard order are not supported; redistribute first")
+            raise EinshardError(f"{where}: DTensors with a non-default shard order are not supported; redistribute first")
     if len(whole.axes) != dt.ndim:
-        raise ValueError(f"{where}: the spec names {len(whole.axes)} dimensions but the DTensor has {dt.ndim}")
+        raise EinshardError(f"{where}: the spec names {len(whole.axes)} dimensions but the DTensor has {dt.ndim}")
     shard: list[list[str]] = [[] for _ in whole.axes]
     partial = set()
     for name, p in zip(mesh.names, dt.placements):
         if type(p).__name__ == "_StridedShard":
-            raise ValueError(f"{where}: _StridedShard placements are not supported; redistribute first")
+            raise EinshardError(f"{where}: _StridedShard placements are not supported; redistribute first")
         if isinstance(p, Shard):
             shard[p.dim % dt.ndim].append(name)
         elif isinstance(p, Partial):
             op = getattr(p, "reduce_op", "sum")
             if op not in ("sum", None):
-                raise ValueError(f"{where}: Partial({op!r}) placements are not supported (only sums)")
+                raise EinshardError(f"{where}: Partial({op!r}) placements are not supported (only sums)")
             partial.add(name)
         elif not isinstance(p, Replicate):
-            raise ValueError(f"{where}: unsupported placement {p!r}")
+            raise EinshardError(f"{where}: unsupported placement {p!r}")
     splits = []
     for i, dims in enumerate(shard):
         splits.append(chunk_splits(whole.sizes[i], [mesh.size((d,)) for d in dims]) if dims else None)
@@ -123,7 +124,7 @@ def plan_from_dtensor(dt, spec: str, mesh, *, shapes=None, sizes=None, families=
     """``(src, target)``: the layout of ``dt`` and the layout ``spec`` of the same tensor (no data moves)."""
     parsed_spec = expand(spec, families).inputs[0]
     if parsed_spec.has_groups:
-        raise ValueError(f"{where}: DTensor arguments need specs without factored groups, got {spec!r}")
+        raise EinshardError(f"{where}: DTensor arguments need specs without factored groups, got {spec!r}")
     formula = expand(f"{_strip(parsed_spec)} -> {spec}", families)
     resolved = resolve(formula, [tuple(dt.shape)], mesh, shapes=shapes, sizes=sizes_for(formula, sizes, families),
                        axes=None)
@@ -175,9 +176,9 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 def to_dtensor(local: torch.Tensor, layout: Layout, mesh, where: str = "output"):
     """Wrap ``local`` (this rank's block of ``layout``) as a ``DTensor`` (no copy for chunk-style splits)."""
     if mesh.device_mesh is None:
-        raise ValueError(f"{where}: a virtual mesh cannot hold DTensors")
+        raise EinshardError(f"{where}: a virtual mesh cannot hold DTensors")
     if local.dim() != len(layout.axes):
-        raise ValueError(f"{where}: DTensor outputs need specs without factored groups")
+        raise EinshardError(f"{where}: DTensor outputs need specs without factored groups")
     chunked = []
     for i, dims in enumerate(layout.shard):
         chunked.append(chunk_splits(layout.sizes[i], [mesh.size((d,)) for d in dims]) if dims else None)

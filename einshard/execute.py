@@ -70,7 +70,7 @@ class Transition:
         return self._reverse
 
     def run_raw(self, x: torch.Tensor) -> torch.Tensor:
-        if _checks._ENABLED:  # agreed once per operation, not per collective
+        if _checks.ENABLED:  # agreed once per operation, not per collective
             with _checks.planned():
                 for step in self.steps:
                     x = step(x)

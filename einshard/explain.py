@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ._table import text_table
+from .distributed import plan_distributed
+from .errors import EinshardError
 from .layout import MeshShape
 from .local import freeze_sizes
 from .mesh import resolve_mesh
@@ -141,18 +143,16 @@ def explain(
             local_shapes.append(tuple(int(s) for s in t))
             itemsizes.append(default_itemsize)
         else:
-            raise ValueError(f"explain: operand {k} must be a tensor or a shape, got {type(t).__name__}")
+            raise EinshardError(f"explain: operand {k} must be a tensor or a shape, got {type(t).__name__}")
     if parsed.is_local:
         return Explanation(formula, pol, True, (), ())
-    from .distributed import plan_distributed  # distributed <-> ops.einshard: a cycle resolved later
-
     mesh = resolve_mesh(mesh)
     plan = plan_distributed(
         parsed, local_shapes, max(itemsizes, default=default_itemsize), mesh, shapes, freeze_sizes(sizes), pol, frozen,
         explain_duties(parsed, tensors_or_shapes),
     )
     if plan.local_error is not None:
-        raise ValueError(plan.local_error)
+        raise EinshardError(plan.local_error)
     shape = MeshShape.of(mesh)
     alternatives = tuple(
         (

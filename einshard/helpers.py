@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ._split import compute_split_shapes, compute_split_shapes_for_factors, resolve_split_shapes
 from .collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, ppermute, reduce_scatter, split
+from .errors import EinshardError
 
 __all__ = [
     "compute_split_shapes",
@@ -53,7 +54,7 @@ def init_process_group(backend: str | None = None, use_cuda: bool = False) -> tu
         if dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         else:
-            raise ValueError(
+            raise EinshardError(
                 "init_process_group: set RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (srun)"
             )
     if local_rank is None:
@@ -62,7 +63,7 @@ def init_process_group(backend: str | None = None, use_cuda: bool = False) -> tu
             local_rank = rank % torch.cuda.device_count()
     if use_cuda:
         if not torch.cuda.is_available():
-            raise ValueError("init_process_group: use_cuda=True but CUDA is not available")
+            raise EinshardError("init_process_group: use_cuda=True but CUDA is not available")
         torch.cuda.set_device(local_rank)
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"

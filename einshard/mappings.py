@@ -239,6 +239,6 @@ def ppermute(x: torch.Tensor, group, perm, *, recv_shape=None) -> torch.Tensor:
 
     >>> y = ppermute(x, sp_group, [(i, (i + 1) % P) for i in range(P)])  # doctest: +SKIP
     """
-    perm = tuple((int(s), int(d)) for s, d in C._check_perm(perm, C.group_size(group)))
+    perm = tuple((int(s), int(d)) for s, d in C.check_perm(perm, C.group_size(group)))
     recv_shape = tuple(recv_shape) if recv_shape is not None else None
     return _ppermute(x, group, perm, recv_shape, tuple(x.shape))

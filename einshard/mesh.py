@@ -28,10 +28,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _context, comm_stats
+from .errors import EinshardError
 
 __all__ = ["Mesh", "SubMesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh"]
 
-_MESH_REQUIRED = "Distributed einshard operations require mesh=..."
+MESH_REQUIRED = "Distributed einshard operations require mesh=..."
 
 
 class Mesh:
@@ -84,7 +85,7 @@ class Mesh:
         names = check_names(device_mesh, names)
         coordinate = device_mesh.get_coordinate()
         if coordinate is None:
-            raise ValueError("this rank is not part of the given DeviceMesh")
+            raise EinshardError("this rank is not part of the given DeviceMesh")
         return cls(
             device_mesh,
             names=names,
@@ -101,7 +102,7 @@ class Mesh:
         if coordinate is None:
             coordinate = (0,) * len(shape)
         if len(names) != len(shape) or len(coordinate) != len(shape):
-            raise ValueError("virtual mesh: shape, names and coordinate must have the same length")
+            raise EinshardError("virtual mesh: shape, names and coordinate must have the same length")
         _check_name_list(names, len(shape))
         return cls(None, names=names, shape=shape, coordinate=coordinate)
 
@@ -113,16 +114,16 @@ class Mesh:
             return cached
         parts = name.split("-")
         if any(p == "" for p in parts):
-            raise ValueError(f"mesh dimension {name!r} has an empty component; the mesh has {list(self.names)}")
+            raise EinshardError(f"mesh dimension {name!r} has an empty component; the mesh has {list(self.names)}")
         if len(set(parts)) != len(parts):
-            raise ValueError(f"mesh dimension {name!r} repeats a component; the mesh has {list(self.names)}")
+            raise EinshardError(f"mesh dimension {name!r} repeats a component; the mesh has {list(self.names)}")
         unknown = [p for p in parts if p not in self.names]
         if unknown:
-            raise ValueError(
+            raise EinshardError(
                 f"mesh dimension {unknown[0]!r} (in {name!r}) is not in the mesh; it has {list(self.names)}"
             )
         if len(parts) > 1 and not self.allow_compound:
-            raise ValueError(
+            raise EinshardError(
                 f"compound mesh dimension {name!r} needs a wrapped mesh: pass es.wrap_mesh(device_mesh)"
             )
         dims = tuple(sorted(parts, key=self.names.index))
@@ -156,7 +157,7 @@ class Mesh:
     def rank_of(self, coordinate: Sequence[int]) -> int:
         """The global rank at ``coordinate``."""
         if self._rank_grid is None:
-            raise ValueError("a virtual mesh has no ranks")
+            raise EinshardError("a virtual mesh has no ranks")
         return int(self._rank_grid[tuple(coordinate)])
 
     # -- groups -----------------------------------------------------------
@@ -174,7 +175,7 @@ class Mesh:
         if group is not None:
             return group
         if self.device_mesh is None:
-            raise ValueError("a virtual mesh has no process groups")
+            raise EinshardError("a virtual mesh has no process groups")
         if len(dims) == 1:
             group = self.device_mesh.get_group(self.names.index(dims[0]))
         else:
@@ -215,13 +216,13 @@ class Mesh:
     def _dim_name(self, mesh_dim) -> str:
         if mesh_dim is None:
             if len(self.names) != 1:
-                raise ValueError(f"this mesh has {len(self.names)} dimensions {list(self.names)}; name one")
+                raise EinshardError(f"this mesh has {len(self.names)} dimensions {list(self.names)}; name one")
             return self.names[0]
         if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, (int, str)):
             raise TypeError(f"a mesh dimension is a name or an index, got {type(mesh_dim).__name__}")
         if isinstance(mesh_dim, int):
             if not -len(self.names) <= mesh_dim < len(self.names):
-                raise ValueError(f"mesh dimension index {mesh_dim} is out of range for {list(self.names)}")
+                raise EinshardError(f"mesh dimension index {mesh_dim} is out of range for {list(self.names)}")
             return self.names[mesh_dim]
         return mesh_dim
 
@@ -254,7 +255,7 @@ class Mesh:
         parts = tuple(self.dims(n) for n in key)
         flat = [d for p in parts for d in p]
         if len(set(flat)) != len(flat):
-            raise ValueError(f"mesh[{names!r}] names a mesh dimension twice; the mesh has {list(self.names)}")
+            raise EinshardError(f"mesh[{names!r}] names a mesh dimension twice; the mesh has {list(self.names)}")
         if parts == tuple((n,) for n in self.names):
             return self
         sub = self._submeshes.get(parts)
@@ -355,17 +356,17 @@ def _check_name_list(names, ndim: int) -> tuple[str, ...]:
         if not isinstance(n, str):
             raise TypeError(f"mesh dimension names must be strings, got {n!r} in {names!r}")
         if not n:
-            raise ValueError(f"mesh dimension names must not be empty: {names!r}")
+            raise EinshardError(f"mesh dimension names must not be empty: {names!r}")
         if "-" in n:
-            raise ValueError(
+            raise EinshardError(
                 f"mesh dimension name {n!r} contains '-', which joins compound dimensions ('dp-sp'); "
                 f"rename it (e.g. {n.replace('-', '_')!r})"
             )
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"mesh dimension names must be distinct; {repeated} repeat in {names!r}")
+        raise EinshardError(f"mesh dimension names must be distinct; {repeated} repeat in {names!r}")
     if len(names) != ndim:
-        raise ValueError(f"the mesh has {ndim} dimension(s) but {len(names)} name(s) were given: {names!r}")
+        raise EinshardError(f"the mesh has {ndim} dimension(s) but {len(names)} name(s) were given: {names!r}")
     return names
 
 
@@ -379,10 +380,10 @@ def check_names(device_mesh, names=None) -> tuple[str, ...]:
     if names is not None:
         names = _check_name_list(names, ndim)
         if own and tuple(own) != names:
-            raise ValueError(f"mesh_dim_names={names!r} contradicts the mesh's own names {tuple(own)!r}")
+            raise EinshardError(f"mesh_dim_names={names!r} contradicts the mesh's own names {tuple(own)!r}")
         return names
     if not own:
-        raise ValueError(
+        raise EinshardError(
             "einshard needs a DeviceMesh with mesh_dim_names, e.g. "
             "init_device_mesh('cpu', (2, 4), mesh_dim_names=('dp', 'tp')), or wrap_mesh(mesh, mesh_dim_names=...)"
         )
@@ -412,19 +413,19 @@ def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
     """
     if isinstance(mesh, Mesh):
         if mesh_dim_names is not None and _check_name_list(mesh_dim_names, mesh.ndim) != mesh.names:
-            raise ValueError(f"mesh_dim_names={tuple(mesh_dim_names)!r} contradicts the mesh's names {mesh.names!r}")
+            raise EinshardError(f"mesh_dim_names={tuple(mesh_dim_names)!r} contradicts the mesh's names {mesh.names!r}")
         if mesh.allow_compound:
             return mesh
         mesh = mesh.device_mesh
     if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
-        raise ValueError(f"wrap_mesh needs a DeviceMesh, got {type(mesh).__name__}")
+        raise EinshardError(f"wrap_mesh needs a DeviceMesh, got {type(mesh).__name__}")
     names = check_names(mesh, mesh_dim_names)
     wrapped = _WRAPPED.get(mesh)
     if wrapped is None:
         wrapped = Mesh.from_device_mesh(mesh, names=names)
         _WRAPPED[mesh] = wrapped
     elif wrapped.names != names:
-        raise ValueError(f"mesh_dim_names={names!r} contradicts the names this mesh was wrapped with {wrapped.names!r}")
+        raise EinshardError(f"mesh_dim_names={names!r} contradicts the names this mesh was wrapped with {wrapped.names!r}")
     return wrapped
 
 
@@ -433,7 +434,7 @@ def as_mesh(mesh) -> Mesh:
     if isinstance(mesh, Mesh):
         return mesh
     if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
-        raise ValueError(f"mesh= must be a DeviceMesh or es.wrap_mesh(...), got {type(mesh).__name__}")
+        raise EinshardError(f"mesh= must be a DeviceMesh or es.wrap_mesh(...), got {type(mesh).__name__}")
     wrapped = _PLAIN.get(mesh)
     if wrapped is None:
         wrapped = Mesh.from_device_mesh(mesh, allow_compound=False)
@@ -468,6 +469,6 @@ def resolve_mesh(mesh) -> Mesh:
     if mesh is None:
         mesh = _context.current().mesh
         if mesh is None:
-            raise ValueError(_MESH_REQUIRED)
+            raise EinshardError(MESH_REQUIRED)
         return mesh
     return as_mesh(mesh)

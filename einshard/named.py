@@ -29,6 +29,7 @@ from . import checks as _checks
 from . import collectives as C
 from . import mappings as M
 from . import vma as _vma
+from .errors import EinshardError
 from .mesh import SubMesh, resolve_mesh
 from .primitives import PRIMITIVES
 
@@ -86,7 +87,7 @@ def _agreeing(fn):
         try:
             return fn(x, dims, *args, mesh=mesh, **kwargs)
         except ValueError as err:
-            if not _checks._ENABLED or _checks.was_agreed(err):
+            if not _checks.ENABLED or _checks.was_agreed(err):
                 raise
             try:
                 group = _Axes(dims, mesh, fn.__name__).group
@@ -105,9 +106,9 @@ def _atomic(mesh, names, what) -> tuple[str, ...]:
         try:
             parts = list(names)
         except TypeError:
-            raise ValueError(f"{what}: mesh dimensions must be a name or a tuple of names, got {names!r}") from None
+            raise EinshardError(f"{what}: mesh dimensions must be a name or a tuple of names, got {names!r}") from None
         if not parts or not all(isinstance(p, str) for p in parts):
-            raise ValueError(f"{what}: mesh dimensions must be a name or a tuple of names, got {names!r}")
+            raise EinshardError(f"{what}: mesh dimensions must be a name or a tuple of names, got {names!r}")
     atoms: list[str] = []
     for p in parts:
         # each component is checked by the mesh; compound groups are library-internal here, so an
@@ -116,20 +117,20 @@ def _atomic(mesh, names, what) -> tuple[str, ...]:
         dims = mesh.dims(p) if isinstance(mesh, SubMesh) else (d for c in p.split("-") for d in mesh.dims(c))
         for d in dims:
             if d in atoms:
-                raise ValueError(f"{what}: mesh dimension {d!r} is named twice in {names!r}")
+                raise EinshardError(f"{what}: mesh dimension {d!r} is named twice in {names!r}")
             atoms.append(d)
     return tuple(sorted(atoms, key=mesh.names.index))
 
 
 def _norm_axis(axis: int, ndim: int, what: str) -> int:
     if not -ndim <= axis < ndim:
-        raise ValueError(f"{what}: axis {axis} is out of range for a tensor with {ndim} dimensions")
+        raise EinshardError(f"{what}: axis {axis} is out of range for a tensor with {ndim} dimensions")
     return axis % ndim
 
 
 def _check_tensor(x, what):
     if not isinstance(x, _Tensor):
-        raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+        raise EinshardError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
 
 
 def _widen(ax: _Axes, x: _Tensor) -> tuple[_Tensor, int]:
@@ -289,7 +290,7 @@ def _shapes(shapes, ax, what):
         return None
     shapes = [int(s) for s in shapes]
     if len(shapes) != ax.size:
-        raise ValueError(f"{what}: shapes has {len(shapes)} entries but {'-'.join(ax.dims)!r} has {ax.size} ranks")
+        raise EinshardError(f"{what}: shapes has {len(shapes)} entries but {'-'.join(ax.dims)!r} has {ax.size} ranks")
     return shapes
 
 
@@ -310,7 +311,7 @@ def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None,
         fn, args = M.reducescatter_forward_allgather_backward, (x, ax.group, a, _shapes(shapes, ax, "psum_scatter"))
     else:
         if x.shape[a] != ax.size:
-            raise ValueError(
+            raise EinshardError(
                 f"psum_scatter: tiled=False needs x.shape[{axis}] == {ax.size} (the size of "
                 f"{'-'.join(ax.dims)!r}), got {x.shape[a]}"
             )
@@ -347,7 +348,7 @@ def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = 
             fn, args = M.alltoall_repartition, (x, ax.group, c, s, None, None)
     else:
         if x.shape[s] != ax.size:
-            raise ValueError(
+            raise EinshardError(
                 f"all_to_all: tiled=False needs x.shape[{split_axis}] == {ax.size} (the size of "
                 f"{'-'.join(ax.dims)!r}), got {x.shape[s]}"
             )
@@ -360,7 +361,7 @@ def _same_axis_a2a(x, group, axis):
     n = C.group_size(group)
     size = x.shape[axis]
     if size % n:
-        raise ValueError(f"all_to_all: split_axis == concat_axis needs a size divisible by {n}, got {size}")
+        raise EinshardError(f"all_to_all: split_axis == concat_axis needs a size divisible by {n}, got {size}")
     shape = list(x.shape)
     y = x.reshape(shape[:axis] + [n, size // n] + shape[axis + 1 :])
     y = M.alltoall_repartition(y.unsqueeze(axis + 1), group, axis + 1, axis, None, None)

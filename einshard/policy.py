@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from torch.compiler import is_compiling as _compiling
 
+from .errors import EinshardError
+
 __all__ = ["PlanPolicy", "optimize", "set_default_policy", "resolve_policy", "MODES"]
 
 
@@ -53,7 +55,7 @@ class PlanPolicy:
         try:
             return MODES[mode]
         except (KeyError, TypeError):
-            raise ValueError(f"unknown optimize mode {mode!r}; choose one of {sorted(MODES)}") from None
+            raise EinshardError(f"unknown optimize mode {mode!r}; choose one of {sorted(MODES)}") from None
 
     def score(self, fwd_bytes, bwd_bytes, fwd_calls, bwd_calls, peak_bytes) -> tuple:
         """The sort key of a candidate (smaller is better)."""
@@ -122,10 +124,10 @@ def set_default_policy(mode) -> None:
 def resolve_policy(optimize=None, policy=None) -> PlanPolicy:
     """Apply the precedence rules; ``ValueError`` when both arguments are given."""
     if optimize is not None and policy is not None:
-        raise ValueError("pass either optimize or policy, not both")
+        raise EinshardError("pass either optimize or policy, not both")
     if policy is not None:
         if not isinstance(policy, PlanPolicy):
-            raise ValueError(f"policy= must be a PlanPolicy, got {type(policy).__name__}")
+            raise EinshardError(f"policy= must be a PlanPolicy, got {type(policy).__name__}")
         return policy
     if optimize is not None:
         return PlanPolicy.from_mode(optimize)

@@ -153,9 +153,9 @@ class ShardMap:
         plan = self._in_plans.get(key)
         if plan is None:
             plan = self._plan_inputs(key, args, leaves, mesh)
-        elif checks._ENABLED:  # ranks may miss the cache on different calls: agree on every call
+        elif checks.ENABLED:  # ranks may miss the cache on different calls: agree on every call
             _raise_agreed(mesh, ())
-        group = mesh.group(tuple(mesh.names)) if checks._ENABLED and mesh.device_mesh is not None else None
+        group = mesh.group(tuple(mesh.names)) if checks.ENABLED and mesh.device_mesh is not None else None
         body_args = args
         body_leaves = leaves
         token = None
@@ -179,11 +179,11 @@ class ShardMap:
                 return self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
             finally:
                 for x in tagged:
-                    x.__dict__.pop(_vma._ATTR, None)
+                    x.__dict__.pop(_vma.ATTR, None)
                 if tracker.inplace:  # an in-place op may have tagged any argument the body received
                     for x in body_leaves:
                         if isinstance(x, _Tensor):
-                            x.__dict__.pop(_vma._ATTR, None)
+                            x.__dict__.pop(_vma.ATTR, None)
                 tracker.memo.clear()
         except BaseException as exc:
             if group is not None:  # raised here only: the peers raise at their next agreement
@@ -199,7 +199,7 @@ class ShardMap:
         oplan = self._out_plans.get(key)
         if oplan is None:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
-        elif checks._ENABLED:
+        elif checks.ENABLED:
             _raise_agreed(mesh, ())
         changed = False
         if tracker is not None:
@@ -226,7 +226,7 @@ class ShardMap:
         if tracker is not None:
             for x in leaves:
                 if isinstance(x, _Tensor):
-                    x.__dict__.pop(_vma._ATTR, None)
+                    x.__dict__.pop(_vma.ATTR, None)
         return treedef.unflatten(leaves) if changed else out
 
     # -- under torch.compile ------------------------------------------------------------

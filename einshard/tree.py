@@ -33,6 +33,7 @@ from ._specs import match, shapes_subset, sizes_for, sizes_subset, spec_tree
 from ._specs import maybe_dtensor as is_dtensor
 from ._specs import strip_spec as _strip
 from .dtensor import from_dtensor
+from .errors import EinshardError
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import EllipsisItem, Group, expand
@@ -54,7 +55,7 @@ def prepare_tree(tree, specs, mesh, families, where):
     spec_leaves, spec_def = spec_tree(specs, families, "specs", "in")
     for s in spec_leaves:
         if s is not None and s.conversion:
-            raise ValueError(f"{where}: specs are layouts, not conversions; got {s.text!r}")
+            raise EinshardError(f"{where}: specs are layouts, not conversions; got {s.text!r}")
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     per_leaf = match(spec_leaves, spec_def, tree, "specs", "tree", specs)
     return mesh, leaves, treedef, per_leaf, [".".join(map(str, path)) for path in paths]

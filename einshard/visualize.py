@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from .errors import EinshardError
 from .layout import MeshShape
 from .mesh import resolve_mesh
 from .notation import expand
@@ -34,7 +35,7 @@ def visualize(spec: str, shape, *, mesh=None, shapes=None, sizes=None, families=
     """
     mesh = resolve_mesh(mesh)
     if expand(spec, families).output is not None:
-        raise ValueError(f"visualize: {spec!r} must be one tensor spec, not a formula")
+        raise EinshardError(f"visualize: {spec!r} must be one tensor spec, not a formula")
     # the whole tensor converted to the spec: its output layout is what every rank holds
     conversion = expand(f"{_whole(spec)} -> {spec}", families)
     layout = resolve(conversion, [tuple(shape)], mesh, shapes=shapes, sizes=sizes).output

@@ -63,7 +63,7 @@ __all__ = [
 #: number of ``shard_map(check_vma=True)`` bodies running in this process (any thread)
 ACTIVE = 0
 
-_ATTR = "_es_vma"
+ATTR = "_es_vma"
 _MASK = (1 << 32) - 1
 _SERIALS = itertools.count(1)
 _Tensor = torch.Tensor
@@ -208,21 +208,21 @@ class Tracker:
 
     # tags ---------------------------------------------------------------
     def mask_of(self, t) -> int:
-        tag = t.__dict__.get(_ATTR, 0)
+        tag = t.__dict__.get(ATTR, 0)
         m = tag & _MASK
         return m if tag - m == self.serial else 0
 
     def tag(self, t, mask: int) -> None:
-        t.__dict__[_ATTR] = self.serial | mask
+        t.__dict__[ATTR] = self.serial | mask
 
     def tag_tree(self, out, mask: int):
         if isinstance(out, _Tensor):
-            out.__dict__[_ATTR] = self.serial | mask
+            out.__dict__[ATTR] = self.serial | mask
         elif isinstance(out, _SEQ):
             tag = self.serial | mask
             for o in out:
                 if isinstance(o, _Tensor):
-                    o.__dict__[_ATTR] = tag
+                    o.__dict__[ATTR] = tag
         return out
 
     def vma(self, t) -> frozenset:
@@ -241,7 +241,7 @@ class Tracker:
                 y = pvary_tensor(t, self.info.group(missing))
             else:  # over dimensions of size 1: an alias (the gradient sum is over one rank)
                 y = t.view_as(t)
-        y.__dict__[_ATTR] = self.serial | mask | missing
+        y.__dict__[ATTR] = self.serial | mask | missing
         self.memo[key] = (t, version, y)
         return y
 
@@ -266,7 +266,7 @@ class Tracker:
         mixed = False
         first = -1
         for a in _tensor_args(args, kwargs):
-            tag = a.__dict__.get(_ATTR, 0)
+            tag = a.__dict__.get(ATTR, 0)
             m = tag & _MASK
             if tag - m != serial:
                 m = 0
@@ -282,21 +282,21 @@ class Tracker:
         out = func(*args, **kwargs)
         tag = serial | union
         if isinstance(out, _Tensor):
-            out.__dict__[_ATTR] = tag
+            out.__dict__[ATTR] = tag
         elif isinstance(out, _SEQ):
             for o in out:
                 if isinstance(o, _Tensor):
-                    o.__dict__[_ATTR] = tag
+                    o.__dict__[ATTR] = tag
         if mixed and _is_inplace(func):
             # the tensor written in place now holds data that varies like the union (x[i] = v returns None,
             # so tagging ``out`` is not enough), and so does the tensor it is a view of
             target = args[0] if args else None
             if isinstance(target, _Tensor):
                 self.inplace = True
-                target.__dict__[_ATTR] = tag
+                target.__dict__[ATTR] = tag
                 base = target._base
                 if base is not None:
-                    base.__dict__[_ATTR] = tag | self.mask_of(base)
+                    base.__dict__[ATTR] = tag | self.mask_of(base)
         return out
 
     def _widen_args(self, func, args, kwargs, union):
@@ -492,7 +492,7 @@ class _FormulaRule:
         self.declared, self.mentioned, self.out, self.texts = declared, mentioned, out, texts
 
 
-def _spec_mask(info: _MeshInfo, spec) -> int:
+def spec_mask(info: _MeshInfo, spec) -> int:
     m = 0
     for a in spec.axes:
         if a.mesh:
@@ -514,9 +514,9 @@ def _formula_rule(info: _MeshInfo, formula: str, families) -> _FormulaRule:
         from .notation import expand_specs
 
         parsed = expand_specs(formula, None if families is None else key[1])
-        declared = tuple(_spec_mask(info, s) for s in parsed.inputs)
+        declared = tuple(spec_mask(info, s) for s in parsed.inputs)
         out_spec = parsed.output if parsed.output is not None else parsed.inputs[0]
-        out = _spec_mask(info, out_spec)
+        out = spec_mask(info, out_spec)
         mentioned = out
         for m in declared:
             mentioned |= m
@@ -634,18 +634,18 @@ class TracedTracker(Tracker):
         self.inplace = False
 
     def mask_of(self, t) -> int:
-        tag = getattr(t, _ATTR, 0)
+        tag = getattr(t, ATTR, 0)
         return tag if tag <= _MASK else 0
 
     def tag(self, t, mask: int) -> None:
-        setattr(t, _ATTR, mask)
+        setattr(t, ATTR, mask)
 
     def untag(self, t) -> None:
-        setattr(t, _ATTR, 0)
+        setattr(t, ATTR, 0)
 
     def tag_tree(self, out, mask: int):
         if isinstance(out, _Tensor):
-            setattr(out, _ATTR, mask)
+            setattr(out, ATTR, mask)
         # the elements of a sequence (unbind, split) cannot be tagged in traced code (dynamo refuses)
         return out
 
@@ -654,7 +654,7 @@ class TracedTracker(Tracker):
             y = _TracedPVary.apply(t, self.info.group(missing))
         else:
             y = t.view_as(t)
-        setattr(y, _ATTR, mask | missing)
+        setattr(y, ATTR, mask | missing)
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:

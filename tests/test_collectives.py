@@ -271,6 +271,6 @@ def test_argument_validation_helpers():
         C._sizes([1, -2], "s", 2)
     with pytest.raises(ValueError, match="integers"):
         C._sizes([1, 2.5], "s", 2)
-    assert C._check_perm([(0, 1), (1, 0)], 2) == [(0, 1), (1, 0)]
+    assert C.check_perm([(0, 1), (1, 0)], 2) == [(0, 1), (1, 0)]
     with pytest.raises(ValueError, match="pairs"):
-        C._check_perm([0, 1], 2)
+        C.check_perm([0, 1], 2)

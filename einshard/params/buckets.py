@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import collectives as C
+from ..errors import EinshardError
 from ..mesh import Mesh, resolve_mesh
 
 __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES"]
@@ -59,7 +60,7 @@ class GradBucketer:
 
     def __init__(self, params_and_groups: Iterable, mesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"GradBucketer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+            raise EinshardError(f"GradBucketer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         mesh = mesh if isinstance(mesh, Mesh) else resolve_mesh(mesh)
         by_key: dict = {}
         seen: set = set()
@@ -71,7 +72,7 @@ class GradBucketer:
             seen.add(id(p))
             dims = _union_dims(mesh, tuple(groups))
             if dims and not p.requires_grad:
-                raise ValueError(f"GradBucketer: a parameter of shape {tuple(p.shape)} does not require gradients")
+                raise EinshardError(f"GradBucketer: a parameter of shape {tuple(p.shape)} does not require gradients")
             if mesh.size(dims) > 1:
                 by_key.setdefault((dims, p.dtype, p.device), []).append(p)
         self.mesh = mesh
@@ -184,6 +185,6 @@ def _union_dims(mesh, groups: tuple) -> tuple:
             raise TypeError(f"GradBucketer: a group must be a str, got {type(g).__name__}")
         for c in g.split("-"):
             if c not in mesh.names:
-                raise ValueError(f"GradBucketer: mesh dimension {c!r} (in {g!r}) is not in the mesh; it has {list(mesh.names)}")
+                raise EinshardError(f"GradBucketer: mesh dimension {c!r} (in {g!r}) is not in the mesh; it has {list(mesh.names)}")
         dims.update(g.split("-"))
     return tuple(d for d in mesh.names if d in dims)

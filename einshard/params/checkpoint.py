@@ -20,6 +20,7 @@ import torch
 from ..dtensor import from_dtensor as unwrap
 from ..dtensor import is_dtensor
 from ..dtensor import to_dtensor as wrap
+from ..errors import EinshardError
 from ..notation import expand
 from ..resolve import resolve
 from ..tree import discover_splits, map_leaves, prepare_tree
@@ -41,12 +42,12 @@ def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
     """
     mesh, leaves, treedef, per_leaf, names = prepare_tree(module_or_state_dict, specs, mesh, None, "to_dtensor")
     if mesh.device_mesh is None:
-        raise ValueError("to_dtensor: a virtual mesh cannot hold DTensors; pass the DeviceMesh (or es.wrap_mesh of it)")
+        raise EinshardError("to_dtensor: a virtual mesh cannot hold DTensors; pass the DeviceMesh (or es.wrap_mesh of it)")
     found = discover_splits(mesh, leaves, per_leaf)
 
     def as_dtensor(k, x, spec):
         if spec.inner_spec.has_groups or spec.inner_spec.partial:
-            raise ValueError(f"to_dtensor: {names[k]!r} has layout {spec.inner!r}; DTensors need plain axes")
+            raise EinshardError(f"to_dtensor: {names[k]!r} has layout {spec.inner!r}; DTensors need plain axes")
         formula = expand(f"{spec.inner} -> {spec.inner}", ())
         layout = resolve(formula, [tuple(x.shape)], mesh, shapes=found.get(k), axes=None).operands[0]
         return wrap(x.detach(), layout, mesh, where=f"to_dtensor {names[k]!r}")
@@ -79,7 +80,7 @@ def from_dtensor(state, module_or_specs=None, *, mesh=None):
         local, _ = unwrap(x, spec.inner, mesh, where=f"from_dtensor {names[k]!r}")
         want = targets.get(names[k])
         if want is not None and tuple(want.shape) != tuple(local.shape):
-            raise ValueError(
+            raise EinshardError(
                 f"from_dtensor: {names[k]!r} gives a block of shape {tuple(local.shape)} on this rank but the "
                 f"parameter has shape {tuple(want.shape)}; was it built with einshard's split shapes?"
             )
@@ -98,7 +99,7 @@ def load_from_dtensor_(module, state, *, mesh=None):
     targets = module.state_dict(keep_vars=True)
     unknown = [k for k in local if k not in targets]
     if unknown:
-        raise ValueError(f"load_from_dtensor_: entries {unknown} are not in the module's state_dict")
+        raise EinshardError(f"load_from_dtensor_: entries {unknown} are not in the module's state_dict")
     with torch.no_grad():
         for name, value in local.items():
             if isinstance(value, torch.Tensor):

@@ -26,6 +26,7 @@ import torch
 
 from .. import _context
 from .._cache import BoundedCache
+from ..errors import EinshardError
 from ..mesh import Mesh
 from ..plan.contraction import ANY
 from .merge import merge_states
@@ -130,7 +131,7 @@ class FormulaRecorder:
         where: dict = {}  # id(p) -> its first operand index
         for k in self.indices:
             if k >= len(tensors):
-                raise ValueError(f"{self.formula!r}: operand {k} is annotated [param] but no tensor was given for it")
+                raise EinshardError(f"{self.formula!r}: operand {k} is annotated [param] but no tensor was given for it")
             p = tensors[k]
             if not isinstance(p, torch.nn.Parameter):
                 raise TypeError(
@@ -142,7 +143,7 @@ class FormulaRecorder:
                     p, self.parsed.inputs, self.parsed.output, k, mesh_dim_names=names, source="formula"
                 )
             except ValueError as err:
-                raise ValueError(f"{self.formula!r}: operand {k}: {err}") from None
+                raise EinshardError(f"{self.formula!r}: operand {k}: {err}") from None
             if backend is not None and new.grad_comm.mode != "none":
                 new = replace(new, grad_comm=replace(new.grad_comm, backend=backend, schedule="backend_default"))
             prev = accumulated.get(id(p))
@@ -161,7 +162,7 @@ class FormulaRecorder:
             try:
                 merged = prepare_registration(p, state)
             except ValueError as err:
-                raise ValueError(f"{self.formula!r}: operand {where[key]}: {err}") from None
+                raise EinshardError(f"{self.formula!r}: operand {where[key]}: {err}") from None
             if attached is not None and merged.grad_comm.pending_inference and not attached.grad_comm.pending_inference:
                 if attached.grad_comm.mode != "none" and attached.grad_comm.backend == merged.grad_comm.backend:
                     # already resolved by an earlier call: keep those groups (one partial layout per gradient)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..errors import EinshardError
 from .names import components
 from .state import ParameterState, check_state, derive_init_sync, derive_tensor_state
 
@@ -16,7 +17,7 @@ __all__ = ["merge_states"]
 
 
 def _conflict(what: str, e, n) -> ValueError:
-    return ValueError(f"incompatible metadata: {what} (attached {e!r}, new {n!r})")
+    return EinshardError(f"incompatible metadata: {what} (attached {e!r}, new {n!r})")
 
 
 def _footprint(groups) -> frozenset[str]:

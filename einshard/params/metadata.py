@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._split import compute_split_shapes_for_factors
+from ..errors import EinshardError
 from ..mesh import Mesh
 from ..notation import Axis, EllipsisItem, Group
 from .names import components
@@ -43,7 +44,7 @@ class ParamShardMetadata:
 def _state_of(p_or_state) -> ParameterState:
     state = p_or_state if isinstance(p_or_state, ParameterState) else get_parameter_state(p_or_state)
     if state is None:
-        raise ValueError("the parameter has no ParameterState (register a layout first)")
+        raise EinshardError("the parameter has no ParameterState (register a layout first)")
     return state
 
 
@@ -74,9 +75,9 @@ class _Coordinates:
         parts = components(group)
         missing = [c for c in parts if c not in self.names]
         if missing:
-            raise ValueError(f"mesh dimension {missing[0]!r} (in {group!r}) is not in the mesh {self.names!r}")
+            raise EinshardError(f"mesh dimension {missing[0]!r} (in {group!r}) is not in the mesh {self.names!r}")
         if len(parts) > 1 and not self.compound:
-            raise ValueError(f"compound group {group!r} on a raw DeviceMesh: pass es.wrap_mesh(device_mesh)")
+            raise EinshardError(f"compound group {group!r} on a raw DeviceMesh: pass es.wrap_mesh(device_mesh)")
         return tuple(sorted(parts, key=self.names.index))
 
     def size_and_index(self, group: str) -> tuple[int, int]:
@@ -94,7 +95,7 @@ def _device_mesh_coordinate(mesh) -> tuple[int, ...]:
         raise RuntimeError("a sharded parameter on a DeviceMesh needs an initialized process group")
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ValueError("this rank is not part of the given DeviceMesh")
+        raise EinshardError("this rank is not part of the given DeviceMesh")
     return tuple(coordinate)
 
 
@@ -105,13 +106,13 @@ def param_local_slices(p_or_state, global_shape, mesh, factors=None) -> tuple[sl
     """
     state = _state_of(p_or_state)
     if state.spec is None:
-        raise ValueError("a layout-free ParameterState has no local slices")
+        raise EinshardError("a layout-free ParameterState has no local slices")
     items = state.spec.items
     if any(isinstance(i, EllipsisItem) for i in items):
-        raise ValueError(f"layout {state.layout!r} has '...': its shard metadata is unknown")
+        raise EinshardError(f"layout {state.layout!r} has '...': its shard metadata is unknown")
     global_shape = tuple(int(s) for s in global_shape)
     if len(items) != len(global_shape):
-        raise ValueError(f"layout {state.layout!r} has rank {len(items)} but global_shape {global_shape} has rank {len(global_shape)}")
+        raise EinshardError(f"layout {state.layout!r} has rank {len(items)} but global_shape {global_shape} has rank {len(global_shape)}")
     factors = {} if factors is None else factors
     if not isinstance(factors, Mapping):
         raise TypeError(f"factors must be a Mapping from axis names to ints, got {type(factors).__name__}")

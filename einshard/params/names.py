@@ -14,6 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _context
+from ..errors import EinshardError
 from ..mesh import Mesh, as_mesh
 
 __all__ = [
@@ -41,13 +42,13 @@ def check_group_syntax(group: str, what: str) -> None:
     >>> check_group_syntax("dp-dp", "grad")
     Traceback (most recent call last):
     ...
-    ValueError: grad group 'dp-dp' has repeated mesh dimensions (an empty or repeated component)
+    einshard.errors.EinshardError: grad group 'dp-dp' has repeated mesh dimensions (an empty or repeated component)
     """
     if not isinstance(group, str):
         raise TypeError(f"{what} group must be a str, got {type(group).__name__}")
     parts = components(group)
     if any(p == "" for p in parts) or len(set(parts)) != len(parts):
-        raise ValueError(f"{what} group {group!r} has repeated mesh dimensions (an empty or repeated component)")
+        raise EinshardError(f"{what} group {group!r} has repeated mesh dimensions (an empty or repeated component)")
 
 
 def str_tuple(value, what: str) -> tuple[str, ...]:
@@ -75,13 +76,13 @@ def normalize_mesh_dim_names(names) -> tuple[str, ...]:
     seen: dict[str, str] = {}
     for n in names:
         if n == "":
-            raise ValueError(f"mesh_dim_names {names!r} has an empty name")
+            raise EinshardError(f"mesh_dim_names {names!r} has an empty name")
         if names.count(n) > 1:
-            raise ValueError(f"mesh_dim_names {names!r} has the duplicate name {n!r}")
+            raise EinshardError(f"mesh_dim_names {names!r} has the duplicate name {n!r}")
         check_group_syntax(n, "mesh_dim_names")
         for c in components(n):
             if c in seen:
-                raise ValueError(f"mesh_dim_names {names!r}: {seen[c]!r} and {n!r} share the component {c!r}")
+                raise EinshardError(f"mesh_dim_names {names!r}: {seen[c]!r} and {n!r} share the component {c!r}")
             seen[c] = n
     return names
 
@@ -94,7 +95,7 @@ def _own_names(mesh) -> tuple[str, ...] | None:
     names = normalize_mesh_dim_names(names)
     grid = getattr(mesh, "mesh", None)
     if isinstance(grid, torch.Tensor) and names and grid.ndim != len(names):
-        raise ValueError(f"the mesh has {grid.ndim} dimensions but {len(names)} mesh_dim_names {names!r}")
+        raise EinshardError(f"the mesh has {grid.ndim} dimensions but {len(names)} mesh_dim_names {names!r}")
     return names
 
 
@@ -117,7 +118,7 @@ def mesh_names(mesh=None, mesh_dim_names=()) -> tuple[str, ...]:
     own = None if mesh is None else _own_names(mesh)
     if given:
         if own and own != given:
-            raise ValueError(f"mesh_dim_names={given!r} differs from the mesh's own names {own!r}")
+            raise EinshardError(f"mesh_dim_names={given!r} differs from the mesh's own names {own!r}")
         return given
     return own or ()
 
@@ -151,7 +152,7 @@ def runtime_mesh(mesh):
     if mesh is None:
         mesh = _context.current().mesh
     if mesh is None:
-        raise ValueError("this operation requires mesh= (or an ambient es.use_mesh)")
+        raise EinshardError("this operation requires mesh= (or an ambient es.use_mesh)")
     if _is_es_mesh(mesh):
         return mesh
     if not isinstance(mesh, DeviceMesh):
@@ -167,7 +168,7 @@ def resolve_dims(mesh, group: str, what: str) -> tuple[str, ...]:
     try:
         return mesh.dims(group)
     except ValueError as err:
-        raise ValueError(f"{what} group {group!r} cannot be resolved on {mesh!r}: {err}") from None
+        raise EinshardError(f"{what} group {group!r} cannot be resolved on {mesh!r}: {err}") from None
 
 
 def resolve_group(mesh, group: str, what: str = "mesh"):

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import torch
 
+from ..errors import EinshardError
 from ..notation import TensorSpec
 from .state import ParameterGradComm, ParameterState, check_state
 from .store import Registration
@@ -82,7 +83,7 @@ def parameter_operand_state(
     if not isinstance(p, torch.nn.Parameter):
         raise TypeError(f"operand {operand_index} is annotated [param] and must be a torch.nn.Parameter, got {type(p).__name__}")
     if infer_grad not in (True, False, "partials"):
-        raise ValueError(f"infer_grad must be True, False or 'partials', got {infer_grad!r}")
+        raise EinshardError(f"infer_grad must be True, False or 'partials', got {infer_grad!r}")
     state = ParameterState.from_spec(input_specs[operand_index], mesh_dim_names=mesh_dim_names, source=source)
     gc = state.grad_comm
     if not gc.pending_inference or infer_grad is False:

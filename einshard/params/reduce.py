@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives as C
+from ..errors import EinshardError
 from .buckets import DEFAULT_BUCKET_BYTES, GradBucketer
 from .names import check_group_syntax, components, resolve_dims, resolve_group, runtime_mesh
 from .state import ParameterState
@@ -169,7 +170,7 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
         for g in groups:
             resolve_dims(rt, g, f"{name!r} grad")
         if not p.requires_grad:
-            raise ValueError(f"{name!r} has gradient groups {groups!r} but does not require gradients")
+            raise EinshardError(f"{name!r} has gradient groups {groups!r} but does not require gradients")
         plan.append((p, state))
     plan = [(p, s, [resolve_group(rt, g, "grad") for g in _native_groups(s)]) for p, s in plan]
     hooks = []
@@ -201,7 +202,7 @@ def _check_ddp_state(name, state, rt, ddp_parts) -> None:
     check_not_pending(state, where)
     for g in _ddp_groups(state):
         if set(components(g)) & ddp_parts:
-            raise ValueError(f"{where}: grad group {g!r} touches ddp_group; DDP already reduces over it")
+            raise EinshardError(f"{where}: grad group {g!r} touches ddp_group; DDP already reduces over it")
         resolve_dims(rt, g, "grad")
 
 
@@ -283,10 +284,10 @@ def register_grad_reduction_hook_(ddp_model, mesh, ddp_group="dp", combined_redu
     rt = runtime_mesh(mesh)
     if (combined_reduce_group is None) != (combined_reduce is None):
         missing = "combined_reduce" if combined_reduce is None else "combined_reduce_group"
-        raise ValueError(f"combined_reduce_group and combined_reduce go together: {missing} is missing")
+        raise EinshardError(f"combined_reduce_group and combined_reduce go together: {missing} is missing")
     if combined_reduce is not None:
         if ddp_group is None:
-            raise ValueError("combined_reduce_group needs a ddp_group")
+            raise EinshardError("combined_reduce_group needs a ddp_group")
         if isinstance(combined_reduce, str):
             combined_reduce = (combined_reduce,)
         combined_reduce = tuple(combined_reduce)
@@ -294,9 +295,9 @@ def register_grad_reduction_hook_(ddp_model, mesh, ddp_group="dp", combined_redu
             check_group_syntax(g, "DDP hook")
         extra = {c for g in combined_reduce for c in components(g)}
         if extra & set(components(ddp_group)) or len(extra) != sum(len(components(g)) for g in combined_reduce):
-            raise ValueError(f"combined_reduce {combined_reduce!r} and ddp_group {ddp_group!r} overlap")
+            raise EinshardError(f"combined_reduce {combined_reduce!r} and ddp_group {ddp_group!r} overlap")
         if set(components(combined_reduce_group)) != extra | set(components(ddp_group)):
-            raise ValueError(
+            raise EinshardError(
                 f"combined_reduce_group {combined_reduce_group!r} must span ddp_group {ddp_group!r} "
                 f"and combined_reduce {combined_reduce!r} exactly"
             )

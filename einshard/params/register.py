@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..errors import EinshardError
 from .names import mesh_names
 from .state import ParameterState
 from .store import Registration, get_parameter_state, per_name
@@ -67,14 +68,14 @@ def register_module_parameter_layouts_(
     if not isinstance(layouts, Mapping):
         raise TypeError(f"layouts must be a Mapping from parameter names to layouts, got {type(layouts).__name__}")
     if not layouts:
-        raise ValueError("layouts is empty: name at least one parameter")
+        raise EinshardError("layouts is empty: name at least one parameter")
     for name, layout in layouts.items():
         if not isinstance(name, str):
             raise TypeError(f"parameter names must be str, got {name!r}")
         if not isinstance(layout, str):
             raise TypeError(f"the layout of {name!r} must be a str, got {type(layout).__name__}")
         if not name:
-            raise ValueError("an empty parameter name in layouts")
+            raise EinshardError("an empty parameter name in layouts")
     names = list(layouts)
     grads = per_name(grad, names, "grad")
     syncs = per_name(init_sync, names, "init_sync")
@@ -84,11 +85,11 @@ def register_module_parameter_layouts_(
         try:
             p = module.get_parameter(name)
         except AttributeError:
-            raise ValueError(f"unknown parameter names: {name!r} is not a parameter of the module") from None
+            raise EinshardError(f"unknown parameter names: {name!r} is not a parameter of the module") from None
         try:
             reg.add(p, _layout_state(layouts[name], mesh_dims, grads[name], syncs[name], source), name)
         except ValueError as err:
-            raise ValueError(f"parameter {name!r}: {err}") from None
+            raise EinshardError(f"parameter {name!r}: {err}") from None
     reg.attach()
     return module
 
@@ -96,7 +97,7 @@ def register_module_parameter_layouts_(
 def _weight_and_bias(module, what: str):
     weight = getattr(module, "weight", None)
     if weight is None:
-        raise ValueError(f"{what}: the module has no weight")
+        raise EinshardError(f"{what}: the module has no weight")
     if not isinstance(weight, torch.nn.Parameter):
         raise TypeError(f"{what}: module.weight must be a torch.nn.Parameter, got {type(weight).__name__}")
     bias = getattr(module, "bias", None)
@@ -116,7 +117,7 @@ def _register_pair(
     """Shared body of the linear/conv/norm helpers (``grads``/``syncs``: (weight, bias) values)."""
     weight, bias = _weight_and_bias(module, what)
     if bias is None and (bias_layout is not None or grads[1] is not None or syncs[1] is not None):
-        raise ValueError(f"{what}: bias_* metadata given but the module has no bias")
+        raise EinshardError(f"{what}: bias_* metadata given but the module has no bias")
     if not isinstance(weight_layout, str):
         raise TypeError(f"{what}: the weight layout must be a str, got {type(weight_layout).__name__}")
     if bias_layout is not None and not isinstance(bias_layout, str):
@@ -129,7 +130,7 @@ def _register_pair(
         if bias_must_match_first_axis:
             default = _first_axis_layout(w_state)
             if bias_layout is not None and _layout_state(bias_layout, names, None, None, source).layout != default:
-                raise ValueError(f"{what}: bias layout {bias_layout!r} must be the first weight axis {default!r}")
+                raise EinshardError(f"{what}: bias layout {bias_layout!r} must be the first weight axis {default!r}")
             bias_layout = default
         elif bias_layout is None:
             bias_layout = w_state.layout
@@ -165,11 +166,11 @@ def register_linear_parameters_(
 
     def check(weight, bias):
         if weight.dim() != 2:
-            raise ValueError(f"linear: the weight must have rank 2, got shape {tuple(weight.shape)}")
+            raise EinshardError(f"linear: the weight must have rank 2, got shape {tuple(weight.shape)}")
         if bias is not None and bias.dim() != 1:
-            raise ValueError(f"linear: the bias must have rank 1, got shape {tuple(bias.shape)}")
+            raise EinshardError(f"linear: the bias must have rank 1, got shape {tuple(bias.shape)}")
         if bias is not None and bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"linear: bias shape {tuple(bias.shape)} does not match weight.shape[0]={weight.shape[0]}")
+            raise EinshardError(f"linear: bias shape {tuple(bias.shape)} does not match weight.shape[0]={weight.shape[0]}")
 
     return _register_pair(
         module, "linear", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
@@ -209,14 +210,14 @@ def register_conv_parameters_(
     weight = getattr(module, "weight", None)
     if weight_layout is None and isinstance(weight, torch.Tensor):
         if weight.dim() not in _CONV_DEFAULTS:
-            raise ValueError(f"conv: the weight must have rank 3, 4 or 5, got shape {tuple(weight.shape)}")
+            raise EinshardError(f"conv: the weight must have rank 3, 4 or 5, got shape {tuple(weight.shape)}")
         weight_layout = _CONV_DEFAULTS[weight.dim()]
 
     def check(weight, bias):
         if weight.dim() not in _CONV_DEFAULTS:
-            raise ValueError(f"conv: the weight must have rank 3, 4 or 5, got shape {tuple(weight.shape)}")
+            raise EinshardError(f"conv: the weight must have rank 3, 4 or 5, got shape {tuple(weight.shape)}")
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-            raise ValueError(f"conv: bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (rank 1)")
+            raise EinshardError(f"conv: bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (rank 1)")
 
     return _register_pair(
         module, "conv", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
@@ -251,13 +252,13 @@ def register_norm_parameters_(
     (('sp',), 'c')
     """
     if layout is not _UNSET and layout is not None and weight_layout is not None and layout != weight_layout:
-        raise ValueError(f"norm: layout={layout!r} and weight_layout={weight_layout!r} differ")
+        raise EinshardError(f"norm: layout={layout!r} and weight_layout={weight_layout!r} differ")
     if weight_layout is None:
         weight_layout = "c" if layout is _UNSET else layout
 
     def check(weight, bias):
         if bias is not None and bias.shape != weight.shape:
-            raise ValueError(f"norm: bias shape {tuple(bias.shape)} differs from the weight's {tuple(weight.shape)}")
+            raise EinshardError(f"norm: bias shape {tuple(bias.shape)} differs from the weight's {tuple(weight.shape)}")
 
     return _register_pair(
         module, "norm", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),

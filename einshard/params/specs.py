@@ -10,6 +10,7 @@ from __future__ import annotations
 import optree
 import torch
 
+from ..errors import EinshardError
 from .store import get_parameter_state
 
 __all__ = ["param_specs", "as_param_tree", "specs_or_registered"]
@@ -53,7 +54,7 @@ def specs_or_registered(tree, specs, where: str):
         return specs
     found = param_specs(tree)
     if all(s is None for s in optree.tree_leaves(found, none_is_leaf=True)):
-        raise ValueError(
+        raise EinshardError(
             f"{where}: no specs given and no parameter in the tree has a registered layout; pass specs, or "
             f"a module (or state_dict(keep_vars=True)) whose parameters were registered"
         )

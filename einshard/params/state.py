@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..errors import EinshardError
 from ..notation import EllipsisItem, Family, TensorSpec, Zip, parse_sharding
 from .names import check_group_syntax, components, mesh_names, normalize_mesh_dim_names, overlapping, unknown_groups
 
@@ -87,7 +88,7 @@ def _parse_value(value, key: str) -> tuple[str, str | None]:
         raise TypeError(f"{key}= must be a str, got {type(value).__name__}")
     match = _VALUE.fullmatch(value)
     if match is None:
-        raise ValueError(f"Invalid {key}= value {value!r}: expected GROUP or GROUP:SUFFIX with names like 'dp' or 'dp-sp'")
+        raise EinshardError(f"Invalid {key}= value {value!r}: expected GROUP or GROUP:SUFFIX with names like 'dp' or 'dp-sp'")
     return match.group(1), match.group(2)
 
 
@@ -115,7 +116,7 @@ class ParameterInitSync:
             return derive_init_sync(layout_shard_dims, mesh_dim_names)
         group, suffix = _parse_value(ann, "init_sync")
         if suffix is not None:
-            raise ValueError(f"Invalid init_sync= value {ann!r}: init_sync takes no ':' suffix (values: G, none, external)")
+            raise EinshardError(f"Invalid init_sync= value {ann!r}: init_sync takes no ':' suffix (values: G, none, external)")
         if group in ("none", "external"):
             return cls(group)
         return cls("explicit", (group,))
@@ -160,7 +161,7 @@ class ParameterGradComm:
         group, suffix = _parse_value(ann, "grad")
         if group in _GRAD_KEYWORDS or group == "none":
             if suffix is not None:
-                raise ValueError(f"Invalid grad= value {ann!r}: the keyword {group!r} takes no ':' suffix")
+                raise EinshardError(f"Invalid grad= value {ann!r}: the keyword {group!r} takes no ':' suffix")
             if group == "none":
                 return cls()
             backend, schedule = _GRAD_KEYWORDS[group]
@@ -168,7 +169,7 @@ class ParameterGradComm:
         if suffix is None:
             return cls("explicit", (group,), "native")
         if suffix not in _GRAD_KEYWORDS:
-            raise ValueError(
+            raise EinshardError(
                 f"Invalid grad= value {ann!r}: unknown suffix {suffix!r} (known: :async, :ddp, :external)"
             )
         backend, schedule = _GRAD_KEYWORDS[suffix]
@@ -198,7 +199,7 @@ class ParameterState:
     def axes(self) -> tuple:
         """The top-level items of the layout."""
         if self.spec is None:
-            raise ValueError("this ParameterState is layout-free (spec is None): it has no axes")
+            raise EinshardError("this ParameterState is layout-free (spec is None): it has no axes")
         return self.spec.items
 
     @property
@@ -232,14 +233,14 @@ class ParameterState:
         if not isinstance(spec, TensorSpec):
             raise TypeError(f"from_spec needs a parsed TensorSpec, got {type(spec).__name__}")
         if spec.partial:
-            raise ValueError(f"a parameter has an axis layout; {str(spec)!r} is partial (// ...)")
+            raise EinshardError(f"a parameter has an axis layout; {str(spec)!r} is partial (// ...)")
         if any(isinstance(i, (Family, Zip)) for i in spec.items):
-            raise ValueError(f"expand families before reading a parameter layout: {str(spec)!r}")
+            raise EinshardError(f"expand families before reading a parameter layout: {str(spec)!r}")
         names = normalize_mesh_dim_names(mesh_dim_names)
         values: dict[str, str | None] = {}
         for ann in spec.annotations:
             if ann.key in values:
-                raise ValueError(f"annotation {ann.key!r} appears twice in {str(spec)!r}")
+                raise EinshardError(f"annotation {ann.key!r} appears twice in {str(spec)!r}")
             values[ann.key] = ann.value
         return cls._build(spec, names, values.get("grad"), values.get("init_sync"), source, "param" in values)
 
@@ -259,18 +260,18 @@ class ParameterState:
                 raise TypeError(f"{key}= must be a str, got {type(value).__name__}")
         spec = _bare_spec(layout, "layout")
         if spec.annotations:
-            raise ValueError(f"layout {layout!r} takes axes only; pass grad=/init_sync= as arguments")
+            raise EinshardError(f"layout {layout!r} takes axes only; pass grad=/init_sync= as arguments")
         if spec.partial:
-            raise ValueError(f"a parameter has an axis layout; {layout!r} is partial (// ...)")
+            raise EinshardError(f"a parameter has an axis layout; {layout!r} is partial (// ...)")
         if spec.has_groups:
-            raise ValueError(f"layout {layout!r} has factored axes '( )', which a parameter layout cannot have")
+            raise EinshardError(f"layout {layout!r} has factored axes '( )', which a parameter layout cannot have")
         axes = [a.name for a in spec.axes]
         if spec.has_ellipsis or len(set(axes)) != len(axes):
-            raise ValueError(
+            raise EinshardError(
                 f"layout {layout!r} has '...' or a repeated axis, so it has no TensorState (one axis per dimension)"
             )
         if any(isinstance(i, (Family, Zip)) for i in spec.items):
-            raise ValueError(f"layout {layout!r} cannot use families")
+            raise EinshardError(f"layout {layout!r} cannot use families")
         return cls._build(spec, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, False)
 
     @classmethod
@@ -294,7 +295,7 @@ class ParameterState:
 def _bare_spec(text: str, what: str) -> TensorSpec:
     parsed = parse_sharding(text)
     if parsed.output is not None or len(parsed.inputs) != 1:
-        raise ValueError(f"{what} {text!r} must be one tensor spec like 'out/tp in', not a formula")
+        raise EinshardError(f"{what} {text!r} must be one tensor spec like 'out/tp in', not a formula")
     return parsed.inputs[0]
 
 
@@ -310,35 +311,35 @@ def _check_dims(value, owner: str) -> tuple[str, ...]:
 
 def _check_init_sync(s) -> None:
     if not isinstance(s, ParameterInitSync):
-        raise ValueError(f"ParameterState.init_sync must be a ParameterInitSync, got {type(s).__name__}")
+        raise EinshardError(f"ParameterState.init_sync must be a ParameterInitSync, got {type(s).__name__}")
     if s.mode not in INIT_MODES:
-        raise ValueError(f"ParameterInitSync.mode must be one of {INIT_MODES}, got {s.mode!r}")
+        raise EinshardError(f"ParameterInitSync.mode must be one of {INIT_MODES}, got {s.mode!r}")
     _check_dims(s.mesh_dims, "ParameterInitSync.mesh_dims")
     if s.mode in ("none", "external") and s.mesh_dims:
-        raise ValueError(f"ParameterInitSync mode {s.mode!r} has no mesh_dims, got {s.mesh_dims!r}")
+        raise EinshardError(f"ParameterInitSync mode {s.mode!r} has no mesh_dims, got {s.mesh_dims!r}")
     if s.mode == "explicit" and not s.mesh_dims:
-        raise ValueError("ParameterInitSync: explicit mode requires mesh_dims")
+        raise EinshardError("ParameterInitSync: explicit mode requires mesh_dims")
     for g in s.mesh_dims:
         check_group_syntax(g, "init_sync")
 
 
 def _check_grad_comm(g) -> None:
     if not isinstance(g, ParameterGradComm):
-        raise ValueError(f"ParameterState.grad_comm must be a ParameterGradComm, got {type(g).__name__}")
+        raise EinshardError(f"ParameterState.grad_comm must be a ParameterGradComm, got {type(g).__name__}")
     for name, value, allowed in (
         ("mode", g.mode, GRAD_MODES),
         ("backend", g.backend, GRAD_BACKENDS),
         ("schedule", g.schedule, SCHEDULES),
     ):
         if value not in allowed:
-            raise ValueError(f"ParameterGradComm.{name} must be one of {allowed}, got {value!r}")
+            raise EinshardError(f"ParameterGradComm.{name} must be one of {allowed}, got {value!r}")
     _check_dims(g.mesh_dims, "ParameterGradComm.mesh_dims")
     if (g.mode == "none") != (g.backend == "none" and not g.mesh_dims):
-        raise ValueError(f"ParameterGradComm: mode 'none' goes with backend 'none' and no mesh_dims, got {g!r}")
+        raise EinshardError(f"ParameterGradComm: mode 'none' goes with backend 'none' and no mesh_dims, got {g!r}")
     if g.mode == "explicit" and not g.mesh_dims:
-        raise ValueError("ParameterGradComm: explicit mode requires mesh_dims")
+        raise EinshardError("ParameterGradComm: explicit mode requires mesh_dims")
     if g.schedule != "backend_default" and g.backend != "native":
-        raise ValueError(f"ParameterGradComm: schedule {g.schedule!r} needs the native backend, got {g.backend!r}")
+        raise EinshardError(f"ParameterGradComm: schedule {g.schedule!r} needs the native backend, got {g.backend!r}")
     for d in g.mesh_dims:
         check_group_syntax(d, "grad")
 
@@ -347,29 +348,29 @@ def _check_fields(state) -> None:
     if not isinstance(state, ParameterState):
         raise TypeError(f"expected a ParameterState, got {type(state).__name__}")
     if state.spec is not None and not isinstance(state.spec, TensorSpec):
-        raise ValueError(f"ParameterState.spec must be a TensorSpec or None, got {type(state.spec).__name__}")
+        raise EinshardError(f"ParameterState.spec must be a TensorSpec or None, got {type(state.spec).__name__}")
     if state.spec is not None and state.spec.partial:
-        raise ValueError(f"ParameterState.spec must be an axis layout, got partial {str(state.spec)!r}")
+        raise EinshardError(f"ParameterState.spec must be an axis layout, got partial {str(state.spec)!r}")
     _check_dims(state.layout_shard_dims, "ParameterState.layout_shard_dims")
     _check_dims(state.mesh_dim_names, "ParameterState.mesh_dim_names")
     normalize_mesh_dim_names(state.mesh_dim_names)
     if not isinstance(state.source, str):
-        raise ValueError(f"ParameterState.source must be a str, got {state.source!r}")
+        raise EinshardError(f"ParameterState.source must be a str, got {state.source!r}")
     for flag in ("explicit_init_sync_none", "explicit_grad_comm_none"):
         if not isinstance(getattr(state, flag), bool):
-            raise ValueError(f"ParameterState.{flag} must be a bool, got {getattr(state, flag)!r}")
+            raise EinshardError(f"ParameterState.{flag} must be a bool, got {getattr(state, flag)!r}")
     _check_init_sync(state.init_sync)
     _check_grad_comm(state.grad_comm)
     if state.tensor_state is not None and not isinstance(state.tensor_state, TensorState):
-        raise ValueError(f"ParameterState.tensor_state must be a TensorState or None, got {state.tensor_state!r}")
+        raise EinshardError(f"ParameterState.tensor_state must be a TensorState or None, got {state.tensor_state!r}")
     if state.spec is None:
         if state.tensor_state is not None:
-            raise ValueError("a layout-free ParameterState has no tensor_state")
+            raise EinshardError("a layout-free ParameterState has no tensor_state")
         if state.grad_comm.mode != "none":
-            raise ValueError("a layout-free ParameterState has no gradient duty")
+            raise EinshardError("a layout-free ParameterState has no gradient duty")
     else:
         if state.layout_shard_dims != _spec_shard_dims(state.spec):
-            raise ValueError(
+            raise EinshardError(
                 f"ParameterState.layout_shard_dims {state.layout_shard_dims!r} is stale: the spec "
                 f"{str(state.spec)!r} shards over {_spec_shard_dims(state.spec)!r}"
             )
@@ -377,11 +378,11 @@ def _check_fields(state) -> None:
         if (derived is None) != (state.tensor_state is None) or (
             derived is not None and derived.placements != state.tensor_state.placements
         ):
-            raise ValueError(f"ParameterState.tensor_state does not match the spec {str(state.spec)!r}")
+            raise EinshardError(f"ParameterState.tensor_state does not match the spec {str(state.spec)!r}")
     if state.explicit_init_sync_none and state.init_sync.mode != "none":
-        raise ValueError("ParameterState.explicit_init_sync_none is set but init_sync is not none")
+        raise EinshardError("ParameterState.explicit_init_sync_none is set but init_sync is not none")
     if state.explicit_grad_comm_none and state.grad_comm.mode != "none":
-        raise ValueError("ParameterState.explicit_grad_comm_none is set but grad_comm is not none")
+        raise EinshardError("ParameterState.explicit_grad_comm_none is set but grad_comm is not none")
 
 
 def check_state(state) -> None:
@@ -392,32 +393,32 @@ def check_state(state) -> None:
         check_group_syntax(g, "layout")
     pair = overlapping(shards)
     if pair:
-        raise ValueError(f"layout groups {pair[0]!r} and {pair[1]!r} share the same mesh dimension")
+        raise EinshardError(f"layout groups {pair[0]!r} and {pair[1]!r} share the same mesh dimension")
     shard_parts = _shard_components(shards)
     init = state.shared
     for g in init:
         if set(components(g)) & shard_parts:
-            raise ValueError(f"init_sync group {g!r} overlaps the shard groups {shards!r}")
+            raise EinshardError(f"init_sync group {g!r} overlaps the shard groups {shards!r}")
     pair = overlapping(init)
     if pair:
-        raise ValueError(f"init_sync groups overlap: {pair[0]!r} and {pair[1]!r}")
+        raise EinshardError(f"init_sync groups overlap: {pair[0]!r} and {pair[1]!r}")
     grad = state.grad_comm
     if grad.backend in ("native", "ddp") and not grad.pending_inference:
         for g in grad.mesh_dims:
             if set(components(g)) & shard_parts:
-                raise ValueError(f"grad group {g!r} overlaps the shard groups {shards!r}")
+                raise EinshardError(f"grad group {g!r} overlaps the shard groups {shards!r}")
         pair = overlapping(grad.mesh_dims)
         if pair:
-            raise ValueError(f"grad groups overlap: {pair[0]!r} and {pair[1]!r}")
+            raise EinshardError(f"grad groups overlap: {pair[0]!r} and {pair[1]!r}")
     names = state.mesh_dim_names
     checked = list(shards) + list(state.init_sync.mesh_dims)
     if grad.backend != "external":
         checked += list(grad.mesh_dims)
     unknown = unknown_groups(checked, names)
     if unknown:
-        raise ValueError(f"unknown mesh dimensions {unknown!r}: the mesh has {names!r}")
+        raise EinshardError(f"unknown mesh dimensions {unknown!r}: the mesh has {names!r}")
     if state.init_sync.mode == "inferred" and state.init_sync != derive_init_sync(shards, names):
-        raise ValueError(
+        raise EinshardError(
             f"ParameterState.init_sync {state.init_sync!r} differs from its derivation "
             f"{derive_init_sync(shards, names)!r}"
         )
@@ -431,7 +432,7 @@ def check_rank(state: ParameterState, ndim: int, where: str = "parameter") -> No
     n = len(items)
     if any(isinstance(i, EllipsisItem) for i in items):
         if ndim < n - 1:
-            raise ValueError(f"layout {state.layout!r} needs rank >= {n - 1}, but the {where} has rank {ndim}")
+            raise EinshardError(f"layout {state.layout!r} needs rank >= {n - 1}, but the {where} has rank {ndim}")
     elif ndim != n:
-        raise ValueError(f"layout {state.layout!r} has rank {n}, but the {where} has rank {ndim}")
+        raise EinshardError(f"layout {state.layout!r} has rank {n}, but the {where} has rank {ndim}")
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from ..errors import EinshardError
 from .merge import merge_states
 from .state import ParameterState, check_rank, check_state
 
@@ -120,7 +121,7 @@ def per_name(value, names, what: str) -> dict:
     if isinstance(value, Mapping):
         unknown = [k for k in value if k not in names]
         if unknown:
-            raise ValueError(f"{what}: unknown parameter names {unknown!r} (known: {list(names)!r})")
+            raise EinshardError(f"{what}: unknown parameter names {unknown!r} (known: {list(names)!r})")
         return {n: value.get(n) for n in names}
     return {n: value for n in names}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import EinshardError
 from .names import mesh_names, resolve_group, runtime_mesh, str_tuple
 from .state import ParameterInitSync, ParameterState, check_state, derive_init_sync
 from .store import Registration, iter_parameter_states, per_name
@@ -64,7 +65,7 @@ def _init_sync(sync, sharded, names) -> ParameterInitSync:
         return ParameterInitSync.from_annotation(sync, sharded, names)
     groups = str_tuple(sync, "sync")
     if not groups:
-        raise ValueError("sync: an empty iterable; explicit mode requires mesh_dims")
+        raise EinshardError("sync: an empty iterable; explicit mode requires mesh_dims")
     for g in groups:
         ParameterInitSync.from_annotation(g)  # the same value rules (no suffix)
     return ParameterInitSync("explicit", groups)
@@ -92,11 +93,11 @@ def _runtime(mesh, states):
     try:
         rt = runtime_mesh(mesh)
     except ValueError:
-        raise ValueError("initial sync requires mesh= (the parameter is shared over mesh groups)") from None
+        raise EinshardError("initial sync requires mesh= (the parameter is shared over mesh groups)") from None
     for s in states:
         check_resolves(s, rt, layout=False, grad=False)
         if rt.device_mesh is None and any(rt.size(rt.dims(g)) > 1 for g in s.shared):
-            raise ValueError(f"initial sync over {s.shared!r} needs process groups; a virtual mesh has none")
+            raise EinshardError(f"initial sync over {s.shared!r} needs process groups; a virtual mesh has none")
     return rt
 
 
@@ -145,7 +146,7 @@ def init_params_(module, mesh, *, sync=None, sharded=None, mesh_dim_names=(), so
         try:
             merged[name] = reg.add(p, _init_state(p, mesh, syncs[name], shardeds[name], names, source), name)
         except ValueError as err:
-            raise ValueError(f"parameter {name!r}: {err}") from None
+            raise EinshardError(f"parameter {name!r}: {err}") from None
     rt = _runtime(mesh, list(merged.values()))
     reg.attach()
     for name, p in params.items():

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from .. import _context
+from ..errors import EinshardError
 from .names import mesh_names, resolve_dims, runtime_mesh
 from .state import ParameterGradComm, ParameterState, check_rank, check_state
 from .store import Registration, get_parameter_state
@@ -38,7 +39,7 @@ def check_not_pending(state: ParameterState, where: str) -> None:
     """ValueError "pending inference" for a pending native/ddp gradient duty."""
     g = state.grad_comm
     if g.pending_inference and g.backend in ("native", "ddp"):
-        raise ValueError(
+        raise EinshardError(
             f"{where}: the gradient duty is pending inference (grad={g.backend!r} without groups); "
             "name its groups with finalize_parameter_grad_comm_ or annotate grad=G"
         )
@@ -64,18 +65,18 @@ def _finalized_state(p, grad, names, mesh) -> ParameterState:
         raise TypeError(f"grad must be a str like 'dp' or 'dp:async', got {type(grad).__name__}")
     state = get_parameter_state(p)
     if state is None:
-        raise ValueError("the parameter has no ParameterState to finalise")
+        raise EinshardError("the parameter has no ParameterState to finalise")
     if not state.grad_comm.pending_inference:
-        raise ValueError(f"the gradient duty is not pending inference ({state.grad_comm!r})")
+        raise EinshardError(f"the gradient duty is not pending inference ({state.grad_comm!r})")
     new = ParameterGradComm.from_annotation(grad)
     if new.mode != "explicit":
-        raise ValueError(f"finalising needs an explicit mesh group like 'dp' or 'dp:async', got {grad!r}")
+        raise EinshardError(f"finalising needs an explicit mesh group like 'dp' or 'dp:async', got {grad!r}")
     if new.backend != state.grad_comm.backend:
-        raise ValueError(
+        raise EinshardError(
             f"grad={grad!r} has backend {new.backend!r} but the pending duty's backend is {state.grad_comm.backend!r}"
         )
     if names and state.mesh_dim_names and names != state.mesh_dim_names:
-        raise ValueError(f"mesh names {names!r} differ from the state's {state.mesh_dim_names!r}")
+        raise EinshardError(f"mesh names {names!r} differ from the state's {state.mesh_dim_names!r}")
     if mesh is not None and new.backend in ("native", "ddp"):
         for g in new.mesh_dims:
             resolve_dims(mesh, g, "grad")
@@ -111,20 +112,20 @@ def finalize_module_parameter_grad_comm_(module, grad, *, mesh=None, mesh_dim_na
     if not isinstance(grad, Mapping):
         raise TypeError(f"grad must be a Mapping from parameter names to values, got {type(grad).__name__}")
     if not grad:
-        raise ValueError("grad is empty: name at least one parameter")
+        raise EinshardError("grad is empty: name at least one parameter")
     names, rt = _names_and_mesh(mesh, mesh_dim_names)
     reg = Registration()
     for name, value in grad.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"parameter names must be non-empty str, got {name!r}")
+            raise EinshardError(f"parameter names must be non-empty str, got {name!r}")
         try:
             p = module.get_parameter(name)
         except AttributeError:
-            raise ValueError(f"unknown parameter name {name!r}") from None
+            raise EinshardError(f"unknown parameter name {name!r}") from None
         try:
             reg.add(p, _finalized_state(p, value, names, rt), name)
         except ValueError as err:
-            raise ValueError(f"parameter {name!r}: {err}") from None
+            raise EinshardError(f"parameter {name!r}: {err}") from None
     reg.attach()
     return module
 
@@ -155,8 +156,8 @@ def validate_module_parameter_states_(module, mesh=None, *, allow_pending=False)
                 check_not_pending(state, "validation")
             if rt is not None:
                 if state.mesh_dim_names and state.mesh_dim_names != mesh_dims:
-                    raise ValueError(f"the state's mesh names {state.mesh_dim_names!r} differ from the mesh's {mesh_dims!r}")
+                    raise EinshardError(f"the state's mesh names {state.mesh_dim_names!r} differ from the mesh's {mesh_dims!r}")
                 check_resolves(state, rt)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"Invalid parameter metadata for {name!r}: {err}") from None
+            raise EinshardError(f"Invalid parameter metadata for {name!r}: {err}") from None
     return module

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..errors import EinshardError
 from ..layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
 from ..primitives import PRIMITIVES, moved_numel
 
@@ -84,7 +85,7 @@ def plan_gradient(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]
 def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]:
     """The steps that turn ``src`` into ``dst`` (same axes, same order)."""
     if src.axes != dst.axes or src.sizes != dst.sizes:
-        raise ValueError(f"transition between different tensors: '{src}' -> '{dst}'")
+        raise EinshardError(f"transition between different tensors: '{src}' -> '{dst}'")
     steps: list[Step] = []
     cur = src
 

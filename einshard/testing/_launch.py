@@ -7,6 +7,7 @@ import os
 import torch.distributed as dist
 
 from ..checks import checks_enabled, set_checks
+from ..errors import EinshardError
 from ..helpers import init_process_group
 from ._pool import spawn
 
@@ -37,7 +38,7 @@ def launch(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 30
         return spawn(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, checks=checks)
     _, rank, world = init_process_group("gloo", use_cuda=False)
     if world != world_size:
-        raise ValueError(f"{getattr(fn, '__name__', fn)} needs {world_size} ranks, but the job has {world}")
+        raise EinshardError(f"{getattr(fn, '__name__', fn)} needs {world_size} ranks, but the job has {world}")
     before = checks_enabled()
     set_checks(checks)
     try:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from ..errors import EinshardError
+
 __all__ = ["MeshSpec", "make_mesh"]
 
 # (shape, names) -> (world group the mesh was built in, DeviceMesh)
@@ -42,11 +44,11 @@ class MeshSpec:
         shape = (self.shape,) if isinstance(self.shape, int) else tuple(int(s) for s in self.shape)
         names = (self.names,) if isinstance(self.names, str) else tuple(str(n) for n in self.names)
         if len(shape) != len(names):
-            raise ValueError(f"MeshSpec: shape {shape} and names {names} differ in length")
+            raise EinshardError(f"MeshSpec: shape {shape} and names {names} differ in length")
         if not shape or any(s < 1 for s in shape):
-            raise ValueError(f"MeshSpec: shape must be a non-empty tuple of positive sizes, got {shape}")
+            raise EinshardError(f"MeshSpec: shape must be a non-empty tuple of positive sizes, got {shape}")
         if len(set(names)) != len(names):
-            raise ValueError(f"MeshSpec: duplicate mesh dimension names in {names}")
+            raise EinshardError(f"MeshSpec: duplicate mesh dimension names in {names}")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "names", names)
 
@@ -75,7 +77,7 @@ class MeshSpec:
             )
         world = dist.group.WORLD
         if dist.get_world_size() != self.size:
-            raise ValueError(
+            raise EinshardError(
                 f"mesh {self} spans {self.size} ranks but the process group has "
                 f"{dist.get_world_size()} (use @pytest.mark.ranks({self.size}) / a pool of {self.size})"
             )

@@ -17,6 +17,7 @@ import time
 import traceback
 import weakref
 
+from ..errors import EinshardError
 from . import _worker
 from ._errors import RankError, RankTimeout
 
@@ -60,7 +61,7 @@ def mp_context():
         if not method:
             method = "forkserver" if "forkserver" in methods else "spawn"
         if method not in ("spawn", "forkserver") or method not in methods:
-            raise ValueError(
+            raise EinshardError(
                 f"EINSHARD_TESTING_START_METHOD={method!r}: use 'spawn' or 'forkserver' "
                 f"(available here: {methods})"
             )
@@ -313,7 +314,7 @@ class RankPool:
     ):
         world_size = int(world_size)
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise EinshardError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.grace = _env_float("EINSHARD_TESTING_GRACE", 3.0) if grace is None else float(grace)
         self.gloo_timeout = _env_float("EINSHARD_TESTING_GLOO_TIMEOUT", 120.0) if gloo_timeout is None else float(gloo_timeout)

@@ -12,6 +12,7 @@ import math
 import torch
 
 from .._split import compute_split_shapes, resolve_split_shapes
+from ..errors import EinshardError
 from ..mesh import resolve_mesh
 from ..notation import EllipsisItem, Group, expand
 
@@ -49,7 +50,7 @@ def local_block(x: torch.Tensor, spec: str, mesh, shapes=None, sizes=None, famil
         members = item.axes if isinstance(item, Group) else (item,)
         known = [sizes.get(a.name) for a in members]
         if known.count(None) > 1:
-            raise ValueError(f"local_block: pass sizes= for all but one factor of '{item}' in {spec!r}")
+            raise EinshardError(f"local_block: pass sizes= for all but one factor of '{item}' in {spec!r}")
         if None in known:
             rest = math.prod(k for k in known if k is not None)
             known[known.index(None)] = x.shape[pos] // rest
