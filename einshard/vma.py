@@ -41,10 +41,9 @@ process) before anything else::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
 from . import _context, _trace
 from . import collectives as C
@@ -193,40 +192,109 @@ def _tensor_args(args, kwargs) -> list:
     return out
 
 
-class Tracker:
-    """Variance state of one ``shard_map`` call (see the module docstring)."""
+def _args_mask(serial: int, args, kwargs):
+    """``(union, mixed)``: the union of the current masks of :func:`_tensor_args` (tagged with
+    ``serial``), and whether they differ (one pass, no list)."""
+    union = 0
+    first = -1
+    mixed = False
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, _Tensor):
+            items = (a,)
+        elif type(a) in _SEQ:
+            items = a
+        else:
+            continue
+        for b in items:
+            if isinstance(b, _Tensor):
+                m = b.__dict__.get(_ATTR, 0) ^ serial
+                if m > _MASK:
+                    m = 0
+                if first < 0:
+                    first = m
+                elif m != first:
+                    mixed = True
+                union |= m
+    return union, mixed
 
-    __slots__ = ("info", "serial", "suspended", "memo", "mode", "inplace")
+
+class _Rules:
+    """What the eager and the traced trackers share: reading a vma, widening an op's operands."""
+
+    __slots__ = ()
+
+    def vma(self, t) -> frozenset:
+        return frozenset(self.info.dims(self.mask_of(t)))
+
+    def pvary_operand(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
+        """:meth:`pvary` for an operand that only feeds an op (whose output is tagged anyway):
+        over dimensions of size 1 it is ``t`` itself (no alias, no autograd node)."""
+        return self.pvary(t, mask, missing) if missing & ~self.info.trivial else t
+
+    def _widen_args(self, func, args, kwargs, union):
+        inplace = _is_inplace(func)
+
+        def fix(a):
+            if isinstance(a, _Tensor):
+                m = self.mask_of(a)
+                if m != union and a.requires_grad:
+                    return self.pvary_operand(a, m, union & ~m)
+                return a
+            if type(a) in _SEQ:
+                return type(a)(fix(b) for b in a)
+            return a
+
+        new_args = list(args)
+        for i, a in enumerate(args):
+            if i == 0 and inplace:
+                # the tensor written in place keeps its identity; when it is invariant and carries a
+                # gradient, its old value is pvary-ed in place (all of it when it is a view: the whole
+                # base varies afterwards, as with JAX's x.at[i].set(v))
+                if isinstance(a, _Tensor) and a.requires_grad:
+                    base = a._base
+                    t = a if base is None else base
+                    missing = union & ~self.mask_of(t)
+                    if missing:
+                        self.pvary_inplace(t, missing)
+                continue
+            new_args[i] = fix(a)
+        if kwargs:
+            kwargs = {k: (v if k == "out" else fix(v)) for k, v in kwargs.items()}
+        return tuple(new_args), kwargs
+
+
+class Tracker(_Rules, TorchFunctionMode):
+    """Variance state of one ``shard_map`` call, and the ``TorchFunctionMode`` that tracks it.
+
+    One object per call: it is pushed as the mode itself, so a plain torch op
+    costs one Python call that reads the arguments' tags and returns at once
+    when none is tracked.
+    """
 
     def __init__(self, mesh):
         self.info = mesh_info(mesh)
         self.serial = next(_SERIALS) << 32
         self.suspended = 0
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
-        self.mode = None
         self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
 
     # tags ---------------------------------------------------------------
     def mask_of(self, t) -> int:
-        tag = t.__dict__.get(_ATTR, 0)
-        m = tag & _MASK
-        return m if tag - m == self.serial else 0
+        m = t.__dict__.get(_ATTR, 0) ^ self.serial
+        return 0 if m > _MASK else m
 
     def tag(self, t, mask: int) -> None:
         t.__dict__[_ATTR] = self.serial | mask
 
     def tag_tree(self, out, mask: int):
+        tag = self.serial | mask
         if isinstance(out, _Tensor):
-            out.__dict__[_ATTR] = self.serial | mask
+            out.__dict__[_ATTR] = tag
         elif isinstance(out, _SEQ):
-            tag = self.serial | mask
             for o in out:
                 if isinstance(o, _Tensor):
                     o.__dict__[_ATTR] = tag
         return out
-
-    def vma(self, t) -> frozenset:
-        return frozenset(self.info.dims(self.mask_of(t)))
 
     # pvary -----------------------------------------------------------------
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
@@ -257,78 +325,30 @@ class Tracker:
             _PVaryInPlace.apply(t, self.info.group(missing))
 
     # torch functions ---------------------------------------------------------
-    def dispatch(self, func, args, kwargs):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         special = _SPECIAL.get(func)
         if special is not None:
-            return special(self, func, args, kwargs)
+            return special(self, func, args, kwargs or {})
         serial = self.serial
-        union = 0
-        mixed = False
-        first = -1
-        for a in _tensor_args(args, kwargs):
-            tag = a.__dict__.get(_ATTR, 0)
-            m = tag & _MASK
-            if tag - m != serial:
-                m = 0
-            if first < 0:
-                first = m
-            elif m != first:
-                mixed = True
-            union |= m
+        union, mixed = _args_mask(serial, args, kwargs)
         if not union:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs is None:
+            kwargs = {}
         if mixed and _grad_enabled():
             args, kwargs = self._widen_args(func, args, kwargs, union)
-        out = func(*args, **kwargs)
-        tag = serial | union
-        if isinstance(out, _Tensor):
-            out.__dict__[_ATTR] = tag
-        elif isinstance(out, _SEQ):
-            for o in out:
-                if isinstance(o, _Tensor):
-                    o.__dict__[_ATTR] = tag
+        out = self.tag_tree(func(*args, **kwargs), union)
         if mixed and _is_inplace(func):
             # the tensor written in place now holds data that varies like the union (x[i] = v returns None,
             # so tagging ``out`` is not enough), and so does the tensor it is a view of
             target = args[0] if args else None
             if isinstance(target, _Tensor):
                 self.inplace = True
-                target.__dict__[_ATTR] = tag
+                target.__dict__[_ATTR] = serial | union
                 base = target._base
                 if base is not None:
-                    base.__dict__[_ATTR] = tag | self.mask_of(base)
+                    base.__dict__[_ATTR] = serial | union | self.mask_of(base)
         return out
-
-    def _widen_args(self, func, args, kwargs, union):
-        inplace = _is_inplace(func)
-
-        def fix(a):
-            if isinstance(a, _Tensor):
-                m = self.mask_of(a)
-                if m != union and a.requires_grad:
-                    return self.pvary(a, m, union & ~m)
-                return a
-            if type(a) in _SEQ:
-                return type(a)(fix(b) for b in a)
-            return a
-
-        new_args = list(args)
-        for i, a in enumerate(args):
-            if i == 0 and inplace:
-                # the tensor written in place keeps its identity; when it is invariant and carries a
-                # gradient, its old value is pvary-ed in place (all of it when it is a view: the whole
-                # base varies afterwards, as with JAX's x.at[i].set(v))
-                if isinstance(a, _Tensor) and a.requires_grad:
-                    base = a._base
-                    t = a if base is None else base
-                    missing = union & ~self.mask_of(t)
-                    if missing:
-                        self.pvary_inplace(t, missing)
-                continue
-            new_args[i] = fix(a)
-        if kwargs:
-            kwargs = {k: (v if k == "out" else fix(v)) for k, v in kwargs.items()}
-        return tuple(new_args), kwargs
 
 
 _INPLACE_DUNDER = frozenset(
@@ -407,20 +427,20 @@ def current() -> Tracker | None:
 
 
 class tracking:
-    """Context manager: track variance with ``tracker`` (pushes its ``TorchFunctionMode``)."""
+    """Context manager: track variance with ``tracker`` (pushes it as the ``TorchFunctionMode``)."""
 
-    __slots__ = ("tracker",)
+    __slots__ = ("tracker", "mode")
 
-    def __init__(self, tracker: Tracker):
+    def __init__(self, tracker):
         self.tracker = tracker
+        # an eager Tracker is its own mode; a TracedTracker is wrapped (dynamo traces through the wrapper)
+        self.mode = tracker if isinstance(tracker, TorchFunctionMode) else _Mode(tracker)
 
     def __enter__(self):
         global ACTIVE
         ACTIVE += 1
-        mode = _Mode(self.tracker)
-        self.tracker.mode = mode
         try:
-            mode.__enter__()
+            _push_mode(self.mode)
         except BaseException:
             ACTIVE -= 1
             raise
@@ -429,7 +449,7 @@ class tracking:
     def __exit__(self, *exc):
         global ACTIVE
         try:
-            self.tracker.mode.__exit__(*exc)
+            _pop_mode()
         finally:
             ACTIVE -= 1
         return False
@@ -545,13 +565,15 @@ def formula_op(fn, formula: str, tensors, **kwargs):
     - the output varies over the dimensions its spec shards or is partial over
       (for a bare spec without ``->``: the input's), plus the pass-through ones.
     """
-    tracker = current()
-    if tracker is None:
+    ambient = _context.current()
+    body = ambient.shard_map
+    tracker = None if body is None else body.tracker
+    if tracker is None or tracker.suspended:
         return fn(formula, *tensors, **kwargs)
     info = tracker.info
     mesh = kwargs.get("mesh")
     if mesh is None:
-        mesh = _context.current().mesh  # a nested es.use_mesh(other) in the body
+        mesh = ambient.mesh  # a nested es.use_mesh(other) in the body
     if tracker.serial == 0:  # a TracedTracker: no ValueError fallbacks, the rule is a trace-time constant
         if mesh is not info.mesh:
             return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
@@ -586,7 +608,7 @@ def formula_op(fn, formula: str, tensors, **kwargs):
                 if missing and isinstance(t, _Tensor) and t.requires_grad:
                     if xs is tensors:
                         xs = list(tensors)
-                    xs[k] = tracker.pvary(t, masks[k], missing)
+                    xs[k] = tracker.pvary_operand(t, masks[k], missing)
         out = fn(formula, *xs, **kwargs)
     return tracker.tag_tree(out, out_mask | passthrough)
 
@@ -599,14 +621,10 @@ def _union_mask(tracker, tensors) -> int:
     return m
 
 
-def names_mask(tracker: Tracker, names: Iterable[str]) -> int:
-    return tracker.info.mask(names)
-
-
 # -- under torch.compile -------------------------------------------------------------------------
 
 
-class TracedTracker(Tracker):
+class TracedTracker(_Rules):
     """The tracker of a ``shard_map`` body that dynamo traces: variance decided at trace time.
 
     Same rules as :class:`Tracker`; tags are plain tensor attributes (which
@@ -623,14 +641,12 @@ class TracedTracker(Tracker):
     ``docs/shard_map.md``.
     """
 
-    __slots__ = ()
+    __slots__ = ("info", "serial", "suspended", "inplace")
 
     def __init__(self, mesh):
         self.info = _trace.lookup(_traced_info(mesh))
         self.serial = 0
         self.suspended = 0
-        self.memo = {}
-        self.mode = None
         self.inplace = False
 
     def mask_of(self, t) -> int:
