@@ -335,7 +335,7 @@ class Tracker(_Rules, TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
-        if mixed and _grad_enabled():
+        if mixed and union & ~self.info.trivial and _grad_enabled():  # (over size-1 dimensions: nothing to do)
             args, kwargs = self._widen_args(func, args, kwargs, union)
         out = self.tag_tree(func(*args, **kwargs), union)
         if mixed and _is_inplace(func):
