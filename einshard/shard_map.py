@@ -201,33 +201,14 @@ class ShardMap:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
         elif checks._ENABLED:
             _raise_agreed(mesh, ())
-        changed = False
+        new = _exit_leaves(out, leaves, oplan, tracker, eager=True)
         if tracker is not None:
-            for i, declared, spec in oplan.checks:
-                x = leaves[i]
-                m, missing = _output_vma(tracker, out, i, x, declared, spec)
-                if missing and x.requires_grad and torch.is_grad_enabled():
-                    if not changed:
-                        leaves = list(leaves)
-                        changed = True
-                    y = tracker.pvary(x, m, missing)
-                    if i not in oplan.converted:
-                        # returned as is: not a view made by an autograd Function, so the caller may
-                        # modify it in place
-                        y = y.clone()
-                    leaves[i] = y
-            tracker.suspended += 1  # the body is over: exit conversions are not tracked
-        if oplan.actions:
-            if not changed:
-                leaves = list(leaves)
-                changed = True
-            for i, fn in oplan.actions:
-                leaves[i] = fn(leaves[i])
-        if tracker is not None:
-            for x in leaves:
+            for x in new:
                 if isinstance(x, _Tensor):
                     x.__dict__.pop(_vma._ATTR, None)
-        return treedef.unflatten(leaves) if changed else out
+        if all(a is b for a, b in zip(new, leaves)):
+            return out
+        return treedef.unflatten(new)
 
     # -- under torch.compile ------------------------------------------------------------
     def _call_traced(self, args, kwargs):
@@ -263,24 +244,10 @@ class ShardMap:
             out_leaves, out_spec = _pytree.tree_flatten(out)
             struct = out_spec.unflatten(list(range(len(out_leaves))))
             oplan = _trace.lookup(_out_plan_for_trace(self, struct, _trace_leaves(out_leaves), mesh, plan))
-            return self._finish_traced(out, out_leaves, out_spec, oplan, tracker)
+            return out_spec.unflatten(_exit_leaves(out, out_leaves, oplan, tracker, eager=False))
         finally:
             if token is not None:
                 _context.pop(token)
-
-    def _finish_traced(self, out, leaves, treedef, oplan, tracker):
-        leaves = list(leaves)
-        if tracker is not None:
-            for i, declared, spec in oplan.checks:
-                x = leaves[i]
-                m, missing = _output_vma(tracker, out, i, x, declared, spec)
-                if missing and x.requires_grad and torch.is_grad_enabled():
-                    leaves[i] = tracker.pvary(x, m, missing)
-                tracker.untag(x)
-            tracker.suspended += 1  # the body is over: exit conversions are not tracked
-        for i, fn in oplan.actions:
-            leaves[i] = fn(leaves[i])
-        return treedef.unflatten(leaves)
 
     # -- planning (once per argument structure and local shapes) ---------------------
     def _opts(self, parsed_formula):
@@ -439,6 +406,27 @@ def _convert_inputs(actions, args, leaves, treedef):
     for i, fn in actions:
         converted[i] = fn(leaves[i])
     return treedef.unflatten(converted), converted
+
+
+def _exit_leaves(out, leaves, oplan, tracker, eager):
+    """The output leaves after the variance checks (pvary-ing what lacks a declared dimension) and the
+    exit conversions."""
+    leaves = list(leaves)
+    if tracker is not None:
+        for i, declared, spec in oplan.checks:
+            x = leaves[i]
+            m, missing = _output_vma(tracker, out, i, x, declared, spec)
+            if missing and x.requires_grad and torch.is_grad_enabled():
+                y = tracker.pvary(x, m, missing)
+                # eager, returned as is: not a view made by an autograd Function, so the caller may modify it
+                # in place
+                leaves[i] = y.clone() if eager and i not in oplan.converted else y
+            if not eager:
+                tracker.untag(x)
+        tracker.suspended += 1  # the body is over: exit conversions are not tracked
+    for i, fn in oplan.actions:
+        leaves[i] = fn(leaves[i])
+    return leaves
 
 
 def _output_vma(tracker, out, i, x, declared, spec):

@@ -30,12 +30,9 @@ number of the ``shard_map`` call that set it, so tags left on tensors by an
 earlier call are ignored (and a tag is a plain ``int``: harmless in a
 ``state_dict`` or pickle). Tensors without a current tag are invariant.
 
-Library hook (zero cost when nothing is tracked): an operation checks the
-module global :data:`ACTIVE` (the number of tracking bodies running in the
-process) before anything else::
-
-    if _vma.ACTIVE and _vma.current() is not None:
-        return _vma.formula_op(my_op, formula, tensors, mesh=mesh, ...)
+Library ops pay nothing outside tracked bodies: they check the module global
+:data:`ACTIVE` (tracking bodies running) first, ``if _vma.ACTIVE and
+_vma.current() is not None: return _vma.formula_op(my_op, formula, tensors, ...)``.
 """
 
 from __future__ import annotations
@@ -43,10 +40,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
+from torch.overrides import TorchFunctionMode
 
 from . import _context, _trace
-from . import collectives as C
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
 
 __all__ = [
@@ -219,12 +215,9 @@ def _args_mask(serial: int, args, kwargs):
 
 
 class _Rules:
-    """What the eager and the traced trackers share: reading a vma, widening an op's operands."""
+    """What the eager and the traced trackers share: widening an op's operands."""
 
     __slots__ = ()
-
-    def vma(self, t) -> frozenset:
-        return frozenset(self.info.dims(self.mask_of(t)))
 
     def pvary_operand(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
         """:meth:`pvary` for an operand that only feeds an op (whose output is tagged anyway):
@@ -438,20 +431,14 @@ class tracking:
 
     def __enter__(self):
         global ACTIVE
+        self.mode.__enter__()
         ACTIVE += 1
-        try:
-            _push_mode(self.mode)
-        except BaseException:
-            ACTIVE -= 1
-            raise
         return self.tracker
 
     def __exit__(self, *exc):
         global ACTIVE
-        try:
-            _pop_mode()
-        finally:
-            ACTIVE -= 1
+        ACTIVE -= 1
+        self.mode.__exit__(*exc)
         return False
 
 
@@ -492,7 +479,7 @@ def get_vma(x) -> frozenset | None:
     t = current()
     if t is None or not isinstance(x, _Tensor):
         return None
-    return t.vma(x)
+    return frozenset(t.info.dims(t.mask_of(x)))
 
 
 # -- library operations ------------------------------------------------------------------
