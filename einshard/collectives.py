@@ -16,7 +16,8 @@ versions are in :mod:`einshard.mappings`. Every function
   errors (this rank's size disagrees with ``shapes``) through
   :func:`einshard.checks.agree`, so with checks on every rank raises the
   same error;
-- records its calls and bytes in :mod:`einshard.comm_stats`.
+- records its calls and bytes in :mod:`einshard.comm_stats`, as its
+  :mod:`einshard.primitives` entry prices them (the planner's numbers).
 
 Groups of one rank communicate nothing.
 """
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from . import checks as _checks
 from . import comm_stats as _stats
 from ._split import compute_split_shapes
+from .primitives import PRIMITIVES
 
 __all__ = [
     "group_size",
@@ -170,6 +172,11 @@ def _offsets(shapes: Sequence[int]) -> list[int]:
     return out
 
 
+def _record(kind: str, group, size: int, n: int, root=None) -> None:
+    """Account one call: its primitive's traffic over ``size`` ranks, ``n`` the bytes of its defining buffer."""
+    _stats.record(kind, group, *PRIMITIVES[kind].traffic(size, n, root))
+
+
 def _contiguous_clone(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
@@ -225,8 +232,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
     if size == 1:
         return (y, _CompletedWork()) if async_op else y
     if _stats._ACTIVE:
-        n = 2 * (size - 1) * y.numel() * y.element_size() // size
-        _stats.record("all_reduce", group, n, n)
+        _record("all_reduce", group, size, y.numel() * y.element_size())
     buf = torch.view_as_real(y) if y.is_complex() else y
     work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=async_op)
     return (y, work) if async_op else y
@@ -253,8 +259,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     rank = _rank(group)
     y = _contiguous_clone(x) if rank == src else torch.empty_like(x, memory_format=torch.contiguous_format)
     if _stats._ACTIVE:
-        n = y.numel() * y.element_size()
-        _stats.record("broadcast", group, n if rank == src else 0, 0 if rank == src else n)
+        _record("broadcast", group, size, y.numel() * y.element_size(), rank == src)
     buf = torch.view_as_real(y) if y.is_complex() else y
     dist.broadcast(buf, src=_global_rank(group, src), group=group)
     return y
@@ -324,8 +329,7 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
     out = block.new_empty((size,) + block.shape)
     if block.numel() > 0:
         if _stats._ACTIVE:
-            n = (size - 1) * block.numel() * block.element_size()
-            _stats.record("all_gather", group, n, n)
+            _record("all_gather", group, size, block.numel() * block.element_size())
         _all_gather_tensor(_flat(out), _flat(block), group=group)
     if even:
         return out.movedim(0, d).reshape(x.shape[:d] + (size * m,) + x.shape[d + 1 :])
@@ -366,8 +370,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     if out.numel() == 0:
         return out.narrow(d, 0, shapes[rank]).contiguous()
     if _stats._ACTIVE:
-        own = out.numel() * out.element_size()
-        _stats.record("reduce_scatter", group, (size - 1) * own, (size - 1) * own)
+        _record("reduce_scatter", group, size, out.numel() * out.element_size())
     _reduce_scatter_tensor(_flat(out), _flat(buf), op=dist.ReduceOp.SUM, group=group)
     if shapes[rank] == m:
         return out

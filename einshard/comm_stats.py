@@ -13,24 +13,11 @@ Every collective in :mod:`einshard.collectives` calls :func:`record`. When no
 ``count_communication`` context is active, recording costs one truthiness
 test of a module-level list.
 
-Byte rules (per rank, what this rank transmits under a direct or ring
-algorithm, in bytes of the dtype; padded sizes where padding is used; ``N``
-is the byte size of the whole buffer, ``P`` the group size):
-
-============== ======================================= =====================================
-kind           sent                                    received
-============== ======================================= =====================================
-all_reduce     ``2 (P-1) N // P`` (ring)               same as sent
-all_gather     ``(P-1) * own block``                   the other ranks' blocks
-reduce_scatter ``N - own block``                       ``(P-1) * own block``
-all_to_all     the blocks for the other ranks          the blocks from the other ranks
-all_to_all_v   the chunks for the other ranks          the chunks from the other ranks
-broadcast      ``N`` on the source, 0 elsewhere        0 on the source, ``N`` elsewhere
-ppermute       ``x`` if sent to another rank           the received block, if any
-check          the 8-byte flag of ``checks.agree``     (ring all-reduce of it)
-============== ======================================= =====================================
-
-Groups of one rank communicate nothing and are not recorded.
+Bytes are this rank's, under a direct or ring algorithm, padded where
+padding is used: each collective's traffic rule in :mod:`einshard.primitives`
+(the numbers the planner prices), e.g. ``2 (P-1) N / P`` each way for an
+all-reduce of ``N`` bytes over ``P`` ranks. ``check`` rows are the 8-byte
+flags of ``checks.agree``. Groups of one rank communicate nothing and are not recorded.
 """
 
 from __future__ import annotations
@@ -42,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ._table import text_table
 
@@ -232,11 +220,7 @@ def register_group_label(group, label: str) -> None:
 
 
 def _resolve(group):
-    if group is None:
-        import torch.distributed as dist
-
-        return dist.group.WORLD
-    return group
+    return dist.group.WORLD if group is None else group
 
 
 def group_label(group) -> str:
@@ -245,8 +229,6 @@ def group_label(group) -> str:
     >>> group_label(None)  # doctest: +SKIP
     'world'
     """
-    import torch.distributed as dist
-
     group = _resolve(group)
     try:
         label = _LABELS.get(group)

@@ -10,65 +10,35 @@ from __future__ import annotations
 
 import torch
 
+from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
 from . import collectives as _eager_collectives
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
+from .plan.transition import Step, plan_gradient, plan_transition
+from .primitives import PRIMITIVES, Site
+from .primitives import narrow as _narrow
+from .primitives import rel_slices as _rel_slices
 
 _transforms_active = torch._C._are_functorch_transforms_active
 
 __all__ = ["Transition", "compile_step", "transition"]
 
 
-def _rel_slices(inner, outer):
-    """Per-axis ``(start, length)`` of box ``inner`` inside box ``outer`` (empty: ``(0, 0)``)."""
-    return [(a - c, b - a) if b > a else (0, 0) for (a, b), (c, _) in zip(inner, outer)]
-
-
-def _narrow(x: torch.Tensor, rel) -> torch.Tensor:
-    for dim, (start, length) in enumerate(rel):
-        if start != 0 or length != x.shape[dim]:
-            x = x.narrow(dim, start, length)
-    return x
-
-
 def compile_step(step, mesh, C=C):
-    """A callable ``x -> y`` running ``step`` on this rank.
+    """A callable ``x -> y`` running ``step`` on this rank (its primitive's ``run``).
 
     ``C``: the collectives to call, :mod:`einshard.collectives` (eager) or
     :mod:`einshard._traced_collectives` (under ``torch.compile``).
     """
-    shape = MeshShape.of(mesh)
-    coord = mesh.coordinate
-    kind = step.kind
-    if kind == "slice":
-        rel = _rel_slices(step.dst.box(coord, shape), step.src.box(coord, shape))
-        return lambda x: _narrow(x, rel)
-    if kind == "keep_root":  # contributions: the value on group rank 0, zeros elsewhere
-        if shape.index(step.dims, coord) == 0:
-            return lambda x: x
-        return torch.zeros_like
-    group = mesh.group(step.dims)
-    members = shape.group_coords(step.dims, coord)
-    if kind == "all_reduce":
-        return lambda x: C.all_reduce(x, group)
-    if kind == "reduce_scatter":
-        i = step.axis
-        sizes = [b - a for a, b in (step.dst.interval(i, m, shape) for m in members)]
-        return lambda x: C.reduce_scatter(x, group, i, sizes)
-    if kind == "all_gather":
-        i = step.axis
-        sizes = [b - a for a, b in (step.src.interval(i, m, shape) for m in members)]
-        return lambda x: C.all_gather(x, group, i, sizes)
-    if kind == "all_to_all":
-        i, j = step.axis, step.to_axis
-        src_sizes = [b - a for a, b in (step.src.interval(i, m, shape) for m in members)]
-        dst_sizes = [b - a for a, b in (step.dst.interval(j, m, shape) for m in members)]
-        return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
-    if kind == "exchange":
-        return _compile_exchange(step.src, step.dst, step.dims, shape, coord, group, members, C)
-    raise AssertionError(kind)
+    return PRIMITIVES[step.kind].run(step, Site(mesh, C, _exchange))
+
+
+def _exchange(src: Layout, dst: Layout, dims, mesh, C):
+    """The general exchange of a transition step ``src -> dst`` over ``dims`` (the ``exchange`` primitive's run)."""
+    shape, coord = MeshShape.of(mesh), mesh.coordinate
+    return _compile_exchange(src, dst, dims, shape, coord, mesh.group(dims), shape.group_coords(dims, coord), C)
 
 
 def _intersect(a, b):
@@ -142,15 +112,13 @@ class Transition:
     __slots__ = ("src", "dst", "mesh", "shape", "planned", "steps", "traced_steps", "_reverse", "trivial", "back")
 
     def __init__(self, src: Layout, dst: Layout, mesh, steps=None, back: Layout | None = None):
-        from .plan.transition import plan_transition
-
         self.src, self.dst, self.mesh = src, dst, mesh
         # the layout the gradient goes back to: ``src``, or ``src`` left partial for a gradient duty
         self.back = src if back is None else back
         self.shape = MeshShape.of(mesh)
         planned = plan_transition(src, dst, self.shape) if steps is None else steps
         self.planned = tuple(planned)
-        self.steps = [s.compile(mesh) for s in planned]
+        self.steps = [compile_step(s, mesh) for s in planned]
         self.traced_steps = None  # built by prepare_traced (when a plan is first traced)
         self._reverse = None
         # no forward steps and no reverse steps: autograd needs nothing either
@@ -162,8 +130,6 @@ class Transition:
                 self._reverse = transition(self.dst, self.src, self.mesh)
                 self._reverse._reverse = self
             else:  # a gradient left partial for its duty (uncached: its own reverse is the plain one)
-                from .plan.transition import plan_gradient
-
                 rev = Transition(self.dst, self.back, self.mesh, plan_gradient(self.dst, self.back, self.shape))
                 rev._reverse = transition(self.back, self.dst, self.mesh)
                 self._reverse = rev
@@ -181,8 +147,6 @@ class Transition:
 
     def prepare_traced(self) -> "Transition":
         """Build the functional-collective steps of this transition and of its reverse (for backward)."""
-        from . import _traced_collectives as TC
-
         for t in (self, self.reverse()):
             if t.traced_steps is None:
                 t.traced_steps = tuple(compile_step(s, t.mesh, TC) for s in t.planned)
@@ -248,54 +212,17 @@ class _TracedTransition(torch.autograd.Function):
         return ctx.ex.reverse().run_traced(grad), None
 
 
-class Embedding:
+def Embedding(result: Layout, embedded: Layout, root_dims: tuple, mesh) -> Transition:
     """The local result turned into per-rank contributions over ``dims`` (this rank's part).
 
-    Forward: the block zero-padded to the contribution's extent, and zeros
-    on every rank but group rank 0 of the dimensions the result was
-    replicated over (``root_dims``). Backward (the exact adjoint): the
-    cotangent's block, broadcast from group rank 0 over ``root_dims``.
+    A transition of one ``embed`` step: the block zero-padded to the
+    contribution's extent, and zeros on every rank but group rank 0 of the
+    dimensions the result was replicated over (``root_dims``). Its reverse,
+    the exact adjoint, is one ``embed_adjoint`` step: the cotangent's block,
+    broadcast from group rank 0 over ``root_dims``.
     """
-
-    __slots__ = ("out_shape", "rel", "keep", "group")
-
-    def __init__(self, result: Layout, embedded: Layout, root_dims: tuple, mesh):
-        shape = MeshShape.of(mesh)
-        coord = mesh.coordinate
-        self.rel = _rel_slices(result.box(coord, shape), embedded.box(coord, shape))
-        self.out_shape = embedded.local_shape(coord, shape)
-        self.keep = not root_dims or shape.index(root_dims, coord) == 0
-        self.group = mesh.group(root_dims) if root_dims else None
-
-    def forward_raw(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros(self.out_shape)
-        if self.keep:
-            _narrow(out, self.rel).copy_(x)
-        return out
-
-    def adjoint_raw(self, g: torch.Tensor, C=C) -> torch.Tensor:
-        block = _narrow(g, self.rel).contiguous()
-        return block if self.group is None else C.broadcast(block, self.group, 0)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _embed(x, self)
-
-    def traced(self, x: torch.Tensor) -> torch.Tensor:
-        return _TracedEmbed.apply(x, self)
-
-
-class _TracedEmbed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, e):
-        ctx.e = e
-        return e.forward_raw(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from . import _traced_collectives as TC
-
-        return ctx.e.adjoint_raw(grad, TC), None
-
-
-_embed = make_mapping("Embed", lambda x, e: e.forward_raw(x), lambda g, e: _embed_adjoint(g, e))
-_embed_adjoint = make_mapping("EmbedAdjoint", lambda g, e: e.adjoint_raw(g), lambda d, e: _embed(d, e))
+    dims = tuple(d for d in mesh.names if d in embedded.partial and d not in result.partial)
+    fwd = Transition(result, embedded, mesh, (Step("embed", result, embedded, dims),))
+    fwd._reverse = Transition(embedded, result, mesh, (Step("embed_adjoint", embedded, result, root_dims),))
+    fwd._reverse._reverse = fwd
+    return fwd.prepare_traced()

@@ -11,6 +11,7 @@ from .layout import MeshShape
 from .mesh import resolve_mesh
 from .notation import expand, freeze_families
 from .ops.local import freeze_sizes
+from .params.formula import explain_duties
 from .policy import PlanPolicy, resolve_policy
 
 __all__ = ["explain", "Explanation"]
@@ -154,11 +155,9 @@ def explain(
             raise ValueError(f"explain: operand {k} must be a tensor or a shape, got {type(t).__name__}")
     if parsed.is_local:
         return Explanation(formula, pol, True, (), ())
-    from .distributed import plan_distributed
+    from .distributed import plan_distributed  # distributed <-> ops.einshard: a cycle resolved later
 
     mesh = resolve_mesh(mesh)
-    from .params.formula import explain_duties
-
     plan = plan_distributed(
         parsed, local_shapes, max(itemsizes, default=default_itemsize), mesh, shapes, freeze_sizes(sizes), pol, frozen,
         explain_duties(parsed, tensors_or_shapes),

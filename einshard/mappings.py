@@ -12,19 +12,7 @@ Layouts, with the inner product that makes each pair adjoint
 - *per-rank* (partial / varying): each rank's own value; ``Σ_r <x_r, y_r>``.
 - *sharded*: rank ``r`` holds block ``r``; ``Σ_r <x_r, y_r>``.
 
-=========================================== ============== ============== =========================
-mapping                                     input          output         backward
-=========================================== ============== ============== =========================
-allreduce_forward_identity_backward         per-rank       replicated     identity
-identity_forward_allreduce_backward         replicated     per-rank       all-reduce
-broadcast_forward_allreduce_backward        src's copy     per-rank       all-reduce (every rank)
-allgather_forward_split_backward            sharded        replicated     own block
-split_forward_allgather_backward            replicated     sharded        all-gather
-reducescatter_forward_allgather_backward    per-rank       sharded        all-gather
-allgather_forward_reducescatter_backward    sharded        per-rank       reduce-scatter
-alltoall_repartition                        sharded (src)  sharded (dst)  inverse all-to-all
-ppermute                                    per-rank       per-rank       inverse permutation
-=========================================== ============== ============== =========================
+The communication guide tabulates every mapping's layouts and backward.
 """
 
 from __future__ import annotations
@@ -34,7 +22,6 @@ from collections.abc import Sequence
 import torch
 
 from . import collectives as C
-from ._autograd import fast_apply
 from ._split import compute_split_shapes
 
 __all__ = [
@@ -68,11 +55,18 @@ def _split_shapes(x: torch.Tensor, dim: int, size: int, shapes) -> tuple[int, ..
     return tuple(compute_split_shapes(x.shape[d], size))
 
 
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
 def make_mapping(name: str, forward, adjoint):
     """An autograd Function: ``forward(x, *args)`` (raw collectives); backward ``adjoint(grad, *args)``.
 
     ``adjoint`` is itself a mapping, so double backward works. Returned as a
-    fast ``apply`` (every argument positional).
+    fast ``apply`` (every argument positional): ``Function.apply`` binds
+    default arguments with ``inspect.signature`` on every call when
+    ``setup_context`` is defined (about 15 µs); outside ``torch.func``
+    transforms, which need that path, the C implementation is called directly.
     """
 
     class Mapping(torch.autograd.Function):
@@ -89,7 +83,12 @@ def make_mapping(name: str, forward, adjoint):
             return (adjoint(grad, *ctx.args),) + (None,) * len(ctx.args)
 
     Mapping.__name__ = Mapping.__qualname__ = name
-    return fast_apply(Mapping)
+    raw, slow = _C_APPLY.__get__(None, Mapping), Mapping.apply
+
+    def apply(*args):
+        return slow(*args) if _transforms_active() else raw(*args)
+
+    return apply
 
 
 def _identity(x, *args):

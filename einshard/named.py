@@ -11,20 +11,11 @@ All are autograd-correct. With variance tracking on
 (``shard_map(check_vma=True)``) they also follow JAX's typing: an input
 that is invariant over a dimension the collective works on is ``pvary``-ed
 first (so ``psum`` of an invariant value is ``size * x`` and its gradient is
-``size * ct``), and the output's vma is set from the collective's semantics:
-
-============== ============================ ================================ ======================
-collective     forward                      output varies over               backward
-============== ============================ ================================ ======================
-psum           sum over the ranks           input's dims minus ``dims``      identity
-pmean          mean over the ranks          input's dims minus ``dims``      ``/ size``
-pmax / pmin    max / min over the ranks     input's dims minus ``dims``      to the arg-max ranks
-all_gather     concatenate the blocks       input's dims minus ``dim``       this rank's block
-psum_scatter   this rank's block of the sum input's dims plus ``dim``        all-gather
-all_to_all     re-split ``split_axis``      input's dims plus ``dim``        inverse all-to-all
-ppermute       send along ``perm``          input's dims plus ``dim``        inverse permutation
-pvary          identity                     input's dims plus ``dims``       sum over ``dims``
-============== ============================ ================================ ======================
+``size * ct``), and the output's vma is set by the collective's variance rule
+in :mod:`einshard.primitives` (invariant over the dimensions of ``psum``,
+``pmean``, ``pmax``, ``pmin`` and ``all_gather``; varying over those of
+``psum_scatter``, ``all_to_all``, ``ppermute`` and ``pvary``). The shard_map
+guide tabulates each one's forward and backward.
 """
 
 from __future__ import annotations
@@ -39,6 +30,7 @@ from . import collectives as C
 from . import mappings as M
 from . import vma as _vma
 from .mesh import SubMesh, resolve_mesh
+from .primitives import PRIMITIVES
 
 __all__ = [
     "psum",
@@ -152,8 +144,27 @@ def _widen(ax: _Axes, x: _Tensor) -> tuple[_Tensor, int]:
     return x, m
 
 
-def _run(ax: _Axes, fn, args, out_mask: int):
-    return _vma.library_call(ax.tracker, fn, args, {}, out_mask)
+def _run(ax: _Axes, kind: str, fn, x, *args):
+    """``fn(x, *args)``; tracked, ``x`` is pvary-ed first where it must be and the output varies as
+    primitive ``kind``'s rule says."""
+    if ax.tracker is None:
+        return fn(x, *args)
+    x, m = _widen(ax, x)
+    return _vma.library_call(ax.tracker, fn, (x, *args), {}, PRIMITIVES[kind].vary(m, ax.mask))
+
+
+def _reduce(x, ax: _Axes, what: str, number, fn, *args, numbers=(int, float, complex)):
+    """An all-reduce of every tensor of the pytree ``x``; a Python number ``t`` gives ``number(t)``."""
+
+    def one(t):
+        if isinstance(t, numbers) and not isinstance(t, bool):
+            return number(t)
+        _check_tensor(t, what)
+        if ax.tracker is None:  # the hot path: no frame more than the call itself
+            return fn(t, ax.group, *args)
+        return _run(ax, "all_reduce", fn, t, ax.group, *args)
+
+    return _map(one, x)
 
 
 def _map(fn, tree):
@@ -177,17 +188,7 @@ def psum(x, dims, *, mesh=None):
     >>> grads = es.psum(grads, ("dp", "sp"))         # a dict of tensors  # doctest: +SKIP
     """
     ax = _Axes(dims, mesh, "psum")
-
-    def one(t):
-        if isinstance(t, (int, float, complex)) and not isinstance(t, bool):
-            return t * ax.size
-        _check_tensor(t, "psum")
-        if ax.tracker is None:
-            return _vma.psum_tensor(t, ax.group)
-        t, m = _widen(ax, t)
-        return _run(ax, _vma.psum_tensor, (t, ax.group), m & ~ax.mask)
-
-    return _map(one, x)
+    return _reduce(x, ax, "psum", lambda t: t * ax.size, _vma.psum_tensor)
 
 
 @_agreeing
@@ -197,18 +198,7 @@ def pmean(x, dims, *, mesh=None):
     >>> loss = es.pmean(local_loss, "dp")  # doctest: +SKIP
     """
     ax = _Axes(dims, mesh, "pmean")
-    n = ax.size
-
-    def one(t):
-        if isinstance(t, (int, float, complex)) and not isinstance(t, bool):
-            return t
-        _check_tensor(t, "pmean")
-        if ax.tracker is None:
-            return _vma.psum_tensor(t, ax.group) / n
-        t, m = _widen(ax, t)
-        return _run(ax, _mean, (t, ax.group, n), m & ~ax.mask)
-
-    return _map(one, x)
+    return _reduce(x, ax, "pmean", lambda t: t, _mean, ax.size)
 
 
 def _mean(t, group, n):
@@ -239,18 +229,7 @@ class _PExtreme(torch.autograd.Function):
 
 @_agreeing
 def _extreme(x, dims, name, op, mesh=None):
-    ax = _Axes(dims, mesh, name)
-
-    def one(t):
-        if isinstance(t, (int, float)) and not isinstance(t, bool):
-            return t
-        _check_tensor(t, name)
-        if ax.tracker is None:
-            return _PExtreme.apply(t, ax.group, op)
-        t, m = _widen(ax, t)
-        return _run(ax, _PExtreme.apply, (t, ax.group, op), m & ~ax.mask)
-
-    return _map(one, x)
+    return _reduce(x, _Axes(dims, mesh, name), name, lambda t: t, _PExtreme.apply, op, numbers=(int, float))
 
 
 def pmax(x, dims, *, mesh=None):
@@ -298,10 +277,7 @@ def all_gather(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, m
     else:
         a = _norm_axis(axis, x.dim() + 1, "all_gather")
         fn, args = _gather_stacked, (x, ax.group, a)
-    if ax.tracker is None:
-        return fn(*args)
-    t, m = _widen(ax, x)
-    return _run(ax, fn, (t, *args[1:]), m & ~ax.mask)
+    return _run(ax, "all_gather", fn, *args)
 
 
 def _gather_stacked(x, group, axis):
@@ -339,10 +315,7 @@ def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None,
                 f"{'-'.join(ax.dims)!r}), got {x.shape[a]}"
             )
         fn, args = _scatter_squeezed, (x, ax.group, a)
-    if ax.tracker is None:
-        return fn(*args)
-    t, m = _widen(ax, x)
-    return _run(ax, fn, (t, *args[1:]), m | ax.mask)
+    return _run(ax, "reduce_scatter", fn, *args)
 
 
 def _scatter_squeezed(x, group, axis):
@@ -365,26 +338,21 @@ def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = 
     """
     _check_tensor(x, "all_to_all")
     ax = _Axes(dim_name, mesh, "all_to_all")
+    s = _norm_axis(split_axis, x.dim(), "all_to_all")
+    c = _norm_axis(concat_axis, x.dim(), "all_to_all")
     if tiled:
-        s = _norm_axis(split_axis, x.dim(), "all_to_all")
-        c = _norm_axis(concat_axis, x.dim(), "all_to_all")
         if s == c:
             fn, args = _same_axis_a2a, (x, ax.group, s)
         else:
             fn, args = M.alltoall_repartition, (x, ax.group, c, s, None, None)
     else:
-        s = _norm_axis(split_axis, x.dim(), "all_to_all")
-        c = _norm_axis(concat_axis, x.dim(), "all_to_all")
         if x.shape[s] != ax.size:
             raise ValueError(
                 f"all_to_all: tiled=False needs x.shape[{split_axis}] == {ax.size} (the size of "
                 f"{'-'.join(ax.dims)!r}), got {x.shape[s]}"
             )
         fn, args = _a2a_untiled, (x, ax.group, s, c)
-    if ax.tracker is None:
-        return fn(*args)
-    t, m = _widen(ax, x)
-    return _run(ax, fn, (t, *args[1:]), m | ax.mask)
+    return _run(ax, "all_to_all", fn, *args)
 
 
 def _same_axis_a2a(x, group, axis):
@@ -418,10 +386,7 @@ def ppermute(x, dim_name, perm, *, mesh=None):
     _check_tensor(x, "ppermute")
     ax = _Axes(dim_name, mesh, "ppermute")
     perm = [tuple(p) for p in perm]
-    if ax.tracker is None:
-        return M.ppermute(x, ax.group, perm)
-    t, m = _widen(ax, x)
-    return _run(ax, M.ppermute, (t, ax.group, perm), m | ax.mask)
+    return _run(ax, "ppermute", M.ppermute, x, ax.group, perm)
 
 
 def pvary(x, dims, *, mesh=None):

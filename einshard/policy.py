@@ -23,7 +23,9 @@ class PlanPolicy:
     A candidate plan costs ``forward * F + backward * B`` where ``F`` and
     ``B`` are ``bytes_weight * bytes + collective_weight * collectives`` of
     that pass, plus ``memory_weight * peak_local_bytes``. Ties are broken by
-    total bytes, then collective count, then peak memory.
+    total bytes, then collective count, then peak memory. ``metric`` says
+    which bytes: ``"sent"`` (each rank's, averaged over the ranks) or
+    ``"max_received"`` (the most any rank receives; FFT plans use it).
 
     >>> PlanPolicy.from_mode("inference").backward
     0.0
@@ -35,12 +37,13 @@ class PlanPolicy:
     bytes_weight: float = 1.0
     collective_weight: float = 65536.0
     memory_weight: float = 0.0
+    metric: str = "sent"  # or "max_received" (see einshard.plan.cost)
 
     def __hash__(self) -> int:  # policies key every plan cache lookup: hash once
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash((self.name, self.forward, self.backward, self.bytes_weight, self.collective_weight,
-                           self.memory_weight))
+                           self.memory_weight, self.metric))
             object.__setattr__(self, "_hash", cached)
         return cached
 

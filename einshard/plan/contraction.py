@@ -22,13 +22,14 @@ candidates are enumerated.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape, broadcast_size
 from ..policy import PlanPolicy
-from .transition import Step, plan_gradient, plan_transition, transition_cost
+from .cost import Cost, price
+from .transition import Step, plan_gradient, plan_transition
 
 __all__ = ["Problem", "Candidate", "Schedule", "plan_contraction", "plan_schedule"]
 
@@ -59,27 +60,6 @@ class Problem:
 
 
 ANY = "any"  # a pending gradient duty: the planner leaves the gradient partial wherever it varies
-
-
-@dataclass(frozen=True)
-class Cost:
-    fwd_bytes: float = 0.0
-    bwd_bytes: float = 0.0
-    fwd_calls: int = 0
-    bwd_calls: int = 0
-    peak_bytes: float = 0.0
-
-    def __add__(self, other: "Cost") -> "Cost":
-        return Cost(
-            self.fwd_bytes + other.fwd_bytes,
-            self.bwd_bytes + other.bwd_bytes,
-            self.fwd_calls + other.fwd_calls,
-            self.bwd_calls + other.bwd_calls,
-            max(self.peak_bytes, other.peak_bytes),
-        )
-
-    def key(self, policy: PlanPolicy) -> tuple:
-        return policy.score(self.fwd_bytes, self.bwd_bytes, self.fwd_calls, self.bwd_calls, self.peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -173,9 +153,7 @@ def _move(what: str, src: Layout, dst: Layout, mesh: MeshShape, itemsize: int, b
     """``src -> dst`` forward; backward ``dst -> back`` (default ``src``; a gradient duty's partial layout)."""
     fwd = plan_transition(src, dst, mesh)
     bwd = plan_transition(dst, src, mesh) if back is None else plan_gradient(dst, back, mesh)
-    fb, fc, fp = transition_cost(fwd, mesh, itemsize)
-    bb, bc, bp = transition_cost(bwd, mesh, itemsize)
-    return Move(what, src, dst, fwd, bwd), Cost(fb, bb, fc, bc, max(fp, bp) * itemsize)
+    return Move(what, src, dst, fwd, bwd), price(fwd, bwd, mesh, itemsize)
 
 
 def _sharding_role(role) -> bool:
@@ -269,11 +247,12 @@ def _embedded(result: Layout, dims: tuple[str, ...]) -> Layout:
 
 def _embed_move(result, embedded, dims, at_root, mesh: MeshShape, itemsize: int) -> tuple[Move, Cost]:
     """Embedding into contributions: zero-padding forward, a slice back (and a broadcast from
-    group rank 0 for a replicated result kept on that rank only)."""
+    group rank 0 for a replicated result kept on that rank only). Its memory is the result's,
+    counted with the candidate's live bytes."""
     forward = (Step("embed", result, embedded, dims),)
     backward = (Step("embed_adjoint", embedded, result, at_root),)
-    bb = backward[0].bytes_per_rank(mesh, itemsize)
-    return Move("embed", result, embedded, forward, backward), Cost(0.0, bb, 0, 1 if at_root else 0, 0.0)
+    cost = replace(price(forward, backward, mesh, itemsize), peak_bytes=0.0)
+    return Move("embed", result, embedded, forward, backward), cost
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,11 @@ import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
-
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
-from .transition import plan_transition, transition_cost
+from ..policy import PlanPolicy
+from .cost import price
+from .transition import plan_transition
 
 __all__ = ["FFTProblem", "Move", "LocalFFT", "FourStep", "FFTPlan", "plan_fft", "four_step_factors"]
 
@@ -93,11 +93,9 @@ class FFTProblem:
             return self.dst.splits[i]
         return tuple(compute_split_shapes(size, self.mesh.size(dims)))
 
+    @lru_cache(maxsize=65536)
     def layout(self, assign: tuple, done: frozenset) -> Layout:
         """The layout where mesh dimension ``k`` shards axis ``assign[k]`` (``-1``: none)."""
-        return _layout(self, assign, done)
-
-    def _layout(self, assign: tuple, done: frozenset) -> Layout:
         names = self.mesh.names
         shard, splits, sizes = [], [], []
         for i in range(len(self.names)):
@@ -109,11 +107,6 @@ class FFTProblem:
 
     def assignment(self, layout: Layout) -> tuple:
         return tuple(-1 if layout.owner(d) is None else layout.owner(d) for d in self.mesh.names)
-
-
-@lru_cache(maxsize=65536)
-def _layout(p: FFTProblem, assign: tuple, done: frozenset) -> Layout:
-    return p._layout(assign, done)
 
 
 # -- actions -------------------------------------------------------------------
@@ -194,35 +187,22 @@ class FFTPlan:
 # -- costs ---------------------------------------------------------------------
 
 
-@lru_cache(maxsize=65536)
-def _grid(layout: Layout, mesh: MeshShape) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's block: ``(starts, stops)`` of shape ``(ranks, axes)``, ranks in ``mesh.coords()`` order."""
-    coords = list(mesh.coords())
-    starts = np.zeros((len(coords), len(layout.axes)), dtype=np.int64)
-    stops = np.empty_like(starts)
-    for k, coord in enumerate(coords):
-        for i, (a, b) in enumerate(layout.box(coord, mesh)):
-            starts[k, i], stops[k, i] = a, b
-    return starts, stops
+# the search's metric: the most bytes any rank receives, so balanced layouts win; merging moves
+# compares the library's own (bytes sent) prices
+_SEARCH = PlanPolicy("fft", collective_weight=0.0, metric="max_received")
+_MERGE = PlanPolicy("fft-merge", collective_weight=0.0)
 
 
-@lru_cache(maxsize=65536)
-def _received(src: Layout, dst: Layout, mesh: MeshShape) -> int:
-    """The most elements any rank must receive to turn ``src`` into ``dst``."""
-    s0, s1 = _grid(src, mesh)
-    d0, d1 = _grid(dst, mesh)
-    need = np.prod(d1 - d0, axis=1)
-    own = np.prod(np.clip(np.minimum(s1, d1) - np.maximum(s0, d0), 0, None), axis=1)
-    return int(np.max(need - own)) if len(need) else 0
-
-
-def move_cost(src: Layout, dst: Layout, mesh: MeshShape, itemsize: int) -> tuple[int, int]:
-    """``(bytes, collectives)`` of ``src -> dst`` forward plus its reverse in backward."""
+def move_cost(src: Layout, dst: Layout, mesh: MeshShape, itemsize: int, policy: PlanPolicy = _SEARCH) -> tuple:
+    """``(bytes, collectives)`` of ``src -> dst`` forward plus its reverse in backward, under ``policy``'s metric."""
     if src == dst:
         return (0, 0)
-    fwd = _received(src, dst, mesh)
-    bwd = _received(dst, src, mesh)
-    return ((fwd + bwd) * itemsize, (fwd > 0) + (bwd > 0))
+    if policy.metric == "sent":
+        fwd, bwd = plan_transition(src, dst, mesh), plan_transition(dst, src, mesh)
+    else:  # the metric reads a move's ends only: no need to plan its steps
+        fwd, bwd = (Move(src, dst),), (Move(dst, src),)
+    c = price(fwd, bwd, mesh, itemsize, policy.metric)
+    return (c.fwd_bytes + c.bwd_bytes, c.fwd_calls + c.bwd_calls)
 
 
 def _add(a, b):
@@ -491,8 +471,9 @@ def _merge_moves(p: FFTProblem, actions: list) -> tuple:
         if isinstance(act, Move) and out and isinstance(out[-1], Move):
             prev = out[-1]
             itemsize = 8  # relative comparison only
-            merged = _price(prev.src, act.dst, p.mesh, itemsize)
-            apart = _add(_price(prev.src, prev.dst, p.mesh, itemsize), _price(act.src, act.dst, p.mesh, itemsize))
+            merged = move_cost(prev.src, act.dst, p.mesh, itemsize, _MERGE)
+            apart = _add(move_cost(prev.src, prev.dst, p.mesh, itemsize, _MERGE),
+                         move_cost(act.src, act.dst, p.mesh, itemsize, _MERGE))
             if (merged[0], merged[1]) <= (apart[0], apart[1]):
                 out[-1] = Move(prev.src, act.dst)
                 if out[-1].src == out[-1].dst:
@@ -500,12 +481,6 @@ def _merge_moves(p: FFTProblem, actions: list) -> tuple:
                 continue
         out.append(act)
     return tuple(out)
-
-
-def _price(src: Layout, dst: Layout, mesh: MeshShape, itemsize: int) -> tuple[float, int]:
-    fwd = transition_cost(plan_transition(src, dst, mesh), mesh, itemsize)
-    bwd = transition_cost(plan_transition(dst, src, mesh), mesh, itemsize)
-    return (fwd[0] + bwd[0], fwd[1] + bwd[1])
 
 
 @lru_cache(maxsize=1024)

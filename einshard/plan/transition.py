@@ -15,8 +15,8 @@ move the fewest bytes:
    whichever its pattern is;
 4. dimensions that become partial need nothing in forward (``pvary``).
 
-Plans are rank-independent and cached; :meth:`Step.compile` binds one to a
-rank's coordinate and process groups. The backward of a transition is the
+Plans are rank-independent and cached; :func:`einshard.execute.compile_step`
+binds one to a rank's coordinate and process groups. The backward of a transition is the
 reverse transition (``dst -> src``), which is its exact adjoint under the
 layouts' inner products.
 """
@@ -29,17 +29,20 @@ from functools import lru_cache
 import numpy as np
 
 from ..layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
+from ..primitives import PRIMITIVES, moved_numel
 
-__all__ = ["Step", "plan_transition", "plan_gradient", "transition_cost"]
+__all__ = ["Step", "plan_transition", "plan_gradient"]
 
 
 @dataclass(frozen=True)
 class Step:
     """One move of a transition: ``kind`` over the mesh dimensions ``dims``.
 
-    ``kind`` is one of ``slice``, ``all_reduce``, ``reduce_scatter``,
-    ``all_gather``, ``all_to_all``, ``exchange``. ``axis`` (and ``to_axis``
-    for all-to-all) index the tensor dimensions involved.
+    ``kind`` names a :data:`~einshard.primitives.PRIMITIVES` entry: ``slice``,
+    ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
+    ``exchange`` (and, for contributions, ``embed``, ``embed_adjoint``,
+    ``keep_root``). ``axis`` (and ``to_axis`` for all-to-all) index the
+    tensor dimensions involved.
     """
 
     kind: str
@@ -51,77 +54,14 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        if self.kind in ("slice", "embed", "keep_root"):
-            return False
-        return self.kind != "embed_adjoint" or bool(self.dims)
+        return PRIMITIVES[self.kind].communicates(self)
 
     def bytes_per_rank(self, mesh: MeshShape, itemsize: int) -> float:
         """Bytes each rank sends, averaged over the ranks."""
-        if self.kind in ("slice", "embed", "keep_root"):
-            return 0.0
-        if self.kind == "embed_adjoint":  # a broadcast from group rank 0 over ``dims``
-            return self.dst.mean_numel(mesh) * itemsize / mesh.size(self.dims) if self.dims else 0.0
-        if self.kind == "all_reduce":
-            p = mesh.size(self.dims)
-            return 2.0 * (p - 1) / p * self.src.mean_numel(mesh) * itemsize
-        if self.kind == "reduce_scatter":  # blocks padded to the group's largest
-            return (mesh.size(self.dims) - 1) * _padded_block(self.dst, self.dims, mesh) * itemsize
-        if self.kind == "all_gather":
-            return (mesh.size(self.dims) - 1) * _padded_block(self.src, self.dims, mesh) * itemsize
-        return _moved_numel(self.src, self.dst, mesh) * itemsize
-
-    def peak_numel(self, mesh: MeshShape) -> float:
-        return self.src.mean_numel(mesh) + self.dst.mean_numel(mesh)
+        return PRIMITIVES[self.kind].sent(self, mesh, itemsize)
 
     def describe(self) -> str:
-        names = self.src.axes
-        what = {
-            "slice": "local slice",
-            "all_reduce": "all-reduce",
-            "reduce_scatter": f"reduce-scatter along {names[self.axis]}" if self.axis >= 0 else "reduce-scatter",
-            "all_gather": f"all-gather along {names[self.axis]}" if self.axis >= 0 else "all-gather",
-            "all_to_all": (
-                f"all-to-all {names[self.axis]} -> {names[self.to_axis]}" if self.axis >= 0 else "all-to-all"
-            ),
-            "exchange": "exchange (all-to-all, per-rank sizes)",
-            "embed": "embed as contributions (zero-padded)",
-            "embed_adjoint": "broadcast from group rank 0" if self.dims else "local slice",
-            "keep_root": "kept on group rank 0, zeros elsewhere",
-        }[self.kind]
-        return what
-
-    def compile(self, mesh):
-        from ..execute import compile_step
-
-        return compile_step(self, mesh)
-
-
-def _block_numel(layout: Layout, mesh: MeshShape) -> np.ndarray:
-    """Every rank's block size (elements), shaped like the mesh."""
-    lo, hi = interval_grid(layout, mesh)
-    return np.prod(hi - lo, axis=0)
-
-
-def _padded_block(layout: Layout, dims, mesh: MeshShape) -> float:
-    """The largest block of each group over ``dims`` (what padded collectives send), averaged."""
-    return float(np.mean(grouped(_block_numel(layout, mesh), mesh, dims).max(axis=1)))
-
-
-def _moved_numel(src: Layout, dst: Layout, mesh: MeshShape) -> float:
-    """Elements every rank must receive (needed, not held), averaged over ranks."""
-    s0, s1 = interval_grid(src, mesh)
-    d0, d1 = interval_grid(dst, mesh)
-    need = np.prod(d1 - d0, axis=0)
-    own = np.prod(np.clip(np.minimum(s1, d1) - np.maximum(s0, d0), 0, None), axis=0)
-    return float(np.mean(need - own))
-
-
-def transition_cost(steps, mesh: MeshShape, itemsize: int) -> tuple[float, int, float]:
-    """``(bytes per rank, collective count, peak local elements)`` of a step list."""
-    sent = sum(s.bytes_per_rank(mesh, itemsize) for s in steps)
-    calls = sum(1 for s in steps if s.is_collective)
-    peak = max((s.peak_numel(mesh) for s in steps), default=0.0)
-    return sent, calls, peak
+        return PRIMITIVES[self.kind].what(self)
 
 
 @lru_cache(maxsize=4096)
@@ -178,7 +118,7 @@ def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ..
         if splits is None:
             continue
         candidate = cur.with_shard(i, dims, splits).with_partial(cur.partial - set(group))
-        if _scatters(cur, candidate, i, tuple(group), mesh):
+        if _tiles(candidate, i, cur, i, tuple(group), mesh):  # reduce-scattering axis i gives it
             steps.append(Step("reduce_scatter", cur, candidate, tuple(group), axis=i))
             cur = candidate
             vanish = [d for d in vanish if d not in group]
@@ -228,11 +168,6 @@ def _same_elsewhere(a: Layout, b: Layout, skip: tuple, mesh: MeshShape) -> bool:
     return bool(np.all(a0[keep] == b0[keep]) and np.all(a1[keep] == b1[keep]))
 
 
-def _scatters(cur: Layout, new: Layout, i: int, dims: tuple, mesh: MeshShape) -> bool:
-    """Reduce-scattering axis ``i`` over ``dims`` turns ``cur`` into ``new``."""
-    return _tiles(new, i, cur, i, dims, mesh)
-
-
 def _exchange_dims(cur: Layout, target: Layout, mesh: MeshShape) -> tuple[str, ...]:
     """The mesh dimensions the exchange must span."""
     changed = {d for d in mesh.names if _data_placement(cur, d) != _data_placement(target, d)}
@@ -280,7 +215,7 @@ def _exchange_step(cur: Layout, target: Layout, mesh: MeshShape) -> Step:
     if axis is not None:
         gather = Step("all_gather", cur, target, dims, axis=axis)
         # uneven blocks are padded to the largest; past a quarter more bytes, exchange exact sizes instead
-        if gather.bytes_per_rank(mesh, 1) <= 1.25 * _moved_numel(cur, target, mesh):
+        if gather.bytes_per_rank(mesh, 1) <= 1.25 * float(np.mean(moved_numel(cur, target, mesh))):
             return gather
         return Step("exchange", cur, target, dims)
     pair = _all_to_all_axes(cur, target, dims, mesh)
