@@ -12,19 +12,22 @@ from __future__ import annotations
 import zlib
 
 from . import _context, checks
+from ._cache import BoundedCache
+from .errors import EinshardError, naming
 from .execute import Embedding, transition
 from .layout import MeshShape
 from .mesh import _MESH_REQUIRED, Mesh, resolve_mesh
 from .notation import expand
 from .ops.local import Contraction, expand_sizes
+from .ops.pipeline import agree, check_dtypes, check_tensors
+from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
 from .plan.contraction import Problem, plan_schedule
 from .policy import resolve_policy
 from .resolve import freeze_shapes, resolve
 
 __all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
 
-_PLANS: dict = {}
-_LAST: dict = {}  # einshard's key -> (plan, mesh, policy, ambient shapes key, duties, *dtypes) of its last run
+_PLANS = BoundedCache(16384)
 
 
 class DistributedPlan:
@@ -145,6 +148,7 @@ def _then(core, embedding):
     return lambda tensors: embedding(core(tensors))
 
 
+@naming()
 def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy, families=(), duties=()):
     """Resolve and plan (no communication); returns a :class:`DistributedPlan` (not yet compiled).
 
@@ -160,9 +164,7 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
         duties = duty_dims(duties, mesh, parsed.text)
         for k, (duty, layout) in enumerate(zip(duties, resolved.operands)):
             if duty is not None and layout.partial:
-                raise ValueError(
-                    f"{parsed.text!r}: operand {k} carries a gradient duty, so it must not be partial (// ...)"
-                )
+                raise EinshardError(f"operand {k} carries a gradient duty, so it must not be partial (// ...)")
     problem = Problem(
         resolved.operands,
         resolved.output,
@@ -175,22 +177,18 @@ def plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, policy
     return DistributedPlan(problem, plan_schedule(problem, policy), resolved, mesh)
 
 
-def _agree_group(mesh):
-    return mesh.group(tuple(mesh.names))
-
-
 def _frozen_shapes(key, shapes):
     try:
         return None if shapes is None else freeze_shapes(shapes)
-    except ValueError as err:
-        raise ValueError(f"{key[0]!r}: {err}") from None
+    except EinshardError as err:
+        raise err.within(key[0])
 
 
 def _agree_on_plan(plan, mesh, key, facts) -> None:
     """Raise this rank's layout error; with checks on, every rank raises when any rank has one."""
-    checks.agree(
-        _agree_group(mesh),
-        None if plan.local_error is None else ValueError(plan.local_error),
+    agree(
+        mesh,
+        None if plan.local_error is None else EinshardError.named(plan.local_error, key[0]),
         fingerprint=plan.fingerprint,
         what=f"the operands of {key[0]!r}",
         describe=plan.describe,
@@ -210,34 +208,26 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
     if mesh is None:
         mesh = ambient.mesh
         if mesh is None:
-            return _run_without_mesh(key, tensors)
+            return _stationary(key, tensors).run(tensors)
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
-    # the replay: the plan this formula ran with last, when nothing else in its cache key changed (compared
-    # item by item, identity first, instead of hashing the whole key)
-    last = _LAST.get(key) if shapes is None and optimize is None and policy is None and plan_out is None else None
-    if last is not None and not checks._ENABLED and last[1:] == (
-            mesh, resolve_policy(), ambient.shapes_key, duties, *[getattr(t, "dtype", None) for t in tensors]):
-        return last[0].run(tensors)
     try:
         pol = resolve_policy(optimize, policy)
         frozen_shapes = _frozen_shapes(key, shapes)
     except ValueError as err:  # the arguments may be wrong on one rank only: agreed when checks are on
         if checks.checks_enabled():
-            checks.agree(_agree_group(mesh), err, point="einshard")
+            agree(mesh, err, point="einshard")
         raise
     # a non-tensor operand has no dtype: no plan is cached for it (the operand check below reports it, agreed)
     full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, duties,
                 *[getattr(t, "dtype", None) for t in tensors])
     plan = _PLANS.get(full_key)
     if plan is None:
-        from .ops.einshard import _check_tensors
-
         try:
-            _check_tensors(expand(key[0], key[2]), tensors)
+            check_tensors(expand(key[0], key[2]), tensors)
         except ValueError as err:
             if checks.checks_enabled():
-                checks.agree(_agree_group(mesh), err, point="einshard")
+                agree(mesh, err, point="einshard")
             raise
         plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol,
                          duties)
@@ -246,45 +236,37 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
     if plan.local_error is not None or checks._ENABLED:
         _agree_on_plan(plan, mesh, key, (("dtypes", tuple(t.dtype for t in tensors)),
                                          ("devices", tuple(t.device for t in tensors))))
-    elif shapes is None:
-        if len(_LAST) > 4096:
-            _LAST.clear()
-        _LAST[key] = (plan, mesh, pol, ambient.shapes_key, duties, *full_key[6:])
     return plan.run(tensors)
 
 
-def _run_without_mesh(key, tensors):
-    """No mesh anywhere: a formula whose sharded axes do not move runs on the local blocks."""
-    from .ops.einshard import _check_tensors
-    from .ops.stationary import is_stationary, needs_mesh_for_grad, stationary_plan
+def _stationary(key, tensors=None):
+    """No mesh anywhere: the plan of a formula whose sharded axes do not move, on the local blocks.
 
+    ``tensors``: the eager operands (checked, and none may need a gradient summed over ranks); ``None`` when traced.
+    """
     parsed = expand(key[0], key[2])
-    _check_tensors(parsed, tensors)
+    if tensors is not None:
+        check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
-        raise ValueError(_MESH_REQUIRED)
-    why = needs_mesh_for_grad(parsed, tensors)
+        raise EinshardError(_MESH_REQUIRED)
+    why = None if tensors is None else needs_mesh_for_grad(parsed, tensors)
     if why is not None:
-        raise ValueError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
-    return stationary_plan(key, parsed, [tuple(t.shape) for t in tensors]).run(tensors)
+        raise EinshardError(f"{_MESH_REQUIRED} ({key[0]!r}: {why})")
+    return stationary_plan(key, parsed, [tuple(s) for s in key[3:]])
 
 
 def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol, duties=()):
     formula, sizes, families = key[0], key[1], key[2]
     parsed = expand(formula, families)
     try:
-        names = sorted({str(d) for d in dtypes})
-        if len(names) > 1:  # torch.einsum would fail after the operands' collectives
-            raise ValueError(f"{formula!r}: the operands have different dtypes ({', '.join(names)}); convert them first")
+        check_dtypes(formula, dtypes)
         itemsize = max(d.itemsize for d in dtypes)
         plan = plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, pol, families, duties).compile()
     except ValueError as err:
         if checks.checks_enabled():
-            checks.agree(_agree_group(mesh), err, point="einshard")
+            agree(mesh, err, point="einshard")
         raise
-    if len(_PLANS) > 16384:
-        _PLANS.clear()
-    _PLANS[full_key] = plan
-    return plan
+    return _PLANS.put(full_key, plan)
 
 
 def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
@@ -295,12 +277,7 @@ def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
     them as in eager mode (every rank traces the same program).
     """
     if mesh is None:  # no mesh anywhere: only a stationary formula runs (on the local blocks)
-        from .ops.stationary import is_stationary, stationary_plan
-
-        parsed = expand(key[0], key[2])
-        if not is_stationary(parsed, key[1]):
-            raise ValueError(_MESH_REQUIRED)
-        return stationary_plan(key, parsed, [tuple(s) for s in key[3:]]).run_traced
+        return _stationary(key).run_traced
     if not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
     pol = resolve_policy(optimize, policy)
