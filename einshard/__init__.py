@@ -8,6 +8,7 @@ torch.Size([2, 4])
 from ._version import __version__
 from . import collectives, helpers, mappings, testing
 from .checks import set_checks
+from .errors import EinshardError
 from .comm_stats import CommStats, count_communication
 from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
 from .notation import parse_sharding
@@ -39,6 +40,7 @@ __all__ = [
     "mappings",
     "testing",
     "set_checks",
+    "EinshardError",
     "count_communication",
     "CommStats",
     "Mesh",

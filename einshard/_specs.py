@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 import optree
 
-from ._split import _lookup_dim, _MISSING
+from .errors import EinshardError
+from ._split import MISSING, lookup_dim
 from .notation import EllipsisItem, Group, expand, freeze_families
 from .resolve import ELLIPSIS_PREFIX, resolve
 
@@ -56,16 +57,16 @@ class Spec:
 def parse_spec(text, families, where: str, side: str) -> Spec:
     """Parse one spec leaf; ``side`` is ``"in"`` or ``"out"`` (which end of a conversion the body sees)."""
     if not isinstance(text, str):
-        raise ValueError(f"{where}: a spec must be a string or None, got {type(text).__name__} {text!r}")
+        raise EinshardError(f"{where}: a spec must be a string or None, got {type(text).__name__} {text!r}")
     try:
         parsed = expand(text, families)
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise EinshardError(f"{where}: {err}") from None
     if len(parsed.inputs) != 1:
-        raise ValueError(f"{where}: {text!r} must describe one tensor (a spec or 'layout -> layout'), not a formula")
+        raise EinshardError(f"{where}: {text!r} must describe one tensor (a spec or 'layout -> layout'), not a formula")
     for t in parsed.tensors:
         if t.annotations:
-            raise ValueError(f"{where}: {text!r}: annotations are not allowed in specs")
+            raise EinshardError(f"{where}: {text!r}: annotations are not allowed in specs")
     first = parsed.inputs[0]
     if parsed.output is None:
         return Spec(text, text, text, False, first, first)
@@ -111,7 +112,7 @@ def match(spec_leaves, spec_def, tree, spec_name: str, tree_name: str, specs_obj
     try:
         subtrees = spec_def.flatten_up_to(tree)
     except (ValueError, TypeError):
-        raise ValueError(mismatch_message(specs_obj, tree, spec_name, tree_name)) from None
+        raise EinshardError(mismatch_message(specs_obj, tree, spec_name, tree_name)) from None
     del subtrees  # the structure matches; pair leaves by path (a dict of specs and an OrderedDict
     # state_dict flatten their keys in different orders): each leaf takes the spec at the longest
     # prefix of its path
@@ -294,8 +295,8 @@ def explicit_entries(layout, shapes, mesh):
     labels = {mesh.label(dims) for dims, _ in entries}
     for (dims, axis), splits in entries.items():
         if isinstance(shapes, Mapping):
-            entry = _lookup_dim(shapes, mesh.label(dims))
-            if entry is _MISSING:
+            entry = lookup_dim(shapes, mesh.label(dims))
+            if entry is MISSING:
                 continue
             if isinstance(entry, Mapping) and axis not in entry:
                 continue

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+
+from .errors import EinshardError
 
 __all__ = [
     "compute_split_shapes",
@@ -11,6 +13,8 @@ __all__ = [
     "resolve_split_shapes",
     "canonical_mesh_dim",
     "is_size",
+    "as_sizes",
+    "lookup_dim",
 ]
 
 
@@ -28,9 +32,9 @@ def compute_split_shapes(size: int, n: int) -> list[int]:
     """
     size, n = int(size), int(n)
     if n < 1:
-        raise ValueError(f"compute_split_shapes: n must be >= 1, got {n}")
+        raise EinshardError(f"compute_split_shapes: n must be >= 1, got {n}")
     if size < 0:
-        raise ValueError(f"compute_split_shapes: size must be >= 0, got {size}")
+        raise EinshardError(f"compute_split_shapes: size must be >= 0, got {size}")
     if n == 1:
         return [size]
     chunk = -(-size // n)
@@ -52,7 +56,7 @@ def compute_split_shapes_for_factors(size: int, n: int, factor: int) -> list[int
     """
     factor = int(factor)
     if factor < 1:
-        raise ValueError(f"compute_split_shapes_for_factors: factor must be >= 1, got {factor}")
+        raise EinshardError(f"compute_split_shapes_for_factors: factor must be >= 1, got {factor}")
     shapes = [s * factor for s in compute_split_shapes(int(size) // factor, n)]
     shapes[-1] += int(size) % factor
     return shapes
@@ -94,41 +98,40 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
     if shapes is None:
         return None
     if isinstance(shapes, Mapping):
-        entry = _lookup_dim(shapes, mesh_dim)
-        if entry is _MISSING:
-            raise ValueError(
+        entry = lookup_dim(shapes, mesh_dim)
+        if entry is MISSING:
+            raise EinshardError(
                 f"shapes has no entry for mesh dimension {mesh_dim!r} (axis {axis_name!r}); "
                 f"it has {sorted(shapes)}"
             )
         if isinstance(entry, Mapping):
             if axis_name not in entry:
-                raise ValueError(
-                    f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r}; it has {sorted(entry)}"
-                )
+                raise EinshardError(f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r}; it has {sorted(entry)}")
             entry = entry[axis_name]
-        result = _as_sizes(entry, f"shapes[{mesh_dim!r}]")
+        result = as_sizes(entry, f"shapes[{mesh_dim!r}]")
     else:
-        result = _as_sizes(shapes, "shapes")
+        result = as_sizes(shapes, "shapes")
     size = _group_size(group)
     if size is not None and len(result) != size:
-        raise ValueError(
+        raise EinshardError(
             f"split shapes {result} for axis {axis_name!r} over mesh dimension {mesh_dim!r} have "
             f"{len(result)} entries but the group has {size} ranks"
         )
     return result
 
 
-_MISSING = object()
+MISSING = object()
 
 
-def _lookup_dim(shapes: Mapping, mesh_dim: str):
+def lookup_dim(shapes: Mapping, mesh_dim: str):
+    """``shapes``' entry for ``mesh_dim`` (a compound one in any order), or ``MISSING``."""
     if mesh_dim in shapes:
         return shapes[mesh_dim]
     wanted = frozenset(mesh_dim.split("-"))
     for key, value in shapes.items():
         if isinstance(key, str) and frozenset(key.split("-")) == wanted:
             return value
-    return _MISSING
+    return MISSING
 
 
 def is_size(v) -> bool:
@@ -143,15 +146,15 @@ def is_size(v) -> bool:
     return 0 <= operator.index(v) < 1 << 63
 
 
-def _as_sizes(value, what: str) -> list[int]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        try:
-            value = list(value)
-        except TypeError:
-            raise ValueError(f"{what} must be a list of per-rank sizes, got {value!r}") from None
+def as_sizes(value, what: str) -> list[int]:
+    """``value`` as a list of per-rank sizes (any iterable of sizes, not a string); ``what`` names it in errors."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise EinshardError(f"{what} must be a list of per-rank sizes, got {value!r}")
+        value = list(value)
     sizes = []
     for v in value:
         if not is_size(v):
-            raise ValueError(f"{what} must hold non-negative integers (below 2**63), got {list(value)!r}")
+            raise EinshardError(f"{what} must hold non-negative integers (below 2**63), got {list(value)!r}")
         sizes.append(operator.index(v))
     return sizes

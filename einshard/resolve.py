@@ -14,7 +14,8 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._split import compute_split_shapes, is_size
+from .errors import EinshardError, naming
+from ._split import as_sizes, compute_split_shapes
 from .layout import Layout, broadcast_size
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
 
@@ -34,14 +35,14 @@ def freeze_shapes(shapes):
     if isinstance(shapes, Mapping):
         return ("dict",) + tuple(sorted((str(k), freeze_shapes(v)) for k, v in shapes.items()))
     if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
-        raise ValueError(
+        raise EinshardError(
             f"shapes= must be a list of per-rank sizes or a dict of them (per mesh dimension, optionally per "
             f"axis), got {shapes!r}"
         )
     frozen = tuple(shapes)
     for v in frozen:
         if isinstance(v, (Mapping, list, tuple, str, bytes)) or not isinstance(v, Hashable):
-            raise ValueError(f"shapes= lists must hold integer sizes, got {list(frozen)!r}")
+            raise EinshardError(f"shapes= lists must hold integer sizes, got {list(frozen)!r}")
     return frozen
 
 
@@ -65,47 +66,33 @@ class _Occurrence:
         self.operand, self.axis, self.dims, self.local, self.in_group = operand, axis, dims, local, in_group
 
 
-def _items_per_dim(spec: TensorSpec, ndim: int, text: str, where: str):
-    named = [i for i in spec.items if not isinstance(i, EllipsisItem)]
-    if spec.has_ellipsis:
-        if ndim < len(named):
-            raise ValueError(
-                f"{text!r}: {where} '{spec}' names {len(named)} dimensions besides '...' but the tensor has {ndim}"
-            )
-    elif ndim != len(named):
-        raise ValueError(f"{text!r}: {where} '{spec}' names {len(named)} dimensions but the tensor has {ndim}")
-    return ndim - len(named)
-
-
-class _Splits:
+class Splits:
     """Looks up split shapes from ``shapes=`` and the ambient context."""
 
-    def __init__(self, text, shapes, ambient, mesh, labels, axes=None):
-        self.text, self.shapes, self.ambient, self.mesh = text, shapes, ambient, mesh
+    def __init__(self, shapes, ambient, mesh, labels, axes=None):
+        self.shapes, self.ambient, self.mesh = shapes, ambient, mesh
         self.labels = labels  # every sharded label of the formula (for the list form)
         if isinstance(shapes, Mapping):
             self._check_keys(shapes, None if axes is None else set(axes))
         elif shapes is not None:
-            self._sizes(shapes, "shapes")
+            as_sizes(shapes, "shapes")
 
     def _check_keys(self, shapes: Mapping, axes: set | None) -> None:
         """Every key names mesh dimensions of the mesh, every per-axis key an axis of the formula."""
         for key, value in shapes.items():
             if not isinstance(key, str):
-                raise ValueError(f"{self.text!r}: shapes= keys are mesh dimension names, got {key!r}")
+                raise EinshardError(f"shapes= keys are mesh dimension names, got {key!r}")
             try:
                 self.mesh.dims(key)
             except ValueError as err:
-                raise ValueError(f"{self.text!r}: shapes[{key!r}]: {err}") from None
+                raise EinshardError(f"shapes[{key!r}]: {err}") from None
             if isinstance(value, Mapping):
                 for axis, sizes in value.items():
                     if axes is not None and axis not in axes:
-                        raise ValueError(
-                            f"{self.text!r}: shapes[{key!r}] names axis {axis!r}, which is not in the formula"
-                        )
-                    self._sizes(sizes, f"shapes[{key!r}][{axis!r}]")
+                        raise EinshardError(f"shapes[{key!r}] names axis {axis!r}, which is not in the formula")
+                    as_sizes(sizes, f"shapes[{key!r}][{axis!r}]")
             else:
-                self._sizes(value, f"shapes[{key!r}]")
+                as_sizes(value, f"shapes[{key!r}]")
 
     def explicit(self, dims: tuple, axis: str, missing_ok: bool = False):
         """The split shapes ``shapes=`` (or the ambient context) gives, or ``None``.
@@ -124,24 +111,24 @@ class _Splits:
                         if axis not in entry:
                             if missing_ok:
                                 return None
-                            raise ValueError(
-                                f"{self.text!r}: shapes[{label!r}] has no entry for axis {axis!r}; "
+                            raise EinshardError(
+                                f"shapes[{label!r}] has no entry for axis {axis!r}; "
                                 f"it has {sorted(entry)}"
                             )
                         entry = entry[axis]
-                    found = self._sizes(entry, f"shapes[{label!r}]")
+                    found = as_sizes(entry, f"shapes[{label!r}]")
             else:
                 if len(self.labels) != 1:
-                    raise ValueError(
-                        f"{self.text!r}: shapes= as a list needs exactly one sharded mesh dimension, but the "
+                    raise EinshardError(
+                        f"shapes= as a list needs exactly one sharded mesh dimension, but the "
                         f"formula shards over {sorted(self.labels)}; use {{'dim': [...]}} instead"
                     )
-                found = self._sizes(shapes, "shapes")
+                found = as_sizes(shapes, "shapes")
         if found is None and self.ambient:
             found = self.ambient.get((dims, axis))
         if found is not None and len(found) != self.mesh.size(dims):
-            raise ValueError(
-                f"{self.text!r}: split shapes {list(found)} of axis {axis!r} over {label!r} have "
+            raise EinshardError(
+                f"split shapes {list(found)} of axis {axis!r} over {label!r} have "
                 f"{len(found)} entries but {label!r} has {self.mesh.size(dims)} ranks"
             )
         return None if found is None else tuple(found)
@@ -153,17 +140,6 @@ class _Splits:
                 return value
         return None
 
-    def _sizes(self, value, what):
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ValueError(f"{self.text!r}: {what} must be a list of per-rank sizes, got {value!r}")
-        out = []
-        for v in value:
-            if not is_size(v):
-                raise ValueError(f"{self.text!r}: {what} must hold non-negative integers (below 2**63), got {list(value)!r}")
-            out.append(int(v))
-        return tuple(out)
-
-
 def _dims_at(mesh, text: str, name: str, position: int) -> tuple:
     """``mesh.dims(name)``; an unknown dimension is an ``invalid`` error with a caret at ``position``."""
     try:
@@ -172,6 +148,7 @@ def _dims_at(mesh, text: str, name: str, position: int) -> tuple:
         raise invalid(text, position, str(err)) from None
 
 
+@naming()
 def resolve(
     formula: Formula, local_shapes: Sequence[tuple], mesh, shapes=None, sizes=None, ambient=None, axes=()
 ) -> Resolved:
@@ -183,10 +160,10 @@ def resolve(
     """
     text = formula.text
     if formula.output is None:
-        raise ValueError(f"{text!r}: einshard needs a formula 'inputs -> output'")
+        raise EinshardError("einshard needs a formula 'inputs -> output'")
     if len(local_shapes) != len(formula.inputs):
-        raise ValueError(
-            f"{text!r}: the formula has {len(formula.inputs)} operand(s) but {len(local_shapes)} tensor(s) were given"
+        raise EinshardError(
+            f"the formula has {len(formula.inputs)} operand(s) but {len(local_shapes)} tensor(s) were given"
         )
     sizes = dict(sizes or {})
 
@@ -208,14 +185,14 @@ def resolve(
         for p in spec.partial:
             _dims_at(mesh, text, p, text.find(p, text.find("//", spec.pos)))
     known = None if axes is None else {a.name for t in formula.tensors for a in t.axes} | set(axes)
-    lookup = _Splits(text, shapes, ambient, mesh, labels, known)
+    lookup = Splits(shapes, ambient, mesh, labels, known)
 
     occurrences: list[_Occurrence] = []
     per_operand = []  # per operand: list of (kind, payload) per tensor dim
     ellipsis_ndims = []
     for k, (spec, shape) in enumerate(zip(formula.inputs, local_shapes)):
         where = f"operand {k}"
-        n_ell = _items_per_dim(spec, len(shape), text, where)
+        n_ell = spec.ellipsis_ndim(len(shape), where)
         ellipsis_ndims.append(n_ell if spec.has_ellipsis else None)
         dims = []
         pos = 0
@@ -252,7 +229,7 @@ def resolve(
                 broadcast.add(axis)
                 global_size[axis] = max(old, size)
                 return
-            raise ValueError(f"{text!r}: axis {axis!r} has global size {size} in {where} but {old} elsewhere")
+            raise EinshardError(f"axis {axis!r} has global size {size} in {where} but {old} elsewhere")
 
     # plain unsharded occurrences fix global sizes; size-1 ones may broadcast (like torch.einsum)
     broadcast: set = set()
@@ -353,8 +330,8 @@ def resolve(
     if pending:
         occs, _ = pending[0]
         names = ", ".join(repr(o.axis) for o in occs if local_size(o) is None)
-        raise ValueError(
-            f"{text!r}: cannot infer the sizes of {names} in group '({' '.join(o.axis for o in occs)})' of "
+        raise EinshardError(
+            f"cannot infer the sizes of {names} in group '({' '.join(o.axis for o in occs)})' of "
             f"operand {occs[0].operand}; pass sizes= for all but one"
         )
 
@@ -428,8 +405,8 @@ def resolve(
                 if found is None:
                     found = tuple(compute_split_shapes(global_size[a.name], mesh.size(d)))
                 elif sum(found) != global_size[a.name]:
-                    raise ValueError(
-                        f"{text!r}: split shapes {list(found)} of output axis {a.name!r} sum to {sum(found)} "
+                    raise EinshardError(
+                        f"split shapes {list(found)} of output axis {a.name!r} sum to {sum(found)} "
                         f"but the axis has size {global_size[a.name]}"
                     )
                 spl.append(tuple(found))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
+from ..errors import EinshardError
 from .grammar import invalid, parse_axis, parse_text
 from .objects import Annotation, Axis, EllipsisItem, Family, Formula, Group, Item, TensorSpec, Zip
 
@@ -26,6 +27,9 @@ __all__ = [
     "parse_sharding",
     "expand",
     "expand_specs",
+    "expand_tensor",
+    "check_semantics",
+    "family_member",
     "freeze_families",
     "invalid",
 ]
@@ -56,14 +60,16 @@ def parse_sharding(formula: str) -> Formula:
     """
     parsed = _parse(formula)
     if not _has_families(parsed):
-        _check_semantics(parsed)
+        check_semantics(parsed)
     return parsed
 
 
-def freeze_families(families: Mapping | None) -> tuple:
-    """A hashable form of ``families=`` (used as a cache key)."""
+def freeze_families(families: Mapping | tuple | None) -> tuple:
+    """A hashable form of ``families=`` (used as a cache key; a frozen one is returned as it is)."""
     if not families:
         return ()
+    if isinstance(families, tuple):
+        return families
     frozen = []
     for name, members in families.items():
         if isinstance(members, str):
@@ -72,18 +78,12 @@ def freeze_families(families: Mapping | None) -> tuple:
     return tuple(sorted(frozen))
 
 
-def _frozen(families) -> tuple:
-    if families is None:
-        return ()
-    return families if isinstance(families, tuple) else freeze_families(families)
-
-
 def expand(formula: str, families: Mapping | tuple | None = None) -> Formula:
     """Parse ``formula`` and expand its families; the result has no ``*f`` or zips.
 
     Validated as an einsum: every output axis must come from an input.
     """
-    return _expand_cached(formula, _frozen(families), True)
+    return _expand_cached(formula, freeze_families(families), True)
 
 
 def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formula:
@@ -93,35 +93,36 @@ def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formu
     frequency axes, ``einwindow``'s window axes); each tensor spec is still
     checked on its own.
     """
-    return _expand_cached(formula, _frozen(families), False)
+    return _expand_cached(formula, freeze_families(families), False)
 
 
 @lru_cache(maxsize=4096)
 def _expand_cached(formula: str, frozen: tuple, einsum: bool) -> Formula:
     parsed = _parse(formula)
     if _has_families(parsed):
-        table = {name: tuple(_parse_member(formula, name, m) for m in members) for name, members in frozen}
+        table = {name: tuple(family_member(formula, name, m) for m in members) for name, members in frozen}
         parsed = Formula(
             formula,
-            tuple(_expand_tensor(formula, t, table) for t in parsed.inputs),
-            None if parsed.output is None else _expand_tensor(formula, parsed.output, table),
+            tuple(expand_tensor(formula, t, table) for t in parsed.inputs),
+            None if parsed.output is None else expand_tensor(formula, parsed.output, table),
         )
-    _check_semantics(parsed, einsum)
+    check_semantics(parsed, einsum)
     return parsed
 
 
-def _parse_member(formula: str, family: str, member) -> Axis:
+def family_member(formula: str, family: str, member) -> Axis:
+    """One member of ``families[family]`` (``'h'`` or ``'h/sp'``) as an :class:`Axis`, validated."""
     if isinstance(member, Axis):
         return member
     if not isinstance(member, str):
-        raise ValueError(
-            f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})"
+        raise EinshardError.named(
+            f"families[{family!r}] must hold axis names like 'h' or 'h/sp', got {member!r} (in {formula!r})", formula
         )
     parsed = parse_axis(member)
     if parsed is None or str(parsed) != "".join(member.split()):
-        raise ValueError(
+        raise EinshardError.named(
             f"Invalid einshard expression: families[{family!r}] entry {member!r} is not an axis "
-            f"like 'h' or 'h/sp' (in {formula!r})"
+            f"like 'h' or 'h/sp' (in {formula!r})", formula
         )
     return parsed
 
@@ -141,7 +142,8 @@ def _family(formula: str, fam: Family, table) -> tuple[Axis, ...]:
     return tuple(Axis(a.name, a.mesh, fam.pos) for a in table[fam.name])
 
 
-def _expand_tensor(formula: str, tensor: TensorSpec, table) -> TensorSpec:
+def expand_tensor(formula: str, tensor: TensorSpec, table) -> TensorSpec:
+    """``tensor`` with its families (``table``: ``{name: (Axis, ...)}``) expanded and zips grouped."""
     items: list[Item] = []
     for item in tensor.items:
         if isinstance(item, Family):
@@ -185,7 +187,7 @@ def _check_structure(formula: Formula) -> None:
                 raise invalid(text, tensor.pos, f"annotation {ann.key!r} takes no value")
 
 
-def _check_semantics(formula: Formula, einsum: bool = True) -> None:
+def check_semantics(formula: Formula, einsum: bool = True) -> None:
     """Checks on the expanded formula: names, mesh dimensions, and (``einsum``) output axes."""
     text = formula.text
     for index, tensor in enumerate(formula.tensors):

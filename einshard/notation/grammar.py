@@ -22,6 +22,7 @@ token was missing; :func:`_explain_syntax_error` turns it into a reason.
 
 from __future__ import annotations
 
+from ..errors import EinshardError
 from .objects import Annotation, Axis, EllipsisItem, Family, Group, TensorSpec, Zip
 
 _WS = " \t\n\r"
@@ -243,11 +244,11 @@ def parse_axis(text: str) -> Axis | None:
     return Axis(axis.name, axis.mesh)
 
 
-def invalid(expression: str, position: int, reason: str) -> ValueError:
-    """A ``ValueError`` with the expression and a caret under ``position``."""
+def invalid(expression: str, position: int, reason: str) -> EinshardError:
+    """An ``EinshardError`` with the expression and a caret under ``position``."""
     position = max(0, min(position, len(expression)))
     caret = " " * position + "^"
-    return ValueError(f"Invalid einshard expression: {reason}\n    {expression}\n    {caret}")
+    return EinshardError.named(f"Invalid einshard expression: {reason}\n    {expression}\n    {caret}", expression)
 
 
 def _explain_syntax_error(text: str, index: int) -> tuple[int, str]:
@@ -310,7 +311,7 @@ def _explain_syntax_error(text: str, index: int) -> tuple[int, str]:
 def parse_text(text: str):
     """Parse ``text`` into ``(inputs, output)`` or raise an ``invalid`` error."""
     if not isinstance(text, str):
-        raise ValueError(f"Invalid einshard expression: expected a string, got {type(text).__name__}")
+        raise EinshardError(f"Invalid einshard expression: expected a string, got {type(text).__name__}")
     parser = _Parser(text)
     try:
         return parser.formula()

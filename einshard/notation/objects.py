@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import EinshardError
+
 
 @dataclass(frozen=True, slots=True)
 class Axis:
@@ -122,6 +124,14 @@ class TensorSpec:
         dims = {c for a in self.axes for c in a.mesh_components}
         dims.update(c for p in self.partial for c in p.split("-"))
         return frozenset(dims)
+
+    def ellipsis_ndim(self, ndim: int, where: str) -> int:
+        """How many of a tensor's ``ndim`` dimensions ``...`` stands for (``where`` names the tensor in errors)."""
+        named = sum(not isinstance(i, EllipsisItem) for i in self.items)
+        if ndim < named or (ndim != named and not self.has_ellipsis):
+            besides = " besides '...'" if self.has_ellipsis else ""
+            raise EinshardError(f"{where} '{self}' names {named} dimensions{besides} but the tensor has {ndim}")
+        return ndim - named
 
     def __str__(self) -> str:
         text = " ".join(map(str, self.items))

@@ -40,12 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .. import vma as _vma
 from .. import mappings
+from .. import vma as _vma
+from .._cache import BoundedCache
+from ..errors import EinshardError
 from ..layout import MeshShape
 from ..notation import expand, freeze_families
-from .halo import check_boundary, check_spec, family_table, freeze, halo_plan, per_axis, pick_mesh, width_pair
-from .window import same_sharding
+from .halo import halo_plan
+from .pipeline import (check_boundary, check_kept_sharding, check_spec, family_table, freeze, in_vma_scope, per_axis,
+                       pick_mesh, width_pair)
 
 __all__ = ["einconv"]
 
@@ -57,47 +60,46 @@ class _ConvSpec:
     """The analysed formula: axis roles, permutations and halo widths (rank-independent)."""
 
     def __init__(self, formula, x_shape, w_shape, b_shape, windows, padding, dilation, groups, families):
-        what = "einconv"
         self.formula = formula
         parsed = expand(formula, freeze_families(families))
         if parsed.output is None or len(parsed.inputs) != 2:
-            raise ValueError(f"{what}: expects 'input, weight -> output', got {formula!r}")
+            raise EinshardError("expects 'input, weight -> output'")
         xs, ws = parsed.inputs
         out = parsed.output
-        check_spec(xs, formula, what, "the input")
-        check_spec(ws, formula, what, "the weight")
-        check_spec(out, formula, what, "the output")
+        check_spec(xs, "einconv", "the input")
+        check_spec(ws, "einconv", "the weight")
+        check_spec(out, "einconv", "the output")
         self.x_spec, self.x_text = xs, str(xs)
         x_names = [a.name for a in xs.axes]
         w_names = [a.name for a in ws.axes]
         out_axes = {a.name: a for a in out.axes}
         for a in ws.axes:
             if a.mesh:
-                raise ValueError(f"{what}: {formula!r}: the weight must be replicated, but axis {a.name!r} is sharded")
+                raise EinshardError(f"the weight must be replicated, but axis {a.name!r} is sharded")
         if len(x_shape) != len(x_names):
-            raise ValueError(f"{what}: {formula!r}: the input names {len(x_names)} dimensions but has {len(x_shape)}")
+            raise EinshardError(f"the input names {len(x_names)} dimensions but has {len(x_shape)}")
         if len(w_shape) != len(w_names):
-            raise ValueError(f"{what}: {formula!r}: the weight names {len(w_names)} dimensions but has {len(w_shape)}")
+            raise EinshardError(f"the weight names {len(w_names)} dimensions but has {len(w_shape)}")
         xsize = dict(zip(x_names, x_shape))
         wsize = dict(zip(w_names, w_shape))
 
-        wmap = per_axis(windows, x_names, families, what, "windows", formula)
+        wmap = per_axis(windows, x_names, families, "windows")
         table = family_table(families)
         if not wmap:
-            raise ValueError(f"{what}: {formula!r}: windows= must map the spatial axes to kernel axes")
+            raise EinshardError("windows= must map the spatial axes to kernel axes")
         if not 1 <= len(wmap) <= 3:
-            raise ValueError(f"{what}: {formula!r}: 1 to 3 spatial axes are supported, got {list(wmap)}")
+            raise EinshardError(f"1 to 3 spatial axes are supported, got {list(wmap)}")
         for axis, k in wmap.items():
             if isinstance(k, str) and k in table and len(table[k]) == 1:
                 k = wmap[axis] = table[k][0]
             if not isinstance(k, str) or k not in w_names:
-                raise ValueError(f"{what}: {formula!r}: kernel axis {k!r} of spatial axis {axis!r} is not a weight axis")
+                raise EinshardError(f"kernel axis {k!r} of spatial axis {axis!r} is not a weight axis")
             if k in x_names or k in out_axes:
-                raise ValueError(f"{what}: {formula!r}: kernel axis {k!r} must appear in the weight only")
+                raise EinshardError(f"kernel axis {k!r} must appear in the weight only")
             if axis in w_names:
-                raise ValueError(f"{what}: {formula!r}: spatial axis {axis!r} must not appear in the weight")
+                raise EinshardError(f"spatial axis {axis!r} must not appear in the weight")
         if len(set(wmap.values())) != len(wmap):
-            raise ValueError(f"{what}: {formula!r}: two spatial axes share a kernel axis")
+            raise EinshardError("two spatial axes share a kernel axis")
         self.spatial = [a for a in x_names if a in wmap]  # in input order
         kernels = [wmap[a] for a in self.spatial]
 
@@ -113,36 +115,33 @@ class _ConvSpec:
             elif in_o:
                 batch.append(a)
             else:
-                raise ValueError(f"{what}: {formula!r}: input axis {a.name!r} is missing from the output")
+                raise EinshardError(f"input axis {a.name!r} is missing from the output")
         oc = []
         for name in w_names:
             if name in xsize or name in kernels:
                 continue
             if name not in out_axes:
-                raise ValueError(
-                    f"{what}: {formula!r}: weight axis {name!r} is neither a kernel axis, a channel of the input "
+                raise EinshardError(
+                    f"weight axis {name!r} is neither a kernel axis, a channel of the input "
                     f"nor an output axis"
                 )
             oc.append(name)
         for role, found in (("input channel", cin), ("channel group", grp), ("output channel", oc)):
             if len(found) > 1:
                 names = [getattr(a, "name", a) for a in found]
-                raise ValueError(f"{what}: {formula!r}: at most one {role} axis, got {names}")
+                raise EinshardError(f"at most one {role} axis, got {names}")
         for a in cin + grp:
             if a.mesh:
-                raise ValueError(f"{what}: {formula!r}: channel axis {a.name!r} of the input must not be sharded")
+                raise EinshardError(f"channel axis {a.name!r} of the input must not be sharded")
         for a in xs.axes:
-            if a.name in out_axes and not same_sharding(a, out_axes[a.name]):
-                raise ValueError(
-                    f"{what}: {formula!r}: the output changes the sharding of axis {a.name!r} "
-                    f"('{a}' -> '{out_axes[a.name]}'); it must stay as in the input"
-                )
+            if a.name in out_axes:
+                check_kept_sharding(a, out_axes[a.name])
         for name in oc:
             if out_axes[name].mesh:
-                raise ValueError(f"{what}: {formula!r}: output channel axis {name!r} must not be sharded")
+                raise EinshardError(f"output channel axis {name!r} must not be sharded")
         for name in out_axes:
             if name not in xsize and name not in oc:
-                raise ValueError(f"{what}: {formula!r}: output axis {name!r} is not an input or output channel axis")
+                raise EinshardError(f"output axis {name!r} is not an input or output channel axis")
         self.batch = [a.name for a in batch]
         self.c = cin[0].name if cin else None
         self.g = grp[0].name if grp else None
@@ -151,38 +150,33 @@ class _ConvSpec:
         # channel counts and groups
         for name in ([self.g] if self.g else []):
             if wsize[name] != xsize[name]:
-                raise ValueError(
-                    f"{what}: {formula!r}: group axis {name!r} has size {xsize[name]} in the input but "
+                raise EinshardError(
+                    f"group axis {name!r} has size {xsize[name]} in the input but "
                     f"{wsize[name]} in the weight"
                 )
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"{what}: groups must be a positive int, got {groups!r}")
+            raise EinshardError(f"groups must be a positive int, got {groups!r}")
         c_x = xsize[self.c] if self.c else 1
         c_w = wsize[self.c] if self.c else 1
         out_per = wsize[self.o] if self.o else 1
         if self.g:
             if groups not in (1, xsize[self.g]):
-                raise ValueError(
-                    f"{what}: {formula!r}: groups={groups} but the group axis {self.g!r} has size {xsize[self.g]}"
-                )
+                raise EinshardError(f"groups={groups} but the group axis {self.g!r} has size {xsize[self.g]}")
             self.groups = xsize[self.g]
             if c_w != c_x:
-                raise ValueError(
-                    f"{what}: {formula!r}: input channel axis {self.c!r} has size {c_x} in the input but {c_w} in "
+                raise EinshardError(
+                    f"input channel axis {self.c!r} has size {c_x} in the input but {c_w} in "
                     f"the weight"
                 )
         else:
             self.groups = groups
             if c_x % groups or c_w != c_x // groups:
-                raise ValueError(
-                    f"{what}: {formula!r}: with groups={groups} the weight's channel axis {self.c!r} must hold "
+                raise EinshardError(
+                    f"with groups={groups} the weight's channel axis {self.c!r} must hold "
                     f"{c_x}/{groups} channels; the input has {c_x}, the weight {c_w}"
                 )
             if out_per % groups:
-                raise ValueError(
-                    f"{what}: {formula!r}: output channel axis {self.o!r} ({out_per}) is not divisible by "
-                    f"groups={groups}"
-                )
+                raise EinshardError(f"output channel axis {self.o!r} ({out_per}) is not divisible by groups={groups}")
         self.out_channels = (xsize[self.g] if self.g else 1) * out_per
 
         # permutations
@@ -206,59 +200,59 @@ class _ConvSpec:
             elif tuple(b_shape) == tuple(wsize[a] for a in out_chans):
                 self.bias_perm = [out_chans.index(a) for a in chans]
             else:
-                raise ValueError(
-                    f"{what}: {formula!r}: bias must have {self.out_channels} elements "
+                raise EinshardError(
+                    f"bias must have {self.out_channels} elements "
                     f"(or the shape of the output channel axes {out_chans}), got shape {tuple(b_shape)}"
                 )
 
         # dilation, padding -> halo widths per spatial axis
         self.dilation = []
-        dil = _per_spatial(dilation, self.spatial, families, "dilation", formula)
-        pad = _per_spatial(padding, self.spatial, families, "padding", formula)
+        dil = _per_spatial(dilation, self.spatial, families, "dilation")
+        pad = _per_spatial(padding, self.spatial, families, "padding")
         self.widths = {}
         for a, k in zip(self.spatial, kernels):
             d = dil.get(a, 1)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-                raise ValueError(f"{what}: dilation of axis {a!r} must be a positive int, got {d!r}")
+                raise EinshardError(f"dilation of axis {a!r} must be a positive int, got {d!r}")
             self.dilation.append(d)
             eff = d * (wsize[k] - 1) + 1
             p = pad.get(a)
             if p is None or p == "same":
                 if eff % 2 == 0:
-                    raise ValueError(
-                        f"{what}: {formula!r}: axis {a!r} has an even effective kernel ({eff}); pass "
+                    raise EinshardError(
+                        f"axis {a!r} has an even effective kernel ({eff}); pass "
                         f"padding={{{a!r}: (left, right)}} with left + right = {eff - 1}"
                     )
                 p = ((eff - 1) // 2, (eff - 1) // 2)
             else:
-                p = width_pair(p, a, what, "padding")
+                p = width_pair(p, a, "padding")
             if sum(p) != eff - 1:
-                raise ValueError(
-                    f"{what}: {formula!r}: padding {p} of axis {a!r} does not preserve its length: with effective "
+                raise EinshardError(
+                    f"padding {p} of axis {a!r} does not preserve its length: with effective "
                     f"kernel {eff} it must add up to {eff - 1} (only length-preserving padding is supported)"
                 )
             self.widths[a] = p
         self.conv = _CONV[len(self.spatial)]
 
 
-def _per_spatial(value, spatial, families, arg, formula) -> dict:
+def _per_spatial(value, spatial, families, arg) -> dict:
     if value is None or value == "same":
         return {}
     if isinstance(value, dict):
-        return per_axis(value, spatial, families, "einconv", arg, formula)
+        return per_axis(value, spatial, families, arg)
     return {a: value for a in spatial}
 
 
 def _check_stride(stride) -> None:
     values = stride.values() if isinstance(stride, dict) else stride if isinstance(stride, (tuple, list)) else [stride]
     if any(isinstance(s, bool) or s != 1 for s in values):
-        raise ValueError(
-            f"einconv: stride={stride!r} is not supported: only stride 1 keeps the output in the input's layout; "
+        raise EinshardError(
+            f"stride={stride!r} is not supported: only stride 1 keeps the output in the input's layout; "
             f"subsample the result instead"
         )
 
 
-_SPECS: dict = {}
+_SPECS = BoundedCache()
 
 
 def _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families):
@@ -266,11 +260,9 @@ def _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, fam
            None if bias is None else tuple(bias.shape), freeze(windows), freeze(padding), freeze(dilation), groups)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _ConvSpec(formula, tuple(x.shape), tuple(weight.shape), None if bias is None else tuple(bias.shape),
-                         windows, padding, dilation, groups, families)
-        if len(_SPECS) > 4096:
-            _SPECS.clear()
-        _SPECS[key] = spec
+        spec = _SPECS.put(key, _ConvSpec(formula, tuple(x.shape), tuple(weight.shape),
+                                         None if bias is None else tuple(bias.shape), windows, padding, dilation,
+                                         groups, families))
     return spec
 
 
@@ -304,20 +296,23 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
         y = es.einconv("b h/sp w c, o c kh kw -> b h/sp w o", x_block, w, {"h": "kh", "w": "kw"},
                        bias=b, boundary="periodic", mesh=mesh)
     """
-    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(
             lambda f, t, w, **kw: einconv(f, t, w, windows, **kw), formula, (x, weight), bias=bias,
             padding=padding, stride=stride, dilation=dilation, groups=groups, boundary=boundary, fill=fill,
             mesh=mesh, shapes=shapes, families=families, checkpoint=checkpoint, use_reentrant=use_reentrant,
         )
-    check_boundary(boundary, "einconv")
-    _check_stride(stride)
-    if checkpoint not in _CHECKPOINT_MODES:
-        raise ValueError(f"einconv: checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
-    spec = _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families)
-    m = pick_mesh(spec.x_spec, mesh)
-    plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
-                     freeze_families(families))
+    try:
+        check_boundary(boundary)
+        _check_stride(stride)
+        if checkpoint not in _CHECKPOINT_MODES:
+            raise EinshardError(f"checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
+        spec = _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families)
+        m = pick_mesh(spec.x_spec, mesh)
+        plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
+                         freeze_families(families))
+    except EinshardError as err:
+        raise err.within(formula, "einconv")
     # the replicated weight and bias feed every rank's block: sum their gradients over the input's dims
     if m is not None:
         shape = MeshShape.of(m)

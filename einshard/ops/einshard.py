@@ -6,22 +6,24 @@ import torch
 
 from .. import _context, _trace
 from .. import vma as _vma
+from .._cache import BoundedCache
+from ..errors import EinshardError
 from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
 from ..distributed import run_distributed
 from .local import build_local_plan, freeze_sizes
+from .pipeline import check_tensors, in_vma_scope
 from ..params.formula import ANY, formula_names, recorder_for, resolve_pending, state_duties
 
 __all__ = ["einshard"]
 
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
-_LOCAL_PLANS: dict = {}
-_NO_KEY = ()
+_LOCAL_PLANS = BoundedCache(65536)
 # (formula, families key) known to be distributed -> its [param] recorder (None: no [param])
-_DISTRIBUTED: dict = {}
+_DISTRIBUTED = BoundedCache()
 _MAX_DISTRIBUTED = 4096
 _MISSING = object()
-_VMA_RECORDERS: dict = {}
+_VMA_RECORDERS = BoundedCache()
 _SATISFIED: list = []  # non-empty while a [param] formula runs inside shard_map(check_vma=True)
 
 
@@ -48,7 +50,7 @@ def einshard(
     >>> es.einshard("b (h p) -> b h p", torch.ones(2, 8), sizes={"p": 4}).shape
     torch.Size([2, 2, 4])
     """
-    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): set the output's vma
+    if in_vma_scope():  # in shard_map(check_vma=True): set the output's vma
         recorder = _vma_recorder(formula, families)
         if recorder is None:
             return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
@@ -66,7 +68,7 @@ def einshard(
     if _compiling():  # traced: gradient duties are not planned here (see the parameters guide)
         return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
-        raise ValueError("einshard: pass either optimize or policy, not both")
+        raise EinshardError("einshard: pass either optimize or policy, not both")
     try:
         in_shapes = [t.shape for t in tensors]
     except AttributeError:  # a non-tensor operand: reported by position, whatever is cached
@@ -75,7 +77,7 @@ def einshard(
         key = (formula, freeze_sizes(sizes), freeze_families(families))
         return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
     if sizes is None and families is None:
-        key = (formula, _NO_KEY, _NO_KEY, *in_shapes)
+        key = (formula, (), (), *in_shapes)
     else:
         key = (formula, freeze_sizes(sizes), freeze_families(families), *in_shapes)
     plan = _LOCAL_PLANS.get(key)
@@ -92,7 +94,7 @@ def einshard(
     except (AttributeError, TypeError, RuntimeError):
         # a cached plan met operands that are not tensors, or of mixed dtypes: the same
         # ValueError as on the first call, then anything else as it is
-        _check_tensors(expand(formula, key[2]), tensors)
+        check_tensors(expand(formula, key[2]), tensors)
         raise
     return _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy)
 
@@ -105,14 +107,12 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     if recorder is not None and parsed.is_local and not _SATISFIED:
         prepared = recorder.prepare(tensors, formula_names(mesh))  # metadata errors first
     if parsed.is_local:
-        _check_tensors(parsed, tensors)
+        check_tensors(parsed, tensors)
     scalar = _scalar_form(parsed, tensors)
     if scalar is not None:  # 'loss // (sp, dp) -> loss' on 0-d tensors: the same as '// (sp, dp) -> '
         return einshard(scalar, *tensors, mesh=mesh, shapes=shapes, optimize=optimize, policy=policy)
     if not parsed.is_local:
-        if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:  # bounded like the plan caches
-            _DISTRIBUTED.clear()
-        _DISTRIBUTED[(formula, key[2])] = recorder
+        _known_distributed((formula, key[2]), recorder)
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             # checked by run_distributed, with the other ranks when checks are on (one rank's bad operand
             # must not leave the others waiting in the agreement)
@@ -123,9 +123,7 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
     if recorder is not None:
         plan = _RecordingPlan(plan, recorder, mesh)
-    if len(_LOCAL_PLANS) > 65536:
-        _LOCAL_PLANS.clear()
-    _LOCAL_PLANS[key] = plan
+    _LOCAL_PLANS.put(key, plan)
     if recorder is not None:
         out = plan.plan.run(tensors)
         if not _SATISFIED:
@@ -142,8 +140,14 @@ def _vma_recorder(formula, families):
             found = recorder_for(formula, expand(formula, key[1]))
         except ValueError:
             found = None  # the op reports a bad formula itself
-        _VMA_RECORDERS[key] = found
+        _VMA_RECORDERS.put(key, found)
     return found
+
+
+def _known_distributed(key, recorder) -> None:
+    """Remember that ``(formula, families key)`` is distributed, with its recorder (at most ``_MAX_DISTRIBUTED``)."""
+    _DISTRIBUTED.limit = _MAX_DISTRIBUTED
+    _DISTRIBUTED.put(key, recorder)
 
 
 def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
@@ -196,8 +200,6 @@ class _RecordingPlan:
 
 def _scalar_form(parsed, tensors) -> str | None:
     """For 0-d tensors named by one unsharded axis everywhere (``loss // dp -> loss``), the formula without it."""
-    import torch
-
     if parsed.output is None or not tensors or any(not isinstance(t, torch.Tensor) or t.dim() != 0 for t in tensors):
         return None
     names = set()
@@ -209,18 +211,6 @@ def _scalar_form(parsed, tensors) -> str | None:
         return None
     stripped = [str(TensorSpec((), s.partial)) for s in parsed.tensors]
     return ", ".join(stripped[:-1]) + " -> " + stripped[-1]
-
-
-def _check_tensors(parsed, tensors) -> None:
-    """Operands must be tensors of one dtype (``ValueError`` naming the operand or the dtypes)."""
-    import torch
-
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{parsed.text!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
-    dtypes = sorted({str(t.dtype) for t in tensors})
-    if len(dtypes) > 1:  # torch.einsum would fail (after the operands' collectives, when distributed)
-        raise ValueError(f"{parsed.text!r}: the operands have different dtypes ({', '.join(dtypes)}); convert them first")
 
 
 # -- under torch.compile ------------------------------------------------------------------------
@@ -236,9 +226,9 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
     nothing at run time; the plan's replay (reshapes, the einsum, functional
     collectives) is what dynamo traces.
     """
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(tensors):  # traced by dynamo: a plain raise
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
+            raise EinshardError(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
     ambient = _context.current()
     _refuse_attached_duties(formula, tensors)
     name = _plan_for_trace(
@@ -266,7 +256,7 @@ def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families
 
 def _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, ambient):
     if optimize is not None and policy is not None:
-        raise ValueError("einshard: pass either optimize or policy, not both")
+        raise EinshardError("einshard: pass either optimize or policy, not both")
     key = (formula, freeze_sizes(sizes), freeze_families(families), *[torch.Size(s) for s in shapes])
     plan = _LOCAL_PLANS.get(key)
     if plan is None and (formula, key[2]) not in _DISTRIBUTED:
@@ -277,12 +267,9 @@ def _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, fami
             return _plan_at_trace_time(scalar, shapes, dtypes, mesh, split_shapes, None, None, optimize, policy,
                                        ambient)
         if parsed.is_local:
-            plan = build_local_plan(parsed, list(shapes), key[1], key[2])
-            _LOCAL_PLANS[key] = plan
+            plan = _LOCAL_PLANS.put(key, build_local_plan(parsed, list(shapes), key[1], key[2]))
         else:
-            if len(_DISTRIBUTED) > _MAX_DISTRIBUTED:
-                _DISTRIBUTED.clear()
-            _DISTRIBUTED[(formula, key[2])] = recorder_for(formula, parsed)
+            _known_distributed((formula, key[2]), recorder_for(formula, parsed))
     if plan is not None:
         return _trace.register(plan.run_traced)
     recorder = _DISTRIBUTED.get((formula, key[2]))
@@ -304,7 +291,7 @@ def _refuse_attached_duties(formula, tensors) -> None:
     """ValueError for an operand whose registered state has a gradient duty (traced: before any collective)."""
     for k, duty in enumerate(state_duties(tensors)):
         if duty is not None:
-            raise ValueError(_DUTY_UNDER_COMPILE.format(formula=formula, k=k, duty=_duty_text(duty)))
+            raise EinshardError(_DUTY_UNDER_COMPILE.format(formula=formula, k=k, duty=_duty_text(duty)))
 
 
 def _refuse_annotated_duties(recorder, mesh) -> None:
@@ -317,7 +304,7 @@ def _refuse_annotated_duties(recorder, mesh) -> None:
         spec = recorder.parsed.inputs[k]
         duty = duty_of(ParameterState.from_spec(spec, mesh_dim_names=names, source="formula"))
         if duty is not None:
-            raise ValueError(_DUTY_UNDER_COMPILE.format(formula=recorder.formula, k=k, duty=_duty_text(duty)))
+            raise EinshardError(_DUTY_UNDER_COMPILE.format(formula=recorder.formula, k=k, duty=_duty_text(duty)))
 
 
 def _duty_text(duty) -> str:

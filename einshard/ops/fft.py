@@ -23,20 +23,24 @@ import torch
 
 from .. import _context, checks
 from .. import vma as _vma
+from .._cache import BoundedCache
 from .._table import text_table
+from ..errors import EinshardError, naming
+from ..mesh import resolve_mesh
 from .._split import compute_split_shapes
 from ..layout import Layout, MeshShape
-from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
-from ..notation import _check_semantics, _expand_tensor, _parse_member, freeze_families, invalid
+from ..notation import Axis, Formula, TensorSpec
+from ..notation import check_semantics, expand_tensor, family_member, freeze_families, invalid
+from .pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis
 from ..notation.grammar import parse_text
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
-from ..resolve import _Splits, freeze_shapes, resolve
+from ..resolve import Splits, resolve
 
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 
 _NORMS = (None, "backward", "ortho", "forward")
-_PLANS: dict = {}
+_PLANS = BoundedCache()
 
 
 # -- parsing and validation -------------------------------------------------------
@@ -57,39 +61,11 @@ class _Spec:
         return tuple(a.name for a in self.inp.axes)
 
     @property
-    def out_names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.out.axes)
-
-    @property
     def proxy(self) -> str:
         """The same layouts as an einshard formula (frequency axes renamed back): for variance rules."""
         back = {b: a for a, b in self.pairs}
         out = " ".join(str(Axis(back.get(a.name, a.name), a.mesh)) for a in self.out.axes)
         return f"{self.inp} -> {out}"
-
-
-def _family_table(text: str, families: tuple) -> dict[str, tuple[str, ...]]:
-    return {name: tuple(_parse_member(text, name, m).name for m in members) for name, members in families}
-
-
-def _check_spec(text: str, spec: TensorSpec, where: str) -> None:
-    if spec.annotations:
-        raise ValueError(f"{text!r}: einfft takes no annotations like [{spec.annotations[0]}] on the {where}")
-    if spec.partial:
-        dims = ", ".join(spec.partial)
-        raise ValueError(
-            f"{text!r}: the {where} '{spec}' is partial over {dims!r}; einfft needs a non-partial "
-            f"{where} (sum it first with es.einshard)"
-        )
-    for item in spec.items:
-        if isinstance(item, EllipsisItem):
-            raise ValueError(f"{text!r}: einfft does not accept '...' in the {where}; name every axis")
-        if isinstance(item, Group):
-            names = " ".join(a.name for a in item.axes)
-            raise ValueError(
-                f"{text!r}: factored axis '({names})' (axis {item.axes[0].name!r}) in the {where}: einfft needs "
-                f"plain axes; split the group first with es.einshard"
-            )
 
 
 def _axes_form(formula: str, axes) -> str:
@@ -101,69 +77,42 @@ def _axes_form(formula: str, axes) -> str:
     )
 
 
-def _expand_pairs(text, axes, in_names, table) -> tuple[tuple[str, str], ...]:
-    if not isinstance(axes, Mapping) or not axes:
-        raise ValueError(f"{text!r}: axes= must be a non-empty dict {{input axis: output axis}}, got {axes!r}")
-    pairs: list[tuple[str, str]] = []
-    for key, value in axes.items():
-        if not isinstance(key, str):
-            raise ValueError(f"{text!r}: axes= keys must be axis or family names, got {key!r}")
-        if key not in in_names and key in table:
-            members = table[key]
-            if isinstance(value, str):
-                if value not in table:
-                    raise ValueError(
-                        f"{text!r}: axes[{key!r}] maps family {key!r} to {value!r}, which is not a family; "
-                        f"give a tuple of {len(members)} output axes"
-                    )
-                value = table[value]
-            value = tuple(value)
-            if len(value) != len(members):
-                raise ValueError(
-                    f"{text!r}: axes[{key!r}] has {len(value)} output axes but family {key!r} has "
-                    f"{len(members)} members"
-                )
-            pairs.extend(zip(members, value))
-        else:
-            if key not in in_names:
-                raise ValueError(
-                    f"{text!r}: axes= names axis {key!r}, which is not an input axis (input axes: "
-                    f"{list(in_names)})"
-                )
-            pairs.append((key, value))
-    seen_in, seen_out = set(), set()
+def _expand_pairs(axes, in_names, families) -> tuple[tuple[str, str], ...]:
+    """``axes=`` as ``(input axis, output axis)`` pairs, in order (family keys expanded)."""
+    pairs = tuple(per_axis(axes, in_names, families, "axes").items())
+    if not pairs:
+        raise EinshardError(f"axes= must be a non-empty dict {{input axis: output axis}}, got {axes!r}")
+    seen = set()
     for a, b in pairs:
         if not isinstance(b, str) or not b.isidentifier():
-            raise ValueError(f"{text!r}: axes[{a!r}] must be an output axis name, got {b!r}")
-        if a in seen_in:
-            raise ValueError(f"{text!r}: axis {a!r} appears twice in axes=")
-        if b in seen_out:
-            raise ValueError(f"{text!r}: output axis {b!r} is the transform of two axes in axes=")
-        seen_in.add(a)
-        seen_out.add(b)
-    return tuple(pairs)
+            raise EinshardError(f"axes[{a!r}] must be an output axis name, got {b!r}")
+        if b in seen:
+            raise EinshardError(f"output axis {b!r} is the transform of two axes in axes=")
+        seen.add(b)
+    return pairs
 
 
+@naming()
 def _parse(text: str, axes_key, families: tuple) -> _Spec:
     inputs, output = parse_text(text)
     if output is None:
-        raise ValueError(f"{text!r}: einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
+        raise EinshardError("einfft needs a formula 'input -> output', e.g. 'b x y -> b kx ky'")
     if len(inputs) != 1:
-        raise ValueError(f"{text!r}: einfft takes one input tensor, the formula has {len(inputs)}")
-    table_axes = {name: tuple(_parse_member(text, name, m) for m in members) for name, members in families}
-    inp = _expand_tensor(text, inputs[0], table_axes)
-    out = _expand_tensor(text, output, table_axes)
-    _check_spec(text, inp, "input")
-    _check_spec(text, out, "output")
-    _check_semantics(Formula(text, (inp,), None))
+        raise EinshardError(f"einfft takes one input tensor, the formula has {len(inputs)}")
+    table_axes = {name: tuple(family_member(text, name, m) for m in members) for name, members in families}
+    inp = expand_tensor(text, inputs[0], table_axes)
+    out = expand_tensor(text, output, table_axes)
+    check_spec(inp, "einfft", "the input")
+    check_spec(out, "einfft", "the output", unique=False)  # repeated names: below, with a caret
+    check_semantics(Formula(text, (inp,), None))
     in_names = tuple(a.name for a in inp.axes)
-    pairs = _expand_pairs(text, dict(axes_key), in_names, _family_table(text, families))
+    pairs = _expand_pairs(dict(axes_key), in_names, families)
     transformed = {a for a, _ in pairs}
     untouched = [n for n in in_names if n not in transformed]
     for _, b in pairs:
         if b in untouched:
-            raise ValueError(
-                f"{text!r}: transform output axis {b!r} already exists among the untouched input axes; "
+            raise EinshardError(
+                f"transform output axis {b!r} already exists among the untouched input axes; "
                 f"give the frequency axis a new name"
             )
     back = {b: a for a, b in pairs}
@@ -174,42 +123,30 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
         seen.add(ax.name)
         if ax.name not in back and ax.name not in untouched:
             hint = " (it is transformed; use its output name)" if ax.name in transformed else ""
-            raise ValueError(
-                f"{text!r}: output axis {ax.name!r} is neither an untouched input axis nor an output of "
+            raise EinshardError(
+                f"output axis {ax.name!r} is neither an untouched input axis nor an output of "
                 f"axes={hint}"
             )
     for name in untouched:
         if name not in seen:
-            raise ValueError(f"{text!r}: input axis {name!r} is missing from the output; einfft keeps every axis")
+            raise EinshardError(f"input axis {name!r} is missing from the output; einfft keeps every axis")
     for a, b in pairs:
         if b not in seen:
-            raise ValueError(f"{text!r}: transform output axis {b!r} (of {a!r}) is missing from the output")
+            raise EinshardError(f"transform output axis {b!r} (of {a!r}) is missing from the output")
     renamed = TensorSpec(tuple(Axis(back.get(x.name, x.name), x.mesh, x.pos) for x in out.axes), (), (), out.pos)
-    _check_semantics(Formula(text, (inp,), renamed))  # mesh dimensions of the output
+    check_semantics(Formula(text, (inp,), renamed))  # mesh dimensions of the output
     is_local = inp.is_local and out.is_local
     return _Spec(text, inp, out, pairs, is_local)
 
 
-_PARSED: dict = {}
+_PARSED = BoundedCache()
 
 
 def _parse_cached(text, axes_key, families) -> _Spec:
-    key = (text, axes_key, families)
-    found = _PARSED.get(key)
+    found = _PARSED.get((text, axes_key, families))
     if found is None:
-        found = _parse(text, axes_key, families)
-        if len(_PARSED) > 4096:
-            _PARSED.clear()
-        _PARSED[key] = found
+        found = _PARSED.put((text, axes_key, families), _parse(text, axes_key, families))
     return found
-
-
-def _freeze(value):
-    if isinstance(value, Mapping):
-        return tuple((k, _freeze(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 # -- sizes and dtypes ------------------------------------------------------------------
@@ -227,19 +164,14 @@ def _real_dtype(dtype: torch.dtype) -> torch.dtype:
     return {torch.complex128: torch.float64, torch.complex32: torch.float16}.get(_complex_dtype(dtype), torch.float32)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -> dict[str, int]:
     """``signal_sizes`` keyed by input axis (family keys expanded, output names mapped back)."""
     if signal_sizes is None:
         return {}
-    text = spec.text
     if not (real and inverse):
-        raise ValueError(f"{text!r}: signal_sizes= is for inverse real transforms (real=True, inverse=True)")
+        raise EinshardError("signal_sizes= is for inverse real transforms (real=True, inverse=True)")
     if not isinstance(signal_sizes, Mapping):
-        raise ValueError(f"{text!r}: signal_sizes= must be a dict {{axis: length}}, got {signal_sizes!r}")
+        raise EinshardError(f"signal_sizes= must be a dict {{axis: length}}, got {signal_sizes!r}")
     back = {b: a for a, b in spec.pairs}
     ins = {a for a, _ in spec.pairs}
     out: dict[str, int] = {}
@@ -247,34 +179,33 @@ def _signal_sizes(spec: _Spec, signal_sizes, real: bool, inverse: bool, table) -
         if key not in ins and key not in back and key in table:
             members = table[key]
             if isinstance(value, int) or len(value) != len(members):
-                raise ValueError(f"{text!r}: signal_sizes[{key!r}] needs one length per member of family {key!r}")
+                raise EinshardError(f"signal_sizes[{key!r}] needs one length per member of family {key!r}")
             items = list(zip(members, value))
         else:
             items = [(key, value)]
         for name, n in items:
             axis = name if name in ins else back.get(name)
             if axis is None:
-                raise ValueError(f"{text!r}: signal_sizes names axis {name!r}, which is not a transformed axis")
+                raise EinshardError(f"signal_sizes names axis {name!r}, which is not a transformed axis")
             if isinstance(n, bool) or int(n) != n or n < 1:
-                raise ValueError(f"{text!r}: signal_sizes[{name!r}] must be a positive length, got {n!r}")
+                raise EinshardError(f"signal_sizes[{name!r}] must be a positive length, got {n!r}")
             out[axis] = int(n)
     return out
 
 
 def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, int]:
-    text = spec.text
     after = dict(before)
     half = spec.pairs[-1][0] if real else None
     for a, _ in spec.pairs:
         n = before[a]
         if n == 0:
-            raise ValueError(f"{text!r}: transform axis {a!r} is empty")
+            raise EinshardError(f"transform axis {a!r} is empty")
         if a == half:
             if inverse:
                 length = signal.get(a, 2 * (n - 1))
                 if length < 1 or length // 2 + 1 != n:
-                    raise ValueError(
-                        f"{text!r}: the inverse real transform of half-spectrum axis {a!r} (size {n}) needs an "
+                    raise EinshardError(
+                        f"the inverse real transform of half-spectrum axis {a!r} (size {n}) needs an "
                         f"output length L with L//2+1 == {n}; got {length}"
                         + ("" if a in signal else " (pass signal_sizes=)")
                     )
@@ -282,8 +213,8 @@ def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, 
             else:
                 after[a] = n // 2 + 1
         elif a in signal and signal[a] != n:
-            raise ValueError(
-                f"{text!r}: signal_sizes[{a!r}] = {signal[a]} but axis {a!r} has size {n}; only the half-spectrum "
+            raise EinshardError(
+                f"signal_sizes[{a!r}] = {signal[a]} but axis {a!r} has size {n}; only the half-spectrum "
                 f"axis (the last entry of axes=) can have a length of its own"
             )
     return after
@@ -292,13 +223,14 @@ def _after_sizes(spec: _Spec, before: dict, real, inverse, signal) -> dict[str, 
 # -- resolution -----------------------------------------------------------------------
 
 
+@naming()
 def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> tuple[FFTProblem, str | None]:
     text = spec.text
     ambient = _context.shapes_for(mesh)
     labels = {mesh.label(mesh.dims(a.mesh)) for t in (spec.inp, spec.out) for a in t.axes if a.mesh}
     if shapes is not None and not isinstance(shapes, Mapping) and len(labels) != 1:
-        raise ValueError(
-            f"{text!r}: shapes= as a list needs exactly one sharded mesh dimension, but the formula shards over "
+        raise EinshardError(
+            f"shapes= as a list needs exactly one sharded mesh dimension, but the formula shards over "
             f"{sorted(labels)}; use {{'dim': [...]}} instead"
         )
     known = [a.name for t in (spec.inp, spec.out) for a in t.axes]
@@ -307,7 +239,7 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
     src = resolved.operands[0]
     before = dict(zip(src.axes, src.sizes))
     after = _after_sizes(spec, before, real, inverse, signal)
-    lookup = _Splits(text, shapes, ambient, mesh, labels)
+    lookup = Splits(shapes, ambient, mesh, labels)
     back = {b: a for a, b in spec.pairs}
     shard, splits = {}, {}
     for ax in spec.out.axes:
@@ -325,53 +257,37 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
         if found is None:
             found = tuple(compute_split_shapes(after[name], mesh.size(dims)))
         elif sum(found) != after[name]:
-            raise ValueError(
-                f"{text!r}: split shapes {list(found)} of output axis {ax.name!r} sum to {sum(found)} but the "
+            raise EinshardError(
+                f"split shapes {list(found)} of output axis {ax.name!r} sum to {sum(found)} but the "
                 f"axis has size {after[name]}"
             )
         splits[name] = tuple(found)
     names = src.axes
     dst = Layout(names, tuple(after[n] for n in names), tuple(shard[n] for n in names), tuple(splits[n] for n in names))
-    index = {n: i for i, n in enumerate(names)}
+    problem = _fft_problem(spec, src, dst, dtype, real, inverse, MeshShape.of(mesh))
+    return problem, resolved.local_error
+
+
+def _fft_problem(spec: _Spec, src: Layout, dst: Layout, dtype, real, inverse, mesh_shape) -> FFTProblem:
+    index = {n: i for i, n in enumerate(src.axes)}
     renamed = dict(spec.pairs)
     cdtype = _complex_dtype(dtype)
     out_dtype = _real_dtype(dtype) if real and inverse else cdtype
-    problem = FFTProblem(
-        names=names,
-        out_names=tuple(renamed.get(n, n) for n in names),
-        before=src.sizes,
-        after=dst.sizes,
-        transform=tuple(index[a] for a, _ in spec.pairs),
-        real=real,
-        inverse=inverse,
-        src=src,
-        dst=dst,
-        mesh=MeshShape.of(mesh),
-        itemsize_in=_itemsize(dtype),
-        itemsize_complex=_itemsize(cdtype),
-        itemsize_out=_itemsize(out_dtype),
+    return FFTProblem(
+        src.axes, tuple(renamed.get(n, n) for n in src.axes), src.sizes, dst.sizes,
+        tuple(index[a] for a, _ in spec.pairs), real, inverse, src, dst, mesh_shape,
+        dtype.itemsize, cdtype.itemsize, out_dtype.itemsize,
     )
-    return problem, resolved.local_error
 
 
 def _local_plan(spec: _Spec, shape, dtype, real, inverse, signal) -> FFTPlan:
     names = spec.in_names
-    before = dict(zip(names, shape))
-    after = _after_sizes(spec, before, real, inverse, signal)
-    index = {n: i for i, n in enumerate(names)}
-    transform = tuple(index[a] for a, _ in spec.pairs)
-    sizes_b = tuple(shape)
+    after = _after_sizes(spec, dict(zip(names, shape)), real, inverse, signal)
     sizes_a = tuple(after[n] for n in names)
-    none = tuple(() for _ in names)
-    nosplit = tuple(None for _ in names)
-    src = Layout(names, sizes_b, none, nosplit)
-    dst = Layout(names, sizes_a, none, nosplit)
-    renamed = dict(spec.pairs)
-    cdtype = _complex_dtype(dtype)
-    problem = FFTProblem(
-        names, tuple(renamed.get(n, n) for n in names), sizes_b, sizes_a, transform, real, inverse, src, dst,
-        MeshShape((), ()), _itemsize(dtype), _itemsize(cdtype), _itemsize(_real_dtype(dtype) if real and inverse else cdtype),
-    )
+    src = Layout(names, tuple(shape), ((),) * len(names), (None,) * len(names))
+    dst = Layout(names, sizes_a, src.shard, src.splits)
+    problem = _fft_problem(spec, src, dst, dtype, real, inverse, MeshShape((), ()))
+    transform = problem.transform
     if real:
         dims = tuple(sorted(transform[:-1])) + (transform[-1],)
         kind = "c2r" if inverse else "r2c"
@@ -723,19 +639,19 @@ def einfft(
     (2, 40960.0)
     """
     if norm not in _NORMS:
-        raise ValueError(f"einfft: norm must be None, 'backward', 'ortho' or 'forward', got {norm!r}")
+        raise EinshardError(f"einfft: norm must be None, 'backward', 'ortho' or 'forward', got {norm!r}")
     if isinstance(x, torch.Tensor):
         shape, dtype = tuple(x.shape), x.dtype
     elif explain and isinstance(x, (tuple, list, torch.Size)):
         shape = tuple(int(s) for s in x)
         dtype = torch.complex64 if (real and inverse) else torch.float32
     else:
-        raise ValueError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
-    axes_key = _freeze(axes) if isinstance(axes, Mapping) else axes
+        raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
+    axes_key = freeze(axes)
     fam_key = freeze_families(families)
-    if _vma.ACTIVE and not explain and _vma.current() is not None:  # in shard_map(check_vma=True)
+    if not explain and in_vma_scope():  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
-            raise ValueError(_axes_form(formula, axes))
+            raise EinshardError.named(_axes_form(formula, axes), formula)
         proxy = _parse_cached(formula, axes_key, fam_key).proxy
 
         def untracked(_proxy, t, mesh=None):
@@ -745,11 +661,8 @@ def einfft(
         return _vma.formula_op(untracked, proxy, (x,), mesh=mesh)
     ambient = _context.current()
     mesh_key = mesh if mesh is not None else ambient.mesh
-    key = (
-        formula, axes_key, bool(inverse), norm, bool(real), _freeze(signal_sizes), fam_key, shape, dtype,
-        freeze_shapes(shapes) if not isinstance(shapes, Mapping) else _freeze(shapes), id(mesh_key),
-        mesh_key, getattr(ambient, "shapes_key", None) or tuple(sorted(ambient.shapes.items())),
-    )
+    key = (formula, axes_key, bool(inverse), norm, bool(real), freeze(signal_sizes), fam_key, shape, dtype,
+           freeze(shapes), id(mesh_key), mesh_key, ambient.shapes_key)
     bound = _PLANS.get(key)
     if bound is None:
         try:
@@ -757,26 +670,21 @@ def einfft(
                                  mesh, shapes)
         except ValueError as err:
             if not explain:
-                _agree_on_build_error(err, formula, axes_key, fam_key, mesh)
+                _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh)
             raise
-        if explain:
-            if bound.local_error is not None:
-                raise ValueError(bound.local_error)
-            return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
-        if bound.mesh is None and bound.plan.problem.mesh.names:
-            raise ValueError(f"{formula!r}: a virtual mesh has no process groups; use it with explain=True")
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        _PLANS[key] = bound
-    elif explain:
+        if not explain:
+            if bound.mesh is None and bound.plan.problem.mesh.names:
+                raise EinshardError("a virtual mesh has no process groups; use it with explain=True").within(formula)
+            _PLANS.put(key, bound)
+    if explain:
         if bound.local_error is not None:
-            raise ValueError(bound.local_error)
+            raise EinshardError.named(bound.local_error, formula)
         spec = _parse_cached(formula, axes_key, fam_key)
         return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
     if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
-        checks.agree(
-            bound.mesh.group(tuple(bound.mesh.names)),
-            None if bound.local_error is None else ValueError(bound.local_error),
+        agree(
+            bound.mesh,
+            None if bound.local_error is None else EinshardError.named(bound.local_error, formula),
             fingerprint=bound.fingerprint,
             what=f"the layouts of {formula!r}",
             facts=(("dtype", x.dtype), ("device", x.device)),
@@ -787,13 +695,11 @@ def einfft(
     return bound(x)
 
 
-def _agree_on_build_error(err, formula, axes_key, fam_key, mesh) -> None:
+def _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh) -> None:
     """Checks on: a planning error of a distributed call (it may depend on this rank's dtype or shape)
     is raised on every rank, which are at the agreement before communicating."""
-    if not checks.checks_enabled() or checks.was_agreed(err):
+    if not checks.checks_enabled() or checks.was_agreed(err) or not isinstance(axes, Mapping):
         return
-    from ..mesh import resolve_mesh
-
     try:
         if _parse_cached(formula, axes_key, fam_key).is_local:
             return  # no rank communicates
@@ -801,18 +707,18 @@ def _agree_on_build_error(err, formula, axes_key, fam_key, mesh) -> None:
     except ValueError:  # the formula or the mesh is wrong: every rank sees that
         return
     if m.device_mesh is not None:
-        checks.agree(m.group(tuple(m.names)), err, point="einfft")
+        agree(m, err, point="einfft")
 
 
+@naming()
 def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes):
     """Parse, validate, resolve and plan one call; returns ``(bound plan, spec)``."""
     if not isinstance(axes, Mapping):
-        raise ValueError(_axes_form(formula, axes))
+        raise EinshardError.named(_axes_form(formula, axes), formula)
     spec = _parse_cached(formula, axes_key, fam_key)
     if real and not inverse and dtype.is_complex:
-        raise ValueError(f"{formula!r}: real=True (rfftn) needs a real input, got {dtype}")
-    table = _family_table(formula, fam_key)
-    signal = _signal_sizes(spec, signal_sizes, real, inverse, table)
+        raise EinshardError(f"real=True (rfftn) needs a real input, got {dtype}")
+    signal = _signal_sizes(spec, signal_sizes, real, inverse, family_table(fam_key, formula))
     order_names = spec.in_names
     out_index = {}
     back = {b: a for a, b in spec.pairs}
@@ -820,22 +726,15 @@ def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, 
         out_index[ax.name] = order_names.index(back.get(ax.name, ax.name))
     order = tuple(out_index[a.name] for a in spec.out.axes)
     if len(shape) != len(order_names):
-        raise ValueError(
-            f"{formula!r}: the input '{spec.inp}' names {len(order_names)} dimensions but the tensor has {len(shape)}"
+        raise EinshardError(
+            f"the input '{spec.inp}' names {len(order_names)} dimensions but the tensor has {len(shape)}"
         )
     if spec.is_local:
         plan = _local_plan(spec, shape, dtype, real, inverse, signal)
         return _Bound(plan, None, norm, dtype, order), spec
-    from ..mesh import resolve_mesh
-
     m = resolve_mesh(mesh)
-    try:
-        problem, local_error = _problem(spec, shape, dtype, m, shapes, real, inverse, signal)
-        plan = plan_fft(problem)
-    except ValueError as err:
-        if checks.checks_enabled() and m.device_mesh is not None:
-            checks.agree(m.group(tuple(m.names)), err)
-        raise
+    problem, local_error = _problem(spec, shape, dtype, m, shapes, real, inverse, signal)  # errors: agreed by einfft
+    plan = plan_fft(problem)
     warning = None
     if plan.gathered:
         warning = (

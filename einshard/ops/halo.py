@@ -27,198 +27,36 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .. import vma as _vma
-from .. import _context, checks
+from .. import _context
 from .. import collectives as C
+from .. import vma as _vma
+from .._cache import BoundedCache
+from ..errors import EinshardError
 from ..mappings import make_mapping
 from ..layout import Layout, MeshShape
-from ..mesh import resolve_mesh
-from ..notation import Formula, Group, TensorSpec, expand, freeze_families
-from ..plan.halo import BOUNDARIES, halo_axis, halo_needed, halo_runs
-from ..resolve import freeze_shapes, resolve
+from ..notation import TensorSpec, freeze_families
+from ..plan.halo import halo_axis, halo_needed, halo_runs
+from ..resolve import freeze_shapes
+from .pipeline import (
+    agree_before_communicating,
+    ambient_key,
+    build_plan,
+    check_boundary,
+    freeze,
+    in_vma_scope,
+    parse_spec,
+    per_axis,
+    pick_mesh,
+    spec_layout,
+    width_pair,
+)
 
 __all__ = ["einhalo", "BoxExchange", "HaloPlan", "halo_plan"]
-
-
-# -- argument handling shared by einhalo / einwindow / einconv / einroll --------------------
-
-
-def parse_spec(text: str, families, what: str) -> TensorSpec:
-    """The one tensor spec of ``text`` (families expanded), validated for the stencil ops."""
-    if not isinstance(text, str):
-        raise ValueError(f"{what}: the spec must be a string like 'b h/sp w c', got {type(text).__name__}")
-    parsed = expand(text, freeze_families(families))
-    if parsed.output is not None or len(parsed.inputs) != 1:
-        raise ValueError(f"{what}: expects one tensor spec like 'b h/sp w c' (no '->', no ','), got {text!r}")
-    spec = parsed.inputs[0]
-    check_spec(spec, text, what)
-    return spec
-
-
-def check_spec(spec: TensorSpec, text: str, what: str, where: str = "the spec") -> None:
-    """No ``...``, factored axes, partial sums or repeated names (ValueErrors naming the axis)."""
-    if spec.has_ellipsis:
-        raise ValueError(f"{what}: {text!r}: '...' is not supported in {where}; name every axis")
-    for item in spec.items:
-        if isinstance(item, Group):
-            names = " ".join(a.name for a in item.axes)
-            raise ValueError(
-                f"{what}: {text!r}: factored axis '({names})' in {where} (axis {item.axes[0].name!r}) is not "
-                f"supported; reshape first and name the axes separately"
-            )
-    if spec.partial:
-        raise ValueError(f"{what}: {text!r}: {where} is partial ('// ...'); reduce it first (es.einshard)")
-    seen = set()
-    for a in spec.axes:
-        if a.name in seen:
-            raise ValueError(f"{what}: {text!r}: axis {a.name!r} appears twice in {where}")
-        seen.add(a.name)
-
-
-def family_table(families) -> dict[str, tuple[str, ...]]:
-    """``{family: (member names without shardings)}``."""
-    table = {}
-    for name, members in freeze_families(families):
-        table[name] = tuple(str(m).split("/")[0].strip() for m in members)
-    return table
-
-
-def per_axis(mapping, names: Sequence[str], families, what: str, arg: str, text: str) -> dict:
-    """``{axis: value}`` from a mapping keyed by axes or families (a family key takes a tuple)."""
-    if mapping is None:
-        return {}
-    if not isinstance(mapping, Mapping):
-        raise ValueError(f"{what}: {arg} must be a dict keyed by axis (or family) names, got {mapping!r}")
-    table = family_table(families)
-    out: dict = {}
-    for key, value in mapping.items():
-        if key in names:
-            targets, values = (key,), (value,)
-        elif key in table:
-            members = table[key]
-            if isinstance(value, str) and value in table:
-                value = table[value]
-            if not isinstance(value, (tuple, list)) or len(value) != len(members):
-                raise ValueError(
-                    f"{what}: {arg}[{key!r}] names family {key!r} with {len(members)} members "
-                    f"{list(members)}; give a tuple of {len(members)} values, got {value!r}"
-                )
-            targets, values = members, tuple(value)
-        else:
-            raise ValueError(
-                f"{what}: {text!r}: {arg} names axis {key!r}, which is not in the spec (axes: {list(names)})"
-            )
-        for t, v in zip(targets, values):
-            if t not in names:
-                raise ValueError(
-                    f"{what}: {text!r}: {arg} names axis {t!r} (family {key!r}), which is not in the spec "
-                    f"(axes: {list(names)})"
-                )
-            if t in out:
-                raise ValueError(f"{what}: {arg} gives axis {t!r} twice")
-            out[t] = v
-    return out
-
-
-def _nonneg_int(v) -> bool:
-    if isinstance(v, bool):
-        return False
-    try:
-        return operator.index(v) >= 0
-    except TypeError:
-        return False
-
-
-def width_pair(value, axis: str, what: str, arg: str) -> tuple[int, int]:
-    """``w`` or ``(left, right)`` as ``(left, right)`` of non-negative ints."""
-    if isinstance(value, (tuple, list)):
-        if len(value) != 2 or not all(_nonneg_int(v) for v in value):
-            raise ValueError(f"{what}: {arg} of axis {axis!r} must be an int or (left, right) of ints >= 0, got {value!r}")
-        return int(value[0]), int(value[1])
-    if not _nonneg_int(value):
-        raise ValueError(f"{what}: {arg} of axis {axis!r} must be an int >= 0 or (left, right), got {value!r}")
-    return int(value), int(value)
-
-
-def check_boundary(boundary: str, what: str) -> str:
-    if boundary not in BOUNDARIES:
-        raise ValueError(f"{what}: boundary must be one of {list(BOUNDARIES)}, got {boundary!r}")
-    return boundary
-
-
-def freeze(value):
-    """A hashable form of nested dicts / lists of plain values."""
-    if isinstance(value, Mapping):
-        return ("dict",) + tuple(sorted((str(k), freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return ("seq",) + tuple(freeze(v) for v in value)
-    if isinstance(value, bool):  # True == 1 would share a cache entry with a valid width
-        return ("bool", value)
-    return value
-
-
-def pick_mesh(spec: TensorSpec, mesh):
-    """The mesh a spec needs: ``None`` for a local spec, else ``mesh=`` or the ambient one."""
-    if not any(a.mesh for a in spec.axes):
-        return None
-    return resolve_mesh(mesh)
-
-
-def ambient_key():
-    amb = _context.current().shapes
-    return tuple(sorted(amb.items(), key=repr)) if amb else None
-
-
-def spec_layout(spec: TensorSpec, text: str, shape: tuple, mesh, shapes, what: str):
-    """``(Layout, local_error)`` of a tensor of local shape ``shape`` laid out as ``spec``."""
-    names = [a.name for a in spec.axes]
-    if len(shape) != len(names):
-        raise ValueError(
-            f"{what}: {text!r}: the spec names {len(names)} dimensions but the tensor has {len(shape)}"
-        )
-    if mesh is None:
-        n = len(names)
-        return Layout(tuple(names), tuple(int(s) for s in shape), ((),) * n, (None,) * n), None
-    formula = Formula(text, (spec,), spec)
-    res = resolve(formula, [tuple(shape)], mesh, shapes=shapes, ambient=_context.shapes_for(mesh))
-    return res.operands[0], res.local_error
-
-
-def agree_before_communicating(mesh, local_error, x: torch.Tensor) -> None:
-    """Raise a rank-local error on every rank (checks on) or here (checks off).
-
-    With checks on the ranks also agree on ``x``'s dtype and device (the exchange would abort on a mismatch).
-    """
-    if mesh is None:
-        if local_error is not None:
-            raise ValueError(local_error)
-        return
-    if local_error is not None or checks.checks_enabled():
-        checks.agree(mesh.group(tuple(mesh.names)), None if local_error is None else ValueError(local_error),
-                     facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
-
-
-def build_plan(cache: dict, key, mesh, build):
-    """``cache[key]``, or ``build()`` stored there; with checks on, ranks agree on a build error."""
-    plan = cache.get(key)
-    if plan is not None:
-        return plan
-    try:
-        plan = build()
-    except ValueError as err:
-        if mesh is not None and checks.checks_enabled():
-            checks.agree(mesh.group(tuple(mesh.names)), err)
-        raise
-    if len(cache) > 4096:
-        cache.clear()
-    cache[key] = plan
-    return plan
 
 
 # -- the exchange of rectangular pieces ------------------------------------------------------
@@ -426,30 +264,27 @@ class HaloPlan:
         return t
 
 
-_PLANS: dict = {}
-_FAST: dict = {}  # the raw arguments of einhalo -> plan (skips parsing and validation on repeat calls)
+_PLANS = BoundedCache()
+_FAST = BoundedCache()  # the raw arguments of einhalo -> plan (skips parsing and validation on repeat calls)
 
 
 def halo_plan(spec: TensorSpec, text: str, x: torch.Tensor, widths: dict[str, tuple[int, int]], boundary: str,
               mesh, shapes, what: str, families_key=()) -> HaloPlan:
     """The cached :class:`HaloPlan` of ``spec`` for ``x`` (``widths`` keyed by axis name)."""
     key = (text, families_key, spec, tuple(sorted(widths.items())), boundary, tuple(x.shape),
-           freeze_shapes(shapes), mesh, ambient_key(),
-           x.dtype, x.device)
+           freeze_shapes(shapes), mesh, ambient_key(), x.dtype, x.device)
 
     def build():
-        layout, local_error = spec_layout(spec, text, tuple(x.shape), mesh, shapes, what)
+        layout, local_error = spec_layout(spec, text, tuple(x.shape), mesh, shapes)
         names = list(layout.axes)
         for name, (left, right) in widths.items():
             i = names.index(name)
             if (left or right) and boundary in ("periodic", "replicate") and layout.sizes[i] == 0:
-                raise ValueError(
-                    f"{what}: {text!r}: axis {name!r} is empty; a {boundary} halo needs at least one cell"
-                )
+                raise EinshardError(f"axis {name!r} is empty; a {boundary} halo needs at least one cell")
         return HaloPlan(layout, {names.index(k): v for k, v in widths.items()}, boundary, mesh, x.device,
                         local_error)
 
-    return build_plan(_PLANS, key, mesh, build)
+    return build_plan(_PLANS, key, mesh, build, (text, what))
 
 
 def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=None, families=None):
@@ -475,7 +310,7 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
 
         y = es.einhalo("b h/sp w c", x_block, {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
-    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda s, t, **kw: einhalo(s, t, halos, **kw), spec, (x,), boundary=boundary,
                                fill=fill, mesh=mesh, shapes=shapes, families=families)
     try:
@@ -485,16 +320,15 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
     except TypeError:  # unhashable arguments: take the checked path (it reports them)
         fast, plan = None, None
     if plan is None:
-        what = "einhalo"
-        check_boundary(boundary, what)
-        tspec = parse_spec(spec, families, what)
-        names = [a.name for a in tspec.axes]
-        raw = per_axis(halos, names, families, what, "halos", spec)
-        widths = {k: width_pair(v, k, what, "halos") for k, v in raw.items()}
-        m = pick_mesh(tspec, mesh)
-        plan = halo_plan(tspec, spec, x, widths, boundary, m, shapes, what, freeze_families(families))
+        try:
+            check_boundary(boundary)
+            tspec = parse_spec(spec, families, "einhalo")
+            names = [a.name for a in tspec.axes]
+            widths = {k: width_pair(v, k, "halos") for k, v in per_axis(halos, names, families, "halos").items()}
+            m = pick_mesh(tspec, mesh)
+            plan = halo_plan(tspec, spec, x, widths, boundary, m, shapes, "einhalo", freeze_families(families))
+        except EinshardError as err:
+            raise err.within(spec, "einhalo")
         if fast is not None:
-            if len(_FAST) > 4096:
-                _FAST.clear()
-            _FAST[fast] = plan
+            _FAST.put(fast, plan)
     return plan(x, fill)

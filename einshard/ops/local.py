@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..errors import EinshardError, naming
 from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec
 
 try:  # the C++ entry point skips torch.einsum's Python-level argument handling
@@ -37,7 +38,7 @@ def letters_for(names: Sequence[str]) -> dict[str, str]:
     for name in names:
         if name not in table:
             if len(table) == len(_LETTERS):
-                raise ValueError("a formula may use at most 52 distinct axis names")
+                raise EinshardError("a formula may use at most 52 distinct axis names")
             table[name] = _LETTERS[len(table)]
     return table
 
@@ -135,29 +136,17 @@ def operand_name(index: int) -> str:
     return f"operand {index}"
 
 
-def dims_of(spec: TensorSpec, ndim: int, formula: Formula, index: int):
+def dims_of(spec: TensorSpec, ndim: int, index: int):
     """Match a tensor spec's items to ``ndim`` tensor dimensions.
 
     Returns a list with one entry per tensor dimension: an ``Axis``, a
     ``Group`` or ``EllipsisItem`` (one per ellipsis dimension).
     """
-    named = [i for i in spec.items if not isinstance(i, EllipsisItem)]
-    if spec.has_ellipsis:
-        extra = ndim - len(named)
-        if extra < 0:
-            raise ValueError(
-                f"{formula.text!r}: {operand_name(index)} '{spec}' names {len(named)} dimensions "
-                f"besides '...' but the tensor has only {ndim}"
-            )
-    elif ndim != len(named):
-        raise ValueError(
-            f"{formula.text!r}: {operand_name(index)} '{spec}' names {len(named)} dimensions "
-            f"but the tensor has {ndim}"
-        )
+    extra = spec.ellipsis_ndim(ndim, operand_name(index))
     dims = []
     for item in spec.items:
         if isinstance(item, EllipsisItem):
-            dims.extend([item] * (ndim - len(named)))
+            dims.extend([item] * extra)
         else:
             dims.append(item)
     return dims
@@ -173,10 +162,11 @@ def freeze_sizes(sizes: Mapping | None) -> tuple:
 def _size_value(formula: Formula, key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         if not (isinstance(value, float) and value.is_integer() and value >= 0):
-            raise ValueError(f"{formula.text!r}: sizes[{key!r}] must be a non-negative integer, got {value!r}")
+            raise EinshardError(f"sizes[{key!r}] must be a non-negative integer, got {value!r}")
     return int(value)
 
 
+@naming()
 def expand_sizes(formula: Formula, sizes: tuple, families: tuple) -> dict[str, int]:
     """``sizes=`` with family keys expanded to their members."""
     table = dict(families)
@@ -186,21 +176,21 @@ def expand_sizes(formula: Formula, sizes: tuple, families: tuple) -> dict[str, i
         if isinstance(value, tuple):
             members = table.get(key)
             if members is None:
-                raise ValueError(f"{formula.text!r}: sizes[{key!r}] is a tuple but {key!r} is not a family")
+                raise EinshardError(f"sizes[{key!r}] is a tuple but {key!r} is not a family")
             if len(members) != len(value):
-                raise ValueError(
-                    f"{formula.text!r}: sizes[{key!r}] has {len(value)} entries but family {key!r} "
+                raise EinshardError(
+                    f"sizes[{key!r}] has {len(value)} entries but family {key!r} "
                     f"has {len(members)} members"
                 )
             for member, v in zip(members, value):
                 out[member.split("/")[0].strip()] = _size_value(formula, key, v)
         elif key in table and key not in names:
-            raise ValueError(f"{formula.text!r}: sizes[{key!r}] for a family needs one size per member")
+            raise EinshardError(f"sizes[{key!r}] for a family needs one size per member")
         else:
             out[key] = _size_value(formula, key, value)
     unknown = sorted(set(out) - names)
     if unknown:
-        raise ValueError(f"{formula.text!r}: sizes names axis {unknown[0]!r}, which is not in the formula")
+        raise EinshardError(f"sizes names axis {unknown[0]!r}, which is not in the formula")
     return out
 
 
@@ -209,25 +199,22 @@ def infer_group_sizes(formula: Formula, index: int, group: Group, dim_size: int,
     unknown = [a.name for a in group.axes if a.name not in known]
     product = math.prod(known[a.name] for a in group.axes if a.name in known)
     if len(unknown) > 1:
-        raise ValueError(
-            f"{formula.text!r}: cannot infer the sizes of {', '.join(map(repr, unknown))} in group "
+        raise EinshardError(
+            f"cannot infer the sizes of {', '.join(map(repr, unknown))} in group "
             f"'{group}' of {operand_name(index)}; pass sizes= for all but one"
         )
     if unknown:
         if product == 0 or dim_size % product:
             factors = ", ".join(f"{a.name}={known[a.name]}" for a in group.axes if a.name in known)
-            raise ValueError(
-                f"{formula.text!r}: dimension of size {dim_size} in {operand_name(index)} cannot be "
+            raise EinshardError(
+                f"dimension of size {dim_size} in {operand_name(index)} cannot be "
                 f"factored as group '{group}': the known factors ({factors}) have product {product}, which "
                 f"does not divide {dim_size}, so the unknown factor {unknown[0]!r} has no size"
             )
         known[unknown[0]] = dim_size // product
     elif product != dim_size:
         sizes = " * ".join(f"{a.name}={known[a.name]}" for a in group.axes)
-        raise ValueError(
-            f"{formula.text!r}: group '{group}' of {operand_name(index)} has size {dim_size}, "
-            f"but {sizes} = {product}"
-        )
+        raise EinshardError(f"group '{group}' of {operand_name(index)} has size {dim_size}, but {sizes} = {product}")
 
 
 def check_size(formula: Formula, index: int, axis: str, size: int, known: dict) -> None:
@@ -237,9 +224,7 @@ def check_size(formula: Formula, index: int, axis: str, size: int, known: dict) 
     elif old == 1:
         known[axis] = size
     elif size != 1:
-        raise ValueError(
-            f"{formula.text!r}: axis {axis!r} has size {size} in {operand_name(index)} but {old} elsewhere"
-        )
+        raise EinshardError(f"axis {axis!r} has size {size} in {operand_name(index)} but {old} elsewhere")
 
 
 class LocalPlan:
@@ -273,18 +258,16 @@ class LocalPlan:
         return self.run(tensors)
 
 
+@naming()
 def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (), families: tuple = ()) -> LocalPlan:
     """Plan a local formula for inputs of the given shapes."""
     if formula.output is None:
-        raise ValueError(f"{formula.text!r}: einshard needs a formula 'inputs -> output'")
+        raise EinshardError("einshard needs a formula 'inputs -> output'")
     if len(shapes) != len(formula.inputs):
-        raise ValueError(
-            f"{formula.text!r}: the formula has {len(formula.inputs)} operand(s) but "
-            f"{len(shapes)} tensor(s) were given"
-        )
+        raise EinshardError(f"the formula has {len(formula.inputs)} operand(s) but {len(shapes)} tensor(s) were given")
     known = expand_sizes(formula, sizes, families)
     given = dict(known)
-    per_input = [dims_of(spec, len(shape), formula, i) for i, (spec, shape) in enumerate(zip(formula.inputs, shapes))]
+    per_input = [dims_of(spec, len(shape), i) for i, (spec, shape) in enumerate(zip(formula.inputs, shapes))]
     ellipsis_shapes = []
     # plain axes first, so groups can use their sizes
     for i, (dims, shape) in enumerate(zip(per_input, shapes)):
@@ -292,8 +275,8 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
         for d, size in zip(dims, shape):
             if isinstance(d, Axis):
                 if d.name in given and given[d.name] != size:
-                    raise ValueError(
-                        f"{formula.text!r}: axis {d.name!r} of {operand_name(i)} has size {size} "
+                    raise EinshardError(
+                        f"axis {d.name!r} of {operand_name(i)} has size {size} "
                         f"but sizes= says {given[d.name]}"
                     )
                 check_size(formula, i, d.name, size, known)
@@ -356,5 +339,5 @@ def _broadcast_ellipsis(formula: Formula, shapes: list[tuple]) -> tuple:
             if out[j] == 1:
                 out[j] = size
             elif size not in (1, out[j]):
-                raise ValueError(f"{formula.text!r}: the '...' dimensions {shapes} do not broadcast")
+                raise EinshardError(f"the '...' dimensions {shapes} do not broadcast")
     return tuple(out)

@@ -17,19 +17,21 @@ import operator
 
 import torch
 
-from .. import vma as _vma
 from .. import _context
+from .. import vma as _vma
+from .._cache import BoundedCache
+from ..errors import EinshardError
 from ..layout import Layout, MeshShape
 from ..notation import freeze_families
 from ..plan.halo import roll_runs
 from ..resolve import freeze_shapes
-from .halo import (
+from .halo import compile_exchange, exchange_group
+from .pipeline import (
     agree_before_communicating,
     ambient_key,
     build_plan,
-    compile_exchange,
-    exchange_group,
     freeze,
+    in_vma_scope,
     parse_spec,
     per_axis,
     pick_mesh,
@@ -70,17 +72,17 @@ class RollPlan:
         return t
 
 
-_PLANS: dict = {}
-_FAST: dict = {}  # the raw arguments of einroll -> plan
+_PLANS = BoundedCache()
+_FAST = BoundedCache()  # the raw arguments of einroll -> plan
 
 
 def _shift(value, axis: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}")
     try:
-        return operator.index(value)
+        if not isinstance(value, bool):
+            return operator.index(value)
     except TypeError:
-        raise ValueError(f"einroll: the shift of axis {axis!r} must be an int, got {value!r}") from None
+        pass
+    raise EinshardError(f"the shift of axis {axis!r} must be an int, got {value!r}")
 
 
 def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
@@ -101,7 +103,7 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
 
         y = es.einroll("b h/sp w", x_block, {"h": 3, "w": -1}, mesh=mesh, shapes={"sp": [5, 5, 6]})
     """
-    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda s, t, **kw: einroll(s, t, shifts, **kw), spec, (x,), mesh=mesh,
                                shapes=shapes, families=families)
     try:
@@ -110,24 +112,26 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
         plan = _FAST.get(fast)
     except TypeError:  # unhashable arguments: take the checked path (it reports them)
         fast, plan = None, None
-    if plan is not None:
-        return plan(x)
-    what = "einroll"
-    tspec = parse_spec(spec, families, what)
+    if plan is None:
+        try:
+            plan = _plan(spec, x, shifts, mesh, shapes, families)
+        except EinshardError as err:
+            raise err.within(spec, "einroll")
+        if fast is not None:
+            _FAST.put(fast, plan)
+    return plan(x)
+
+
+def _plan(spec, x, shifts, mesh, shapes, families) -> RollPlan:
+    tspec = parse_spec(spec, families, "einroll")
     names = [a.name for a in tspec.axes]
-    raw = per_axis(shifts, names, families, what, "shifts", spec)
-    by_name = {k: _shift(v, k) for k, v in raw.items()}
+    by_name = {k: _shift(v, k) for k, v in per_axis(shifts, names, families, "shifts").items()}
     m = pick_mesh(tspec, mesh)
     key = (spec, freeze_families(families), tspec, tuple(sorted(by_name.items())), tuple(x.shape),
            freeze_shapes(shapes), m, ambient_key(), x.dtype, x.device)
 
     def build():
-        layout, local_error = spec_layout(tspec, spec, tuple(x.shape), m, shapes, what)
+        layout, local_error = spec_layout(tspec, spec, tuple(x.shape), m, shapes)
         return RollPlan(layout, {names.index(k): v for k, v in by_name.items()}, m, local_error)
 
-    plan = build_plan(_PLANS, key, m, build)
-    if fast is not None:
-        if len(_FAST) > 4096:
-            _FAST.clear()
-        _FAST[fast] = plan
-    return plan(x)
+    return build_plan(_PLANS, key, m, build, (spec, "einroll"))

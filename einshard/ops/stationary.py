@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from .._cache import BoundedCache
 from ..notation import Axis, Formula, Group, TensorSpec
 from .local import build_local_plan
 
 __all__ = ["is_stationary", "local_formula", "needs_mesh_for_grad", "stationary_plan"]
 
-_PLANS: dict = {}
+_PLANS = BoundedCache()
 
 
 def is_stationary(parsed: Formula, sizes: tuple = ()) -> bool:
@@ -86,8 +87,5 @@ def stationary_plan(key: tuple, parsed: Formula, shapes):
     """The cached local plan running stationary ``parsed`` on local blocks."""
     plan = _PLANS.get(key)
     if plan is None:
-        plan = build_local_plan(local_formula(parsed), shapes, key[1], key[2])
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        plan = _PLANS.put(key, build_local_plan(local_formula(parsed), shapes, key[1], key[2]))
     return plan

@@ -11,75 +11,60 @@ a permutation to the output order.
 from __future__ import annotations
 
 from .. import vma as _vma
+from ..errors import EinshardError
 from ..notation import expand, freeze_families
-from .halo import check_boundary, check_spec, family_table, halo_plan, per_axis, pick_mesh, width_pair
+from .halo import halo_plan
+from .pipeline import (check_boundary, check_kept_sharding, check_spec, family_table, in_vma_scope, per_axis,
+                       pick_mesh, width_pair)
 
 __all__ = ["einwindow", "parse_window_formula"]
 
 
-def _split_formula(formula: str, what: str):
-    if not isinstance(formula, str) or formula.count("->") != 1:
-        raise ValueError(f"{what}: expects a formula 'input -> output', got {formula!r}")
-    left, right = formula.split("->")
-    return left.strip(), right.strip()
-
-
-def same_sharding(a, b, mesh=None) -> bool:
-    """Whether two axes are sharded over the same (compound) mesh dimension."""
-    return frozenset(a.mesh_components) == frozenset(b.mesh_components)
-
-
-def parse_window_formula(formula, windows, radius, families, what="einwindow"):
+def parse_window_formula(formula, windows, radius, families):
     """``(input spec, input text, output spec, {axis: window name}, {axis: (left, right)})``, validated."""
-    left, right = _split_formula(formula, what)
-    fam = freeze_families(families)
-    parsed_in, parsed_out = expand(left, fam), expand(right, fam)
+    if not isinstance(formula, str) or formula.count("->") != 1:
+        raise EinshardError("expects a formula 'input -> output'")
+    left, right = (side.strip() for side in formula.split("->"))
+    parsed_in, parsed_out = expand(left, families), expand(right, families)
     if parsed_in.output is not None or len(parsed_in.inputs) != 1 or len(parsed_out.inputs) != 1:
-        raise ValueError(f"{what}: expects one input and one output tensor, got {formula!r}")
+        raise EinshardError("expects one input and one output tensor")
     ins, out = parsed_in.inputs[0], parsed_out.inputs[0]
-    check_spec(ins, formula, what, "the input")
-    check_spec(out, formula, what, "the output")
+    check_spec(ins, "einwindow", "the input")
+    check_spec(out, "einwindow", "the output")
     in_names = [a.name for a in ins.axes]
-    wmap = per_axis(windows, in_names, families, what, "windows", formula)
+    wmap = per_axis(windows, in_names, families, "windows")
     table = family_table(families)
     for axis, name in wmap.items():
         if not isinstance(name, str):
-            raise ValueError(f"{what}: windows[{axis!r}] must be the name of the window axis, got {name!r}")
+            raise EinshardError(f"windows[{axis!r}] must be the name of the window axis, got {name!r}")
         if name in table and len(table[name]) == 1:
             wmap[axis] = table[name][0]
-    rad = {k: width_pair(v, k, what, "radius") for k, v in per_axis(radius, in_names, families, what, "radius",
-                                                                      formula).items()}
+    rad = {k: width_pair(v, k, "radius") for k, v in per_axis(radius, in_names, families, "radius").items()}
     for axis in wmap:
         if axis not in rad:
-            raise ValueError(f"{what}: {formula!r}: axis {axis!r} has a window but no radius; pass radius={{{axis!r}: r}}")
+            raise EinshardError(f"axis {axis!r} has a window but no radius; pass radius={{{axis!r}: r}}")
     for axis in rad:
         if axis not in wmap:
-            raise ValueError(f"{what}: {formula!r}: radius names axis {axis!r}, which has no window in windows=")
+            raise EinshardError(f"radius names axis {axis!r}, which has no window in windows=")
     out_axes = {a.name: a for a in out.axes}
     seen = set()
     for axis, name in wmap.items():
         if name in in_names:
-            raise ValueError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is already an input axis")
+            raise EinshardError(f"window axis {name!r} (of {axis!r}) is already an input axis")
         if name in seen:
-            raise ValueError(f"{what}: {formula!r}: window axis {name!r} is used for two axes")
+            raise EinshardError(f"window axis {name!r} is used for two axes")
         seen.add(name)
         if name not in out_axes:
-            raise ValueError(f"{what}: {formula!r}: window axis {name!r} (of {axis!r}) is missing from the output")
+            raise EinshardError(f"window axis {name!r} (of {axis!r}) is missing from the output")
         if out_axes[name].mesh:
-            raise ValueError(
-                f"{what}: {formula!r}: window axis {name!r} is sharded ('{out_axes[name]}'); window axes are local"
-            )
+            raise EinshardError(f"window axis {name!r} is sharded ('{out_axes[name]}'); window axes are local")
     for a in ins.axes:
         if a.name not in out_axes:
-            raise ValueError(f"{what}: {formula!r}: input axis {a.name!r} is missing from the output")
-        if not same_sharding(a, out_axes[a.name]):
-            raise ValueError(
-                f"{what}: {formula!r}: the output changes the sharding of axis {a.name!r} "
-                f"('{a}' -> '{out_axes[a.name]}'); it must stay as in the input"
-            )
+            raise EinshardError(f"input axis {a.name!r} is missing from the output")
+        check_kept_sharding(a, out_axes[a.name])
     for name in out_axes:
         if name not in in_names and name not in seen:
-            raise ValueError(f"{what}: {formula!r}: output axis {name!r} is neither an input axis nor a window axis")
+            raise EinshardError(f"output axis {name!r} is neither an input axis nor a window axis")
     return ins, left, out, wmap, rad
 
 
@@ -107,14 +92,16 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
         y = es.einwindow("b h/sp w c -> b h/sp w kh kw c", x_block, {"h": "kh", "w": "kw"},
                          {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
-    if _vma.ACTIVE and _vma.current() is not None:  # in shard_map(check_vma=True): variance rules
+    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda f, t, **kw: einwindow(f, t, windows, radius, **kw), formula, (x,),
                                boundary=boundary, fill=fill, mesh=mesh, shapes=shapes, families=families)
-    what = "einwindow"
-    check_boundary(boundary, what)
-    ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families, what)
-    m = pick_mesh(ins, mesh)
-    plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, what, freeze_families(families))
+    try:
+        check_boundary(boundary)
+        ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families)
+        m = pick_mesh(ins, mesh)
+        plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, "einwindow", freeze_families(families))
+    except EinshardError as err:
+        raise err.within(formula, "einwindow")
     y = plan(x, fill)
     names = [a.name for a in ins.axes]
     current = list(names)

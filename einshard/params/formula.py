@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from .._cache import BoundedCache
 from ..plan.contraction import ANY
 from .state import ParameterGradComm, check_state
 from .store import PARAM_STATE_ATTR, prepare_registration, set_parameter_state
@@ -116,9 +117,9 @@ class FormulaRecorder:
         self.formula = formula
         self.parsed = parsed
         self.indices = tuple(indices)
-        self._cache: dict = {}
+        self._cache = BoundedCache(256)
         # (names, backend, operand ids) -> (weak refs, the states committed last, what to prepare next)
-        self._steady: dict = {}
+        self._steady = BoundedCache(256)
 
     def prepare(self, tensors, names, backend=None) -> dict:
         """``{id(p): (p, merged state)}`` for every ``[param]`` operand; raises before anything runs.
@@ -187,9 +188,7 @@ class FormulaRecorder:
                 if attached.grad_comm.mode != "none" and attached.grad_comm.backend == merged.grad_comm.backend:
                     # already resolved by an earlier call: keep those groups (one partial layout per gradient)
                     merged = replace(merged, grad_comm=replace(merged.grad_comm, mesh_dims=attached.grad_comm.mesh_dims))
-            if len(self._cache) > 256:
-                self._cache.clear()
-            self._cache[cache_key] = (attached, merged)
+            self._cache.put(cache_key, (attached, merged))
             out[key] = (p, merged)
         return out
 
@@ -218,11 +217,9 @@ class FormulaRecorder:
             committed[id(p)] = (p, getattr(p, PARAM_STATE_ATTR))
             del prepared[id(p)]
         if key is not None:  # the next call with these Parameters, unchanged, prepares exactly this
-            if len(self._steady) > 256:
-                self._steady.clear()
             refs = tuple(weakref.ref(tensors[k]) for k in self.indices)
             states = tuple(committed[id(tensors[k])][1] for k in self.indices)
-            self._steady[key] = (refs, states, committed)
+            self._steady.put(key, (refs, states, committed))
 
 
 def explain_duties(parsed, operands) -> tuple:
