@@ -13,7 +13,10 @@ is the slowest rank's. One JSON line per case::
     python benchmarks/bench_movement.py --scale 4    # the issue's medium sizes
 
 Fields: ``case``, ``formula``, ``shape`` (global), ``einshard_ms``,
-``native_ms`` (medians), ``ratio``, ``einshard_sent_bytes`` and
+``native_ms`` (medians), ``ratio``, ``einshard_cpu_ms`` and ``native_cpu_ms``
+(the calling thread's CPU time per call, slowest rank: the Python and
+copying cost, steadier than wall time on a shared machine),
+``einshard_sent_bytes`` and
 ``native_sent_bytes`` (per rank, averaged over the ranks; einshard's from
 ``es.count_communication``), ``bytes_ratio``.
 """
@@ -141,11 +144,13 @@ def _mesh_move_native(x, i, j, r):
 
 
 def _time(fn, number):
+    """(wall ms, this thread's CPU ms) per call: the CPU time is what the caller's Python costs,
+    steadier than the wall time on a shared machine."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(number):
         fn()
-    return (time.perf_counter() - t0) / number * 1e3
+    return (time.perf_counter() - t0) / number * 1e3, (time.thread_time() - c0) / number * 1e3
 
 
 def _job(scale, number, repeats, only):
@@ -164,7 +169,7 @@ def _job(scale, number, repeats, only):
         for _ in range(repeats):
             t_es.append(_time(case["einshard"], number))
             t_nat.append(_time(case["native"], number))
-        tt = torch.tensor([t_es, t_nat], dtype=torch.float64)
+        tt = torch.tensor([t_es, t_nat], dtype=torch.float64)  # (2, repeats, wall/cpu)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         info = {k: case[k] for k in ("case", "formula", "shape")}
         results.append((info, tt[0].tolist(), tt[1].tolist(), (sent / 4).tolist()))
@@ -181,15 +186,17 @@ def main(argv=None) -> int:
     out = spawn(_job, 4, args=(args.scale, args.number, args.repeats, args.case), timeout=900, checks=False)[0]
     bad = 0
     for case, t_es, t_nat, (es_bytes, nat_bytes, wrong) in out:
-        e, n = statistics.median(t_es), statistics.median(t_nat)
+        e, n = (statistics.median(t[0] for t in ts) for ts in (t_es, t_nat))
+        ec, nc = (statistics.median(t[1] for t in ts) for ts in (t_es, t_nat))
         line = {"bench": "movement", "case": case["case"], "formula": case["formula"], "shape": case["shape"],
                 "einshard_ms": round(e, 3), "native_ms": round(n, 3), "ratio": round(e / n, 3),
+                "einshard_cpu_ms": round(ec, 3), "native_cpu_ms": round(nc, 3),
                 "einshard_sent_bytes": es_bytes, "native_sent_bytes": nat_bytes,
                 "bytes_ratio": round(es_bytes / nat_bytes, 3) if nat_bytes else None, "agree": not wrong,
                 "number": args.number, "repeats": args.repeats}
         print(json.dumps(line), flush=True)
         print(f"{case['case']:>22}: einshard {e:8.3f} ms  native {n:8.3f} ms  x{e / n:.2f}  "
-              f"bytes x{line['bytes_ratio']}", file=sys.stderr)
+              f"(cpu {ec:.3f} / {nc:.3f} ms)  bytes x{line['bytes_ratio']}", file=sys.stderr)
         bad += bool(wrong)
     return 1 if bad else 0
 

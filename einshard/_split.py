@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import EinshardError
 
+import torch.distributed as dist
+
 __all__ = [
     "compute_split_shapes",
     "compute_split_shapes_for_factors",
@@ -80,8 +82,6 @@ def _group_size(group) -> int:
         return None
     if isinstance(group, int):
         return group
-    import torch.distributed as dist
-
     return dist.get_world_size(group)
 
 

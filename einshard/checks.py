@@ -27,8 +27,9 @@ import weakref
 import zlib
 
 import torch
+import torch.distributed as dist
 
-from . import _context
+from . import _context, comm_stats
 
 __all__ = ["set_checks", "checks_enabled", "agree", "report_failure", "RankFailedError"]
 
@@ -197,8 +198,6 @@ _RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _group_ranks(group) -> tuple[int, ...]:
     """The global ranks of ``group`` (cached)."""
-    import torch.distributed as dist
-
     if group is None:
         group = dist.group.WORLD
     try:
@@ -215,8 +214,6 @@ def _group_ranks(group) -> tuple[int, ...]:
 
 
 def _flag_device(group) -> torch.device:
-    import torch.distributed as dist
-
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -229,19 +226,15 @@ def _body_group():
     return None if body is None else getattr(body, "group", None)
 
 
-_all_gather_tensor = None
+_all_gather_tensor = None  # looked up on first use: a wrapper put on ``dist`` later (benchmarks) is seen
 
 
 def _gather(record: torch.Tensor, group, size: int) -> torch.Tensor:
     global _all_gather_tensor
-    import torch.distributed as dist
-
     if _all_gather_tensor is None:
         _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     out = record.new_empty((size,) + tuple(record.shape))
     _all_gather_tensor(out.view(-1), record.contiguous().view(-1), group=group)
-    from . import comm_stats
-
     if comm_stats._ACTIVE:
         n = (size - 1) * record.numel() * record.element_size()
         comm_stats.record("check", group, n, n)
@@ -299,8 +292,6 @@ def agree(
         if error is not None:
             raise error
         return
-    import torch.distributed as dist
-
     outer = _body_group()
     agreed = True  # whether the error raised below reaches every rank that must hear of it
     if outer is not None and group is not outer and not set(_group_ranks(group)) <= set(_group_ranks(outer)):
@@ -359,8 +350,6 @@ def report_failure(group, exc: BaseException) -> None:
     """
     if not _ENABLED or was_agreed(exc, body=True):
         return
-    import torch.distributed as dist
-
     size = dist.get_world_size(group)
     _mark_agreed(exc)
     if size == 1:
@@ -420,8 +409,6 @@ def _bad_pairs(rows):
 
 
 def _payload(message: bytes, point: str, inner, facts) -> bytes:
-    from . import comm_stats
-
     where = point + (f" on group {comm_stats.group_label(inner)!r}" if inner is not None else "")
     parts = [where.encode(), message]
     parts += [f"{label}: {_render(value)}".encode("utf-8", "backslashreplace") for label, value in facts]

@@ -45,6 +45,7 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "all_to_all_v",
+    "isend_irecv",
     "ppermute",
 ]
 
@@ -56,26 +57,17 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # -- small helpers -------------------------------------------------------------
 
 
-def _size(group) -> int:
-    """``dist.get_world_size(group)`` without its Python checks for a ``ProcessGroup`` (the hot path)."""
-    if type(group) is dist.ProcessGroup:
-        return group.size()
-    return dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    if type(group) is dist.ProcessGroup:
-        return group.rank()
-    return dist.get_rank(group)
-
-
 def group_size(group=None) -> int:
     """The number of ranks in ``group`` (``None``: the world).
+
+    A ``ProcessGroup`` is asked directly (the hot path skips ``dist``'s Python checks).
 
     >>> group_size(mesh.get_group("tp"))  # doctest: +SKIP
     4
     """
-    return _size(group)
+    if type(group) is dist.ProcessGroup:
+        return group.size()
+    return dist.get_world_size(group)
 
 
 def group_rank(group=None) -> int:
@@ -84,7 +76,12 @@ def group_rank(group=None) -> int:
     >>> group_rank(mesh.get_group("tp"))  # doctest: +SKIP
     2
     """
-    return _rank(group)
+    if type(group) is dist.ProcessGroup:
+        return group.rank()
+    return dist.get_rank(group)
+
+
+_size, _rank = group_size, group_rank
 
 
 def _global_rank(group, rank: int) -> int:
@@ -151,6 +148,12 @@ def _dim(dim, ndim: int, fn: str, what: str = "dim"):
     if not -max(ndim, 1) <= d < max(ndim, 1) or ndim == 0:
         return 0, ValueError(f"{fn}: {what}={dim} is out of range for a tensor with {ndim} dimensions")
     return d % ndim, None
+
+
+def _along(x, group, dim, shapes, fn: str):
+    """``(size, shapes, dim, error)`` along ``dim``: the group's size, ``shapes`` checked, ``dim`` normalised."""
+    size = _size(group)
+    return (size, None if shapes is None else _sizes(shapes, f"{fn}: shapes", size), *_dim(dim, x.dim(), fn))
 
 
 def _whole_split(shapes, length: int, size: int, what: str, dim_text: str):
@@ -233,8 +236,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         return (y, _CompletedWork()) if async_op else y
     if _stats._ACTIVE:
         _record("all_reduce", group, size, y.numel() * y.element_size())
-    buf = torch.view_as_real(y) if y.is_complex() else y
-    work = dist.all_reduce(buf, op=reduce_op, group=group, async_op=async_op)
+    work = dist.all_reduce(_flat(y), op=reduce_op, group=group, async_op=async_op)
     return (y, work) if async_op else y
 
 
@@ -260,8 +262,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     y = _contiguous_clone(x) if rank == src else torch.empty_like(x, memory_format=torch.contiguous_format)
     if _stats._ACTIVE:
         _record("broadcast", group, size, y.numel() * y.element_size(), rank == src)
-    buf = torch.view_as_real(y) if y.is_complex() else y
-    dist.broadcast(buf, src=_global_rank(group, src), group=group)
+    dist.broadcast(_flat(y), src=_global_rank(group, src), group=group)
     return y
 
 
@@ -277,10 +278,7 @@ def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None)
     >>> split(torch.arange(10), group, 0)  # rank 3 of 4 → shapes [3, 3, 3, 1]  # doctest: +SKIP
     tensor([9])
     """
-    size = _size(group)
-    if shapes is not None:
-        shapes = _sizes(shapes, "split: shapes", size)
-    d, err = _dim(dim, x.dim(), "split")
+    size, shapes, d, err = _along(x, group, dim, shapes, "split")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
     if err is not None or _checks.agreement_needed():
@@ -300,10 +298,7 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
             [1., 1.]])
     >>> all_gather(x, group, dim=1, shapes=[3, 3, 3, 0])  # doctest: +SKIP
     """
-    size = _size(group)
-    if shapes is not None:
-        shapes = _sizes(shapes, "all_gather: shapes", size)
-    d, err = _dim(dim, x.dim(), "all_gather")
+    size, shapes, d, err = _along(x, group, dim, shapes, "all_gather")
     rank = _rank(group) if size > 1 else 0
     if err is None and shapes is not None and x.shape[d] != shapes[rank]:
         err = ValueError(
@@ -346,10 +341,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     >>> reduce_scatter(torch.ones(4), group, 0)  # 2 ranks  # doctest: +SKIP
     tensor([2., 2.])
     """
-    size = _size(group)
-    if shapes is not None:
-        shapes = _sizes(shapes, "reduce_scatter: shapes", size)
-    d, err = _dim(dim, x.dim(), "reduce_scatter")
+    size, shapes, d, err = _along(x, group, dim, shapes, "reduce_scatter")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "reduce_scatter: shapes", f"dim {dim}")
     if err is not None or _checks.agreement_needed():
@@ -473,20 +465,15 @@ def all_to_all(
     return torch.cat(parts, sd)
 
 
-def all_to_all_v(
-    chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group, *, pairwise: bool = False
-) -> list[torch.Tensor]:
+def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], group) -> list[torch.Tensor]:
     """General exchange: ``chunks[j]`` goes to group rank ``j``; returns what each rank sent here.
 
     Chunks may have any shape (they are flattened) and must share one dtype;
     ``recv_numels[j]`` is the element count rank ``j`` sends to this rank.
     Returns flat 1-D tensors, one per source rank. This rank's own chunk is
     passed through without communication (the result may share its memory).
-    One ``all_to_all_single`` with split sizes; with ``pairwise=True``
-    (every rank of the group must pass the same), batched point-to-point
-    ``isend``/``irecv`` with only the ranks it exchanges data with: no
-    packing of the send blocks (contiguous chunks are sent as they are), and
-    ranks that exchange nothing do not take part.
+    One ``all_to_all_single`` with split sizes (for point-to-point transfers
+    with only some peers, see :func:`isend_irecv`).
 
     >>> got = all_to_all_v([torch.full((j,), float(rank)) for j in range(P)], [rank] * P, group)  # doctest: +SKIP
     >>> got[j]  # rank j's chunk for this rank: `rank` elements equal to j  # doctest: +SKIP
@@ -511,8 +498,6 @@ def all_to_all_v(
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
-    if pairwise:
-        return _pairwise(chunks, recv_numels, group, rank, own)
     in_splits = [0 if j == rank else c.numel() for j, c in enumerate(chunks)]
     out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
     send = [c.detach().reshape(-1) for j, c in enumerate(chunks) if j != rank and c.numel()]
@@ -535,28 +520,22 @@ def all_to_all_v(
     return result
 
 
-def _pairwise(chunks, recv_numels, group, rank, own) -> list[torch.Tensor]:
-    """The transport of ``all_to_all_v(pairwise=True)``: one batched isend/irecv per peer with data."""
-    out_splits = [0 if j == rank else n for j, n in enumerate(recv_numels)]
-    out = own.new_empty(sum(out_splits))
-    result = list(out.split(out_splits))
-    ops, sent = [], 0
-    for j, c in enumerate(chunks):
-        if j != rank and c.numel():
-            flat = _flat(c.detach().contiguous())  # a view when the chunk is already contiguous
-            sent += c.numel()
-            ops.append(dist.P2POp(dist.isend, flat, _global_rank(group, j), group))
-    for j, buf in enumerate(result):
-        if j != rank and buf.numel():
-            ops.append(dist.P2POp(dist.irecv, _flat(buf), _global_rank(group, j), group))
+def isend_irecv(sends, recvs, group, kind: str = "all_to_all_v") -> list:
+    """Start batched point-to-point transfers; returns the works to ``wait()`` on.
+
+    ``sends`` / ``recvs``: ``(group rank, contiguous tensor)`` pairs; received
+    tensors are written in place (views of a larger buffer are fine). Records
+    one ``kind`` call in :mod:`einshard.comm_stats`, also when nothing moves.
+
+    >>> works = isend_irecv([(1, x)], [(1, buf)], group)  # a swap with group rank 1  # doctest: +SKIP
+    >>> for w in works: w.wait()  # doctest: +SKIP
+    """
     if _stats._ACTIVE:
-        isz = own.element_size()
-        _stats.record("all_to_all_v", group, sent * isz, sum(out_splits) * isz)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    result[rank] = own
-    return result
+        _stats.record(kind, group, sum(t.numel() * t.element_size() for _, t in sends),
+                      sum(t.numel() * t.element_size() for _, t in recvs))
+    ops = [dist.P2POp(dist.isend, _flat(t), _global_rank(group, j), group) for j, t in sends]
+    ops += [dist.P2POp(dist.irecv, _flat(t), _global_rank(group, j), group) for j, t in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 # -- ppermute --------------------------------------------------------------------

@@ -92,13 +92,7 @@ class CommStats:
 
     # -- recording ---------------------------------------------------------
     def _add(self, kind: str, label: str, direction: str, sent: int, received: int, calls: int = 1) -> None:
-        key = (kind, label, direction)
-        entry = self.records.get(key)
-        if entry is None:
-            entry = self.records[key] = CommRecord()
-        entry.calls += calls
-        entry.sent_bytes += sent
-        entry.received_bytes += received
+        self.records.setdefault((kind, label, direction), CommRecord())._add(CommRecord(calls, sent, received))
 
     def reset(self) -> None:
         """Forget everything recorded so far."""
@@ -212,15 +206,11 @@ def register_group_label(group, label: str) -> None:
 
     >>> register_group_label(mesh.get_group("tp"), "tp")  # doctest: +SKIP
     """
-    group = _resolve(group)
+    group = dist.group.WORLD if group is None else group
     try:
         _LABELS[group] = label
     except TypeError:  # not weak-referenceable
         _STRONG_LABELS[id(group)] = (group, label)
-
-
-def _resolve(group):
-    return dist.group.WORLD if group is None else group
 
 
 def group_label(group) -> str:
@@ -229,7 +219,7 @@ def group_label(group) -> str:
     >>> group_label(None)  # doctest: +SKIP
     'world'
     """
-    group = _resolve(group)
+    group = dist.group.WORLD if group is None else group
     try:
         label = _LABELS.get(group)
     except TypeError:
@@ -249,10 +239,6 @@ def group_label(group) -> str:
     return "group(" + ",".join(str(r) for r in ranks) + ")"
 
 
-def _direction() -> str:
-    return BACKWARD if torch._C._current_graph_task_id() != -1 else FORWARD
-
-
 def record(kind: str, group, sent_bytes: int, received_bytes: int, calls: int = 1) -> None:
     """Add one collective call to every active :func:`count_communication` context.
 
@@ -264,6 +250,6 @@ def record(kind: str, group, sent_bytes: int, received_bytes: int, calls: int = 
     if not _ACTIVE:
         return
     label = group_label(group)
-    direction = _direction()
+    direction = BACKWARD if torch._C._current_graph_task_id() != -1 else FORWARD
     for stats in list(_ACTIVE):
         stats._add(kind, label, direction, int(sent_bytes), int(received_bytes), calls)

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from ._specs import strip_spec as _strip
 from .execute import transition
 from .layout import Layout
-from ._specs import strip_spec as _strip
 from .notation import expand
 from .resolve import resolve
 
@@ -41,8 +41,10 @@ __all__ = [
 
 try:  # torch >= 2.5
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
+    from torch.distributed._tensor._dtensor_spec import DTensorSpec  # type: ignore
     from torch.distributed._tensor.placement_types import _Partial as Partial  # type: ignore
 
 
@@ -91,8 +93,6 @@ def dtensor_layout(dt, whole: Layout, mesh, where: str = "DTensor") -> Layout:
     spec = getattr(dt, "_spec", None)
     order = getattr(spec, "shard_order", None) if spec is not None else None
     if order is not None:
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
         check = getattr(DTensorSpec, "is_default_device_order", None)
         if check is not None and not check(order):
             raise ValueError(f"{where}: DTensors with a non-default shard order are not supported; redistribute first")

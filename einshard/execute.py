@@ -14,12 +14,11 @@ from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
 from . import collectives as _eager_collectives
+from .exchange import runs_exchange
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 from .plan.transition import Step, plan_gradient, plan_transition
 from .primitives import PRIMITIVES, Site
-from .primitives import narrow as _narrow
-from .primitives import rel_slices as _rel_slices
 
 _transforms_active = torch._C._are_functorch_transforms_active
 
@@ -37,73 +36,8 @@ def compile_step(step, mesh, C=C):
 
 def _exchange(src: Layout, dst: Layout, dims, mesh, C):
     """The general exchange of a transition step ``src -> dst`` over ``dims`` (the ``exchange`` primitive's run)."""
-    shape, coord = MeshShape.of(mesh), mesh.coordinate
-    return _compile_exchange(src, dst, dims, shape, coord, mesh.group(dims), shape.group_coords(dims, coord), C)
-
-
-def _intersect(a, b):
-    out = []
-    for (x0, x1), (y0, y1) in zip(a, b):
-        lo, hi = max(x0, y0), min(x1, y1)
-        if hi <= lo:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
-
-
-def _compile_exchange(src: Layout, dst: Layout, dims, shape: MeshShape, coord, group, members, C=C):
-    """Every rank sends each peer the part of its block the peer needs and lacks.
-
-    The peer that supplies a region is the one that holds it and agrees with
-    the receiver on every exchanged mesh dimension that shards nothing in
-    ``src``: so replicated data is read from the "nearest" copy and every
-    element moves at most once.
-    """
-    free = [shape.names.index(d) for d in dims if src.owner(d) is None]
-    my_src = src.box(coord, shape)
-    my_dst = dst.box(coord, shape)
-    out_shape = tuple(b - a for a, b in my_dst)
-    sends, recvs = [], []
-    for m in members:
-        if any(m[p] != coord[p] for p in free):
-            sends.append(None)
-            recvs.append(None)
-            continue
-        piece = _intersect(my_src, dst.box(m, shape))
-        sends.append(None if piece is None else _rel_slices(piece, my_src))
-        piece = _intersect(src.box(m, shape), my_dst)
-        recvs.append(None if piece is None else _rel_slices(piece, my_dst))
-    recv_numels = [0 if r is None else _numel(r) for r in recvs]
-    # eager: point-to-point with the peers that have data, sending views (functional: all_to_all_single)
-    kwargs = {"pairwise": True} if C is _eager_collectives else {}
-    # the whole output comes from one peer (an ownership swap): its buffer is the output, no unpacking
-    whole = [j for j, n in enumerate(recv_numels) if n and n == _numel([(0, n) for n in out_shape])]
-    whole = whole[0] if whole else None
-    # ... from this rank itself (a diagonal rank of a swap): the output is the input block
-    keep = whole is not None and tuple(members[whole]) == tuple(coord) and my_src == my_dst
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        empty = x.new_empty(0)
-        chunks = [empty if s is None else _narrow(x, s) for s in sends]
-        got = C.all_to_all_v(chunks, recv_numels, group, **kwargs)
-        if keep:
-            return x
-        if whole is not None:
-            return got[whole].view(out_shape)
-        out = x.new_empty(out_shape)
-        for r, flat in zip(recvs, got):
-            if r is not None:
-                _narrow(out, r).copy_(flat.view([n for _, n in r]))
-        return out
-
-    return run
-
-
-def _numel(rel) -> int:
-    n = 1
-    for _, length in rel:
-        n *= length
-    return n
+    ex = runs_exchange(src, dst, dims, mesh)
+    return ex.run if C is _eager_collectives else ex.run_traced
 
 
 class Transition:

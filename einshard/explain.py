@@ -93,29 +93,18 @@ def _schedule_rows(plan) -> tuple[Row, ...]:
         for move in cand.moves:
             for phase, steps in (("forward", move.forward), ("backward", move.backward)):
                 for step in steps:
-                    rows.append(
-                        Row(
-                            phase,
-                            prefix + move.what,
-                            step.describe(),
-                            "-".join(step.dims) if step.is_collective else "",
-                            step.bytes_per_rank(mesh, itemsize),
-                        )
-                    )
+                    dims = "-".join(step.dims) if step.is_collective else ""
+                    sent = step.bytes_per_rank(mesh, itemsize)
+                    rows.append(Row(phase, prefix + move.what, step.describe(), dims, sent))
     order = {"forward": 0, "backward": 1}
     rows.sort(key=lambda r: order[r.phase])
     return tuple(rows)
 
 
 def _describe_schedule(schedule, mesh: MeshShape) -> str:
-    parts = []
-    for indices, _axes, cand in schedule.steps:
-        roles = cand.describe_roles(mesh)
-        if len(schedule.steps) > 1:
-            parts.append(f"contract {tuple(indices)} [{roles}]")
-        else:
-            parts.append(roles)
-    return "; ".join(parts)
+    if len(schedule.steps) == 1:
+        return schedule.steps[0][2].describe_roles(mesh)
+    return "; ".join(f"contract {tuple(indices)} [{cand.describe_roles(mesh)}]" for indices, _, cand in schedule.steps)
 
 
 def explain(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+import torch.distributed as dist
+
 from ._split import compute_split_shapes, compute_split_shapes_for_factors, resolve_split_shapes
 from .collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, ppermute, reduce_scatter, split
 
@@ -43,9 +46,6 @@ def init_process_group(backend: str | None = None, use_cuda: bool = False) -> tu
 
     >>> local_rank, rank, world = init_process_group("gloo", use_cuda=False)  # doctest: +SKIP
     """
-    import torch
-    import torch.distributed as dist
-
     rank = _env_int("RANK", "SLURM_PROCID")
     world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS")
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID")

@@ -37,22 +37,17 @@ __all__ = [
 ]
 
 
-def _norm_dim(dim: int, ndim: int) -> int:
-    # Out-of-range dims are reported by the collective itself.
-    return dim % ndim if ndim and -ndim <= dim < ndim else dim
+def _shapes(x: torch.Tensor, group, dim: int, shapes, even: bool) -> tuple[int, ...] | None:
+    """``shapes`` as a tuple; ``None``: ``x.shape[dim]`` on every rank (``even``) or ``compute_split_shapes``.
 
-
-def _even(x: torch.Tensor, dim: int, size: int) -> tuple[int, ...]:
-    return (x.shape[_norm_dim(dim, x.dim())],) * size
-
-
-def _split_shapes(x: torch.Tensor, dim: int, size: int, shapes) -> tuple[int, ...] | None:
+    ``None`` for an out-of-range ``dim``: the collective itself reports it.
+    """
     if shapes is not None:
         return tuple(shapes)
-    d = _norm_dim(dim, x.dim())
-    if not 0 <= d < x.dim():
+    if not -x.dim() <= dim < x.dim():
         return None
-    return tuple(compute_split_shapes(x.shape[d], size))
+    n, size = x.shape[dim], C.group_size(group)
+    return (n,) * size if even else tuple(compute_split_shapes(n, size))
 
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
@@ -144,23 +139,16 @@ def broadcast_forward_allreduce_backward(x: torch.Tensor, group, src: int = 0) -
 
 # -- all-gather / split / reduce-scatter ------------------------------------------------
 
-_allgather_split = make_mapping(
-    "AllGatherSplit", C.all_gather, lambda d, g, dim, shapes: split_forward_allgather_backward(d, g, dim, shapes)
-)
+# ``*a`` is ``(group, dim, shapes)``.
+_allgather_split = make_mapping("AllGatherSplit", C.all_gather, lambda d, *a: split_forward_allgather_backward(d, *a))
 _split_allgather = make_mapping(
-    "SplitAllGather",
-    lambda x, g, dim, shapes: C.split(x, g, dim, shapes).contiguous(),
-    lambda d, g, dim, shapes: allgather_forward_split_backward(d, g, dim, shapes),
+    "SplitAllGather", lambda x, *a: C.split(x, *a).contiguous(), lambda d, *a: allgather_forward_split_backward(d, *a)
 )
 _reducescatter_allgather = make_mapping(
-    "ReduceScatterAllGather",
-    C.reduce_scatter,
-    lambda d, g, dim, shapes: allgather_forward_reducescatter_backward(d, g, dim, shapes),
+    "ReduceScatterAllGather", C.reduce_scatter, lambda d, *a: allgather_forward_reducescatter_backward(d, *a)
 )
 _allgather_reducescatter = make_mapping(
-    "AllGatherReduceScatter",
-    C.all_gather,
-    lambda d, g, dim, shapes: reducescatter_forward_allgather_backward(d, g, dim, shapes),
+    "AllGatherReduceScatter", C.all_gather, lambda d, *a: reducescatter_forward_allgather_backward(d, *a)
 )
 
 
@@ -171,8 +159,7 @@ def allgather_forward_split_backward(x: torch.Tensor, group, dim: int, shapes: S
 
     >>> full = allgather_forward_split_backward(x_shard, tp_group, 0, [3, 3, 3, 1])  # doctest: +SKIP
     """
-    shapes = tuple(shapes) if shapes is not None else _even(x, dim, C.group_size(group))
-    return _allgather_split(x, group, dim, shapes)
+    return _allgather_split(x, group, dim, _shapes(x, group, dim, shapes, True))
 
 
 def split_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
@@ -183,8 +170,7 @@ def split_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: S
 
     >>> x_shard = split_forward_allgather_backward(x, tp_group, 0, None)  # doctest: +SKIP
     """
-    shapes = _split_shapes(x, dim, C.group_size(group), shapes)
-    return _split_allgather(x, group, dim, shapes)
+    return _split_allgather(x, group, dim, _shapes(x, group, dim, shapes, False))
 
 
 def reducescatter_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
@@ -194,8 +180,7 @@ def reducescatter_forward_allgather_backward(x: torch.Tensor, group, dim: int, s
 
     >>> out_shard = reducescatter_forward_allgather_backward(partial, tp_group, 0, None)  # doctest: +SKIP
     """
-    shapes = _split_shapes(x, dim, C.group_size(group), shapes)
-    return _reducescatter_allgather(x, group, dim, shapes)
+    return _reducescatter_allgather(x, group, dim, _shapes(x, group, dim, shapes, False))
 
 
 def allgather_forward_reducescatter_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
@@ -205,8 +190,7 @@ def allgather_forward_reducescatter_backward(x: torch.Tensor, group, dim: int, s
 
     >>> full = allgather_forward_reducescatter_backward(x_shard, tp_group, 1, None)  # doctest: +SKIP
     """
-    shapes = tuple(shapes) if shapes is not None else _even(x, dim, C.group_size(group))
-    return _allgather_reducescatter(x, group, dim, shapes)
+    return _allgather_reducescatter(x, group, dim, _shapes(x, group, dim, shapes, True))
 
 
 # -- all-to-all / ppermute -----------------------------------------------------------------
@@ -236,13 +220,8 @@ def alltoall_repartition(
 
     >>> y = alltoall_repartition(x, sp_group, 1, 2, [3, 3, 2], None)  # doctest: +SKIP
     """
-    size = C.group_size(group)
-    if src_shapes is not None:
-        src_shapes = tuple(src_shapes)
-    elif -x.dim() <= src_dim < x.dim():
-        src_shapes = _even(x, src_dim, size)
-    dst_shapes = _split_shapes(x, dst_dim, size, dst_shapes)
-    return _alltoall(x, group, src_dim, dst_dim, src_shapes, dst_shapes)
+    src_shapes = _shapes(x, group, src_dim, src_shapes, True)
+    return _alltoall(x, group, src_dim, dst_dim, src_shapes, _shapes(x, group, dst_dim, dst_shapes, False))
 
 
 _ppermute = make_mapping(

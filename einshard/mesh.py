@@ -22,7 +22,12 @@ import math
 import weakref
 from collections.abc import Sequence
 
-from . import _context
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import _context, comm_stats
 
 __all__ = ["Mesh", "SubMesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh"]
 
@@ -174,15 +179,11 @@ class Mesh:
             group = self.device_mesh.get_group(self.names.index(dims[0]))
         else:
             group = self._new_compound_group(dims)
-        from . import comm_stats
-
         comm_stats.register_group_label(group, self.label(dims))
         self._groups[dims] = group
         return group
 
     def _new_compound_group(self, dims: tuple[str, ...]):
-        import torch.distributed as dist
-
         index = []
         for i, name in enumerate(self.names):
             index.append(slice(None) if name in dims else self.coordinate[i])
@@ -207,8 +208,6 @@ class Mesh:
     @property
     def mesh(self):
         """The global ranks as a tensor of the mesh's shape (a virtual mesh numbers them in order)."""
-        import torch
-
         if self._rank_grid is None:
             return torch.arange(math.prod(self.shape)).reshape(self.shape)
         return torch.as_tensor(self._rank_grid)
@@ -291,8 +290,6 @@ class SubMesh(Mesh):
     __slots__ = ("parent", "parts", "_device_mesh")
 
     def __init__(self, parent: Mesh, parts: tuple[tuple[str, ...], ...]):
-        import numpy as np
-
         names = tuple(parent.label(p) for p in parts)
         shape = tuple(parent.size(p) for p in parts)
         coordinate = tuple(parent.index(p) for p in parts)
@@ -309,8 +306,6 @@ class SubMesh(Mesh):
     def device_mesh(self):
         """A ``DeviceMesh`` over the parent's groups (``None`` when the parent is virtual)."""
         if self._device_mesh is None and self.parent.device_mesh is not None:
-            from torch.distributed.device_mesh import DeviceMesh
-
             groups = [self.parent.group(p) for p in self.parts]
             self._device_mesh = DeviceMesh.from_group(
                 groups if len(groups) > 1 else groups[0],
@@ -433,7 +428,8 @@ def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
     return wrapped
 
 
-def _as_mesh(mesh) -> Mesh:
+def as_mesh(mesh) -> Mesh:
+    """``mesh`` as an ``es.Mesh``: itself, or a DeviceMesh wrapped once (atomic names only) and cached."""
     if isinstance(mesh, Mesh):
         return mesh
     if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
@@ -452,7 +448,7 @@ def use_mesh(mesh):
     >>> with es.use_mesh(mesh):  # doctest: +SKIP
     ...     y = es.einshard("a/tp b -> a b", x)
     """
-    mesh = _as_mesh(mesh)
+    mesh = as_mesh(mesh)
     token = None
     try:  # pushed inside the try, so that no exit path (a compiler splitting the frame) skips the pop
         token = _context.push(mesh=mesh)
@@ -474,4 +470,4 @@ def resolve_mesh(mesh) -> Mesh:
         if mesh is None:
             raise ValueError(_MESH_REQUIRED)
         return mesh
-    return _as_mesh(mesh)
+    return as_mesh(mesh)

@@ -29,38 +29,46 @@ import optree
 import torch
 
 from . import collectives as C
-from ._specs import _sizes_for, match, maybe_dtensor as is_dtensor, shapes_subset, sizes_subset, spec_tree
+from ._specs import _sizes_for, match, shapes_subset, sizes_subset, spec_tree
+from ._specs import maybe_dtensor as is_dtensor
 from ._specs import strip_spec as _strip
+from .dtensor import from_dtensor
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
-from .notation import EllipsisItem, Group
+from .notation import EllipsisItem, Group, expand
+from .ops.einshard import einshard
+from .params.specs import as_param_tree, specs_or_registered
 
-__all__ = ["tree_shard", "tree_gather"]
+__all__ = ["tree_shard", "tree_gather", "prepare_tree", "map_leaves", "discover_splits"]
 
 
-def _setup(tree, specs, mesh, families, fn):
+def prepare_tree(tree, specs, mesh, families, where):
+    """``(mesh, leaves, treedef, per-leaf spec, per-leaf dotted name)`` of a tree (or module) and its specs.
+
+    A module becomes its ``state_dict(keep_vars=True)``; without ``specs`` the
+    parameters' registered layouts are used.
+    """
+    tree = as_param_tree(tree)
+    specs = specs_or_registered(tree, specs, where)
     mesh = wrap_mesh(resolve_mesh(mesh))
     spec_leaves, spec_def = spec_tree(specs, families, "specs", "in")
     for s in spec_leaves:
         if s is not None and s.conversion:
-            raise ValueError(f"{fn}: specs are layouts, not conversions; got {s.text!r}")
-    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+            raise ValueError(f"{where}: specs are layouts, not conversions; got {s.text!r}")
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     per_leaf = match(spec_leaves, spec_def, tree, "specs", "tree", specs)
-    return mesh, leaves, treedef, per_leaf
+    return mesh, leaves, treedef, per_leaf, [".".join(map(str, path)) for path in paths]
 
 
-def _einshard():
-    from .ops.einshard import einshard
-
-    return einshard
-
-
-def _registered(tree, specs, where):
-    """A module becomes its ``state_dict(keep_vars=True)``; no ``specs``: the registered layouts."""
-    from .params.specs import as_param_tree, specs_or_registered
-
-    tree = as_param_tree(tree)
-    return tree, specs_or_registered(tree, specs, where)
+def map_leaves(treedef, leaves, per_leaf, fn, accept=None):
+    """The tree rebuilt from ``fn(k, x, spec)`` on every leaf with a spec that is a tensor (or passes
+    ``accept``); other leaves pass through. Runs without autograd."""
+    accept = accept or (lambda x: isinstance(x, torch.Tensor))
+    with torch.no_grad():
+        out = [
+            x if spec is None or not accept(x) else fn(k, x, spec) for k, (x, spec) in enumerate(zip(leaves, per_leaf))
+        ]
+    return treedef.unflatten(out)
 
 
 def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families=None):
@@ -73,47 +81,29 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
     >>> local = es.tree_shard(torch.load("ckpt.pt"), specs, mesh=mesh)        # doctest: +SKIP
     >>> local = es.tree_shard(torch.load("ckpt.pt"), es.param_specs(model), mesh=mesh)  # doctest: +SKIP
     """
-    tree, specs = _registered(tree, specs, "tree_shard")
-    mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_shard")
-    einshard = _einshard()
-    out = []
-    with torch.no_grad():
-        for x, spec in zip(leaves, per_leaf):
-            if spec is None or not isinstance(x, torch.Tensor):
-                out.append(x)
-                continue
-            parsed = spec.inner_spec
-            target = dataclasses.replace(parsed, partial=())
-            pdims = []
-            for p in parsed.partial:
-                pdims.extend(mesh.dims(p))
-            zero = bool(pdims) and mesh.index(_sorted(mesh, pdims)) != 0
-            if is_dtensor(x):
-                from .dtensor import from_dtensor
+    mesh, leaves, treedef, per_leaf, _ = prepare_tree(tree, specs, mesh, families, "tree_shard")
 
-                # whole over the partial dimensions first (a Partial DTensor is summed), then the value on
-                # their first rank and zeros on the others, as for plain tensors
-                local, _ = from_dtensor(x, str(target), mesh, shapes=shapes, sizes=sizes, families=families)
-                out.append(torch.zeros_like(local) if zero else local.detach().clone())
-                continue
-            formula = f"{_strip(parsed)} -> {target}"
-            parsed_formula = _parsed(formula, families)
-            y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes_subset(parsed_formula, shapes),
-                         sizes=sizes_subset(parsed_formula, sizes, families), families=families)
-            if zero:
-                y = torch.zeros_like(y)
-            out.append(y.clone(memory_format=torch.contiguous_format))
-    return treedef.unflatten(out)
+    def shard(k, x, spec):
+        parsed = spec.inner_spec
+        target = dataclasses.replace(parsed, partial=())
+        pdims = [d for p in parsed.partial for d in mesh.dims(p)]
+        zero = bool(pdims) and mesh.index(_sorted(mesh, pdims)) != 0
+        if is_dtensor(x):
+            # whole over the partial dimensions first (a Partial DTensor is summed), then the value on
+            # their first rank and zeros on the others, as for plain tensors
+            local, _ = from_dtensor(x, str(target), mesh, shapes=shapes, sizes=sizes, families=families)
+            return torch.zeros_like(local) if zero else local.detach().clone()
+        formula = f"{_strip(parsed)} -> {target}"
+        parsed_formula = expand(formula, families)
+        y = einshard(formula, x.detach(), mesh=mesh, shapes=shapes_subset(parsed_formula, shapes),
+                     sizes=sizes_subset(parsed_formula, sizes, families), families=families)
+        return (torch.zeros_like(y) if zero else y).clone(memory_format=torch.contiguous_format)
+
+    return map_leaves(treedef, leaves, per_leaf, shard)
 
 
 def _sorted(mesh, dims):
     return tuple(sorted(set(dims), key=mesh.names.index))
-
-
-def _parsed(formula, families):
-    from .notation import expand
-
-    return expand(formula, families)
 
 
 def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families=None):
@@ -126,32 +116,25 @@ def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, familie
     >>> whole = es.tree_gather(model, mesh=mesh)                # doctest: +SKIP
     >>> if dist.get_rank() == 0: torch.save(whole, "ckpt.pt")   # doctest: +SKIP
     """
-    tree, specs = _registered(tree, specs, "tree_gather")
-    mesh, leaves, treedef, per_leaf = _setup(tree, specs, mesh, families, "tree_gather")
-    einshard = _einshard()
-    found = None if shapes is not None else _discover(mesh, leaves, per_leaf, sizes, families)
-    out = []
-    with torch.no_grad():
-        for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
-            if spec is None or not isinstance(x, torch.Tensor):
-                out.append(x)
-                continue
-            if is_dtensor(x):
-                out.append(x.full_tensor().detach())
-                continue
-            parsed = spec.inner_spec
-            formula = f"{spec.inner} -> {_strip(parsed)}"
-            parsed_formula = _parsed(formula, families)
-            leaf_shapes = shapes_subset(parsed_formula, shapes) if found is None else (found.get(k) or None)
-            y = einshard(formula, x.detach(), mesh=mesh, shapes=leaf_shapes,
-                         sizes=sizes_subset(parsed_formula, sizes, families), families=families)
-            if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-                y = y.clone()  # replicated: a copy, not a view of the caller's tensor
-            out.append(y)
-    return treedef.unflatten(out)
+    mesh, leaves, treedef, per_leaf, _ = prepare_tree(tree, specs, mesh, families, "tree_gather")
+    found = None if shapes is not None else discover_splits(mesh, leaves, per_leaf, sizes, families)
+
+    def gather(k, x, spec):
+        if is_dtensor(x):
+            return x.full_tensor().detach()
+        formula = f"{spec.inner} -> {_strip(spec.inner_spec)}"
+        parsed_formula = expand(formula, families)
+        leaf_shapes = shapes_subset(parsed_formula, shapes) if found is None else (found.get(k) or None)
+        y = einshard(formula, x.detach(), mesh=mesh, shapes=leaf_shapes,
+                     sizes=sizes_subset(parsed_formula, sizes, families), families=families)
+        if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            y = y.clone()  # replicated: a copy, not a view of the caller's tensor
+        return y
+
+    return map_leaves(treedef, leaves, per_leaf, gather)
 
 
-def _discover(mesh, leaves, per_leaf, sizes=None, families=None):
+def discover_splits(mesh, leaves, per_leaf, sizes=None, families=None):
     """Per leaf ``{label: {axis: split shapes}}`` of its sharded axes, from one all-gather of local sizes.
 
     Sharded axes after a ``...`` are found by counting from the end; a sharded
@@ -208,6 +191,6 @@ def _known_sizes(spec, sizes, families) -> dict:
     if not sizes:
         return {}
     try:
-        return dict(_sizes_for(_parsed(spec.inner, families), sizes, families))
+        return dict(_sizes_for(expand(spec.inner, families), sizes, families))
     except ValueError:
         return {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from .layout import MeshShape
 from .mesh import resolve_mesh
 from .notation import expand
@@ -61,6 +63,4 @@ def visualize(spec: str, shape, *, mesh=None, shapes=None, sizes=None, families=
 
 def _whole(spec: str) -> str:
     """The spec with every sharding and partial removed."""
-    import re
-
     return re.sub(r"//\s*(\([^)]*\)|[\w-]+)|/\s*[\w-]+", "", spec)

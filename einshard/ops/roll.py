@@ -3,12 +3,13 @@
 On a sharded axis the rolled tensor keeps the input's layout (the same split
 shapes), so each rank's new block is made of at most two slices of the
 global axis. Each owner sends each destination exactly the part of its
-block that lands there (one ``all_to_all_v`` over the mesh dimensions that
-shard the rolled axes; several sharded axes move together, so a cell that
-crosses two block boundaries moves once, straight to its destination). The
-part of a block that stays on its rank is copied locally. Unsharded axes
-(and axes sharded over one rank) are rolled locally with ``torch.roll``.
-Backward is the reverse exchange (a roll by the opposite shifts).
+block that lands there (one :class:`~einshard.exchange.Exchange` over the
+mesh dimensions that shard the rolled axes; several sharded axes move
+together, so a cell that crosses two block boundaries moves once, straight
+to its destination). The part of a block that stays on its rank is copied
+locally, and unsharded axes roll in the same exchange (without one,
+``torch.roll``). Backward moves the pieces back (a roll by the opposite
+shifts).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from .. import _context
 from .. import vma as _vma
 from .._cache import BoundedCache
 from ..errors import EinshardError
-from ..layout import Layout, MeshShape
+from ..exchange import exchange_group, runs_exchange
+from ..layout import Layout
 from ..notation import freeze_families
 from ..plan.halo import roll_runs
 from ..resolve import freeze_shapes
-from .halo import compile_exchange, exchange_group
 from .pipeline import (
     agree_before_communicating,
     ambient_key,
@@ -44,32 +45,25 @@ __all__ = ["einroll", "RollPlan"]
 class RollPlan:
     """A roll of one spec, local shape, layout and mesh, bound to this rank: ``plan(x)``."""
 
-    __slots__ = ("layout", "mesh", "local_dims", "local_shifts", "exchange", "local_error")
+    __slots__ = ("layout", "mesh", "dims", "shifts", "exchange", "local_error")
 
     def __init__(self, layout: Layout, shifts: dict[int, int], mesh, local_error=None):
         self.layout, self.mesh, self.local_error = layout, mesh, local_error
-        moving = {i: s % layout.sizes[i] for i, s in shifts.items() if layout.sizes[i] > 0}
+        moving = {i: s % layout.sizes[i] for i, s in sorted(shifts.items()) if layout.sizes[i] > 0}
         moving = {i: s for i, s in moving.items() if s}
-        ex_axes, dims = exchange_group(layout, sorted(moving), mesh)
-        self.local_dims = tuple(i for i in sorted(moving) if i not in ex_axes)
-        self.local_shifts = tuple(moving[i] for i in self.local_dims)
+        self.dims, self.shifts = tuple(moving), tuple(moving.values())
+        ex_axes, dims = exchange_group(layout, moving, mesh)
         self.exchange = None
-        if ex_axes and local_error is None:
-            local = layout.local_shape(mesh.coordinate, MeshShape.of(mesh))
-            self.exchange = compile_exchange(
-                layout, ex_axes, dims, mesh,
-                lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
-                {i: local[i] for i in ex_axes},
-            )
+        if ex_axes and local_error is None:  # every moving axis in one exchange (unsharded ones locally)
+            self.exchange = runs_exchange(layout, layout, dims, mesh,
+                                          lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
+                                          self.dims)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         agree_before_communicating(self.mesh, self.local_error, x)
-        t = x
-        if self.local_dims:
-            t = torch.roll(t, self.local_shifts, self.local_dims)
         if self.exchange is not None:
-            t = self.exchange(t)
-        return t
+            return self.exchange(x)
+        return torch.roll(x, self.shifts, self.dims) if self.dims else x
 
 
 _PLANS = BoundedCache()

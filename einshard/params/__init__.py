@@ -9,11 +9,13 @@ broadcast its initial values, and which groups SUM its gradient. Modules:
 - ``register``: explicit registration (layouts, modules, linear/conv/norm);
 - ``validate``: finalising pending duties and validating modules;
 - ``sync``: initial broadcasts; ``reduce``: gradient reduction (helpers, hooks, DDP);
-- ``metadata``: local slices and shapes; ``operand``: formula operands (``[param]``).
+- ``metadata``: local slices and shapes; ``operand``: formula operands (``[param]``);
+- ``like``: ``einshard_like`` (record a formula's states without running it).
 """
 
+from .like import einshard_like
 from .metadata import ParamShardMetadata, param_local_shape, param_local_slices, param_shard_dims, param_shard_metadata
-from .operand import einshard_like, parameter_operand_state, register_parameter_operand
+from .operand import parameter_operand_state, register_parameter_operand
 from .reduce import (
     NativeGradReductionHandle,
     reduce_grad_,

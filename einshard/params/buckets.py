@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import collectives as C
+from ..mesh import Mesh, resolve_mesh
 
 __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES"]
 
@@ -57,8 +58,6 @@ class GradBucketer:
     """
 
     def __init__(self, params_and_groups: Iterable, mesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        from ..mesh import Mesh, resolve_mesh
-
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"GradBucketer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         mesh = mesh if isinstance(mesh, Mesh) else resolve_mesh(mesh)

@@ -17,21 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from .specs import as_param_tree, specs_or_registered
+from ..dtensor import from_dtensor as unwrap
+from ..dtensor import is_dtensor
+from ..dtensor import to_dtensor as wrap
+from ..notation import expand
+from ..resolve import resolve
+from ..tree import discover_splits, map_leaves, prepare_tree
+from .specs import as_param_tree, param_specs, specs_or_registered
 
 __all__ = ["to_dtensor", "from_dtensor", "load_from_dtensor_"]
-
-
-def _prepare(tree, specs, mesh, where):
-    """``(mesh, leaves, treedef, per-leaf spec, per-leaf dotted name)``."""
-    import optree
-
-    from ..tree import _setup
-
-    tree = as_param_tree(tree)
-    specs = specs_or_registered(tree, specs, where)
-    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
-    return (*_setup(tree, specs, mesh, None, where), [".".join(map(str, path)) for path in paths])
 
 
 def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
@@ -45,27 +39,19 @@ def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
     >>> import torch.distributed.checkpoint as dcp                            # doctest: +SKIP
     >>> dcp.save(es.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")      # doctest: +SKIP
     """
-    from ..dtensor import to_dtensor as wrap
-    from ..notation import expand
-    from ..resolve import resolve
-    from ..tree import _discover
-
-    mesh, leaves, treedef, per_leaf, names = _prepare(module_or_state_dict, specs, mesh, "to_dtensor")
+    mesh, leaves, treedef, per_leaf, names = prepare_tree(module_or_state_dict, specs, mesh, None, "to_dtensor")
     if mesh.device_mesh is None:
         raise ValueError("to_dtensor: a virtual mesh cannot hold DTensors; pass the DeviceMesh (or es.wrap_mesh of it)")
-    found = _discover(mesh, leaves, per_leaf)
-    out = []
-    with torch.no_grad():
-        for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
-            if spec is None or not isinstance(x, torch.Tensor):
-                out.append(x)
-                continue
-            if spec.inner_spec.has_groups or spec.inner_spec.partial:
-                raise ValueError(f"to_dtensor: {names[k]!r} has layout {spec.inner!r}; DTensors need plain axes")
-            formula = expand(f"{spec.inner} -> {spec.inner}", ())
-            layout = resolve(formula, [tuple(x.shape)], mesh, shapes=found.get(k), axes=None).operands[0]
-            out.append(wrap(x.detach(), layout, mesh, where=f"to_dtensor {names[k]!r}"))
-    return treedef.unflatten(out)
+    found = discover_splits(mesh, leaves, per_leaf)
+
+    def as_dtensor(k, x, spec):
+        if spec.inner_spec.has_groups or spec.inner_spec.partial:
+            raise ValueError(f"to_dtensor: {names[k]!r} has layout {spec.inner!r}; DTensors need plain axes")
+        formula = expand(f"{spec.inner} -> {spec.inner}", ())
+        layout = resolve(formula, [tuple(x.shape)], mesh, shapes=found.get(k), axes=None).operands[0]
+        return wrap(x.detach(), layout, mesh, where=f"to_dtensor {names[k]!r}")
+
+    return map_leaves(treedef, leaves, per_leaf, as_dtensor)
 
 
 def from_dtensor(state, module_or_specs=None, *, mesh=None):
@@ -78,36 +64,28 @@ def from_dtensor(state, module_or_specs=None, *, mesh=None):
 
     >>> local = es.from_dtensor(loaded, model, mesh=mesh)   # doctest: +SKIP
     """
-    from ..dtensor import from_dtensor as unwrap
-    from ..dtensor import is_dtensor
-
     module = module_or_specs if isinstance(module_or_specs, torch.nn.Module) else None
     if module is not None:
-        from .specs import param_specs
-
         specs = param_specs(as_param_tree(module))
         specs = {k: specs.get(k) for k in as_param_tree(state)} if isinstance(state, dict) else specs
     else:
         specs = module_or_specs
     if specs is None:
         specs = specs_or_registered(as_param_tree(state), None, "from_dtensor")
-    mesh, leaves, treedef, per_leaf, names = _prepare(state, specs, mesh, "from_dtensor")
+    mesh, leaves, treedef, per_leaf, names = prepare_tree(state, specs, mesh, None, "from_dtensor")
     targets = module.state_dict(keep_vars=True) if module is not None else {}
-    out = []
-    with torch.no_grad():
-        for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
-            if spec is None or not is_dtensor(x):
-                out.append(x)
-                continue
-            local, _ = unwrap(x, spec.inner, mesh, where=f"from_dtensor {names[k]!r}")
-            want = targets.get(names[k])
-            if want is not None and tuple(want.shape) != tuple(local.shape):
-                raise ValueError(
-                    f"from_dtensor: {names[k]!r} gives a block of shape {tuple(local.shape)} on this rank but the "
-                    f"parameter has shape {tuple(want.shape)}; was it built with einshard's split shapes?"
-                )
-            out.append(local.detach().clone())
-    return treedef.unflatten(out)
+
+    def block(k, x, spec):
+        local, _ = unwrap(x, spec.inner, mesh, where=f"from_dtensor {names[k]!r}")
+        want = targets.get(names[k])
+        if want is not None and tuple(want.shape) != tuple(local.shape):
+            raise ValueError(
+                f"from_dtensor: {names[k]!r} gives a block of shape {tuple(local.shape)} on this rank but the "
+                f"parameter has shape {tuple(want.shape)}; was it built with einshard's split shapes?"
+            )
+        return local.detach().clone()
+
+    return map_leaves(treedef, leaves, per_leaf, block, accept=is_dtensor)
 
 
 def load_from_dtensor_(module, state, *, mesh=None):

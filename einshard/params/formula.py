@@ -20,12 +20,18 @@ and attaches them only after the operation succeeds.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 
+from .. import _context
 from .._cache import BoundedCache
+from ..mesh import Mesh
 from ..plan.contraction import ANY
-from .state import ParameterGradComm, check_state
+from .merge import merge_states
+from .names import mesh_names
+from .operand import parameter_operand_state
+from .state import ParameterGradComm, ParameterState, check_state
 from .store import PARAM_STATE_ATTR, prepare_registration, set_parameter_state
 
 __all__ = ["duty_of", "state_duties", "duty_dims", "explain_duties", "FormulaRecorder", "recorder_for", "formula_names"]
@@ -99,8 +105,6 @@ def resolve_pending(tensors, duties, partials, names) -> None:
 
 
 def _resolved(state, dims, names):
-    from dataclasses import replace
-
     groups = _groups_of(dims, names)
     gc = replace(state.grad_comm, mesh_dims=groups) if groups else ParameterGradComm()
     state = replace(state, grad_comm=gc)
@@ -142,10 +146,6 @@ class FormulaRecorder:
         return self._prepare(tensors, names, backend)
 
     def _prepare(self, tensors, names, backend) -> dict:
-        from dataclasses import replace
-
-        from .operand import parameter_operand_state
-
         accumulated: dict = {}
         where: dict = {}  # id(p) -> its first operand index
         for k in self.indices:
@@ -167,8 +167,6 @@ class FormulaRecorder:
                 new = replace(new, grad_comm=replace(new.grad_comm, backend=backend, schedule="backend_default"))
             prev = accumulated.get(id(p))
             if prev is not None:
-                from .merge import merge_states
-
                 new = merge_states(prev[1], new)
             accumulated[id(p)] = (p, new)
             where.setdefault(id(p), k)
@@ -224,8 +222,6 @@ class FormulaRecorder:
 
 def explain_duties(parsed, operands) -> tuple:
     """The duties ``es.explain`` plans with: ``[param]`` annotations, else the states of tensor operands."""
-    from .state import ParameterState
-
     out = list(state_duties([t for t in operands if isinstance(t, _TENSOR)]) or [])
     out = [None] * len(operands) if not out else out
     if len(out) != len(operands):  # shapes among the operands: read the tensors one by one
@@ -241,15 +237,10 @@ def explain_duties(parsed, operands) -> tuple:
 
 def formula_names(mesh) -> tuple:
     """The mesh names a ``[param]`` formula records (the ambient mesh when ``mesh`` is ``None``); fast for ``es.Mesh``."""
-    from .. import _context
-    from ..mesh import Mesh
-
     if mesh is None:
         mesh = _context.current().mesh
     if type(mesh) is Mesh:
         return mesh.names
-    from .names import mesh_names
-
     return mesh_names(mesh)
 
 

@@ -17,7 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
 from .._split import compute_split_shapes_for_factors
+from ..mesh import Mesh
 from ..notation import Axis, EllipsisItem, Group
 from .names import components
 from .state import ParameterState
@@ -57,10 +61,6 @@ class _Coordinates:
     """Group sizes and this rank's group index, from an ``es.Mesh`` or a ``DeviceMesh``."""
 
     def __init__(self, mesh):
-        from torch.distributed.device_mesh import DeviceMesh
-
-        from ..mesh import Mesh
-
         if isinstance(mesh, Mesh):
             self.names, self.shape, self.compound = mesh.names, mesh.shape, mesh.allow_compound
             self._coordinate = lambda: mesh.coordinate
@@ -90,8 +90,6 @@ class _Coordinates:
 
 
 def _device_mesh_coordinate(mesh) -> tuple[int, ...]:
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise RuntimeError("a sharded parameter on a DeviceMesh needs an initialized process group")
     coordinate = mesh.get_coordinate()

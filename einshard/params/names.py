@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _context
+from ..mesh import Mesh, as_mesh
 
 __all__ = [
     "components",
@@ -97,8 +99,6 @@ def _own_names(mesh) -> tuple[str, ...] | None:
 
 
 def _is_es_mesh(mesh) -> bool:
-    from ..mesh import Mesh
-
     return isinstance(mesh, Mesh)
 
 
@@ -148,19 +148,15 @@ def overlapping(groups: Sequence[str]) -> tuple[str, str] | None:
 
 def runtime_mesh(mesh):
     """``mesh`` (or the ambient mesh) as an ``es.Mesh`` for resolving groups; raw DeviceMeshes stay atomic-only."""
-    from ..mesh import _as_mesh
-
     if mesh is None:
         mesh = _context.current().mesh
     if mesh is None:
         raise ValueError("this operation requires mesh= (or an ambient es.use_mesh)")
     if _is_es_mesh(mesh):
         return mesh
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be an es.Mesh or a DeviceMesh, got {type(mesh).__name__}")
-    return _as_mesh(mesh)
+    return as_mesh(mesh)
 
 
 def resolve_dims(mesh, group: str, what: str) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..notation import EllipsisItem, Family, TensorSpec, Zip, parse_sharding
-from .names import check_group_syntax, components, normalize_mesh_dim_names, overlapping, unknown_groups
+from .names import check_group_syntax, components, mesh_names, normalize_mesh_dim_names, overlapping, unknown_groups
 
 __all__ = [
     "TensorState",
@@ -252,8 +252,6 @@ class ParameterState:
         >>> ParameterState.from_layout("out/tp in", mesh_dim_names=("dp", "tp")).init_sync.mesh_dims
         ('dp',)
         """
-        from .names import mesh_names
-
         if not isinstance(layout, str):
             raise TypeError(f"layout must be a str like 'out/tp in', got {type(layout).__name__}")
         for key, value in (("grad", grad), ("init_sync", init_sync)):

@@ -9,8 +9,9 @@ is the product of the runs of every exchanged axis, so corner (diagonal
 neighbour) cells of 2-D and 3-D halos are simply the pieces whose runs are
 non-empty on several axes at once, and they move in the same single exchange.
 
-Halo: the receiver's buffer along an axis is the sorted set of *distinct*
-global indices its widened block reads (``needed``); each element moves once
+Halo: the receiver's buffer along an axis holds the *distinct* global
+indices its widened block reads (``needed``), in the order it reads them (so
+a wrap-around needs no reordering); each element moves once
 per receiver even when a periodic halo wraps several times or a replicate
 halo repeats an edge. :func:`halo_axis` then maps every output position of
 the widened block to a buffer position (or to the constant ``fill``).
@@ -19,7 +20,7 @@ Roll: the receiver's buffer is its own output block; every source element
 lands exactly once.
 
 Everything here is pure arithmetic on global intervals; the runs are turned
-into an exchange by :class:`einshard.ops.halo.BoxExchange`.
+into an exchange by :func:`einshard.exchange.runs_exchange`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ Run = tuple[int, int, int]  # (src_start, dst_start, length)
 
 
 def halo_needed(start: int, stop: int, left: int, right: int, n: int, boundary: str) -> tuple[Interval, ...]:
-    """The sorted, disjoint global intervals that the widened block ``[start-left, stop+right)`` reads.
+    """The disjoint global intervals that the widened block ``[start-left, stop+right)`` reads, in reading order.
 
     >>> halo_needed(4, 8, 2, 1, 10, "constant")
     ((2, 9),)
     >>> halo_needed(0, 3, 2, 0, 10, "periodic")
-    ((0, 3), (8, 10))
+    ((8, 10), (0, 3))
     >>> halo_needed(8, 10, 0, 3, 10, "replicate")
     ((8, 10),)
     """
@@ -70,16 +71,7 @@ def halo_needed(start: int, stop: int, left: int, right: int, n: int, boundary: 
     s = lo % n
     if s + (hi - lo) <= n:
         return ((s, s + hi - lo),)
-    return ((0, s + hi - lo - n), (s, n))
-
-
-def _position(g: int, needed: tuple[Interval, ...]) -> int:
-    off = 0
-    for a, b in needed:
-        if a <= g < b:
-            return off + g - a
-        off += b - a
-    raise AssertionError((g, needed))
+    return ((s, n), (0, s + hi - lo - n))
 
 
 @dataclass(frozen=True)
@@ -120,7 +112,8 @@ def halo_axis(start: int, stop: int, left: int, right: int, n: int, boundary: st
         sources = [p % n for p in range(lo, hi)]
     else:
         sources = [min(max(p, 0), n - 1) for p in range(lo, hi)]
-    index = tuple(_position(g, needed) for g in sources)
+    position = {g: k for k, g in enumerate(g for a, b in needed for g in range(a, b))}
+    index = tuple(position[g] for g in sources)
     if index == tuple(range(len(index))) and len(index) == sum(b - a for a, b in needed):
         index = None
     return HaloAxis(needed, 0, index, 0)

@@ -19,10 +19,10 @@ the mesh fixtures). See ``docs/testing.md``.
 """
 
 from ._errors import RankError, RankTimeout
+from ._launch import launch
 from ._mesh import MeshSpec, make_mesh
 from ._pool import RankPool, close_all_pools, get_pool, run_on_ranks, spawn
 from .reference import local_block
-from ._launch import launch
 
 __all__ = [
     "spawn",

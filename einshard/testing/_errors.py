@@ -30,6 +30,12 @@ def _group_identical(texts: dict[int, str]) -> list[tuple[list[int], str]]:
     return [(ranks, text) for text, ranks in groups.items()]
 
 
+def _section(ranks, title: str, text: str, limit: int, bar: str = "========") -> str:
+    """One titled block of a message: ``text`` (shared by ``ranks``), cut to its last ``limit`` characters."""
+    label = "rank" if len(ranks) == 1 else "ranks"
+    return f"\n{bar} {label} {', '.join(map(str, ranks))}: {title} {bar}\n" + _tail(text.rstrip("\n"), limit)
+
+
 class RankError(Exception):
     """One or more ranks raised (or died) while running a function.
 
@@ -101,41 +107,23 @@ class RankError(Exception):
         return head
 
     def _format(self) -> str:
-        parts = [self._headline()]
-        if self.note:
-            parts.append(self.note)
-        for ranks, text in _group_identical(self.failures):
-            label = "rank" if len(ranks) == 1 else "ranks"
-            which = ", ".join(str(r) for r in ranks)
-            same = " (identical)" if len(ranks) > 1 else ""
-            parts.append(
-                f"\n======== {label} {which}: traceback{same} ========\n"
-                + _tail(text.rstrip("\n"), _MAX_TRACEBACK_CHARS)
-            )
-        stacks = {r: t for r, t in self.stacks.items() if r not in self.failures}
-        for ranks, text in _group_identical(stacks):
-            which = ", ".join(str(r) for r in ranks)
-            label = "rank" if len(ranks) == 1 else "ranks"
-            parts.append(
-                f"\n======== {label} {which}: stack when killed ========\n" + _tail(text.rstrip("\n"), _MAX_STACK_CHARS)
-            )
-        parts.extend(self._format_outputs())
-        return "\n".join(parts)
+        return "\n".join([self._headline()] + ([self.note] if self.note else []) + self._sections() + self._outputs())
 
-    def _format_outputs(self) -> list[str]:
+    def _sections(self) -> list[str]:
+        parts = [
+            _section(ranks, "traceback" + (" (identical)" if len(ranks) > 1 else ""), text, _MAX_TRACEBACK_CHARS)
+            for ranks, text in _group_identical(self.failures)
+        ]
+        stacks = {r: t for r, t in self.stacks.items() if r not in self.failures}
+        return parts + [_section(rs, "stack when killed", t, _MAX_STACK_CHARS) for rs, t in _group_identical(stacks)]
+
+    def _outputs(self) -> list[str]:
         shown = {r: o for r, o in self.outputs.items() if o and o.strip()}
-        if not shown:
-            return []
         order = sorted(shown, key=lambda r: (r not in self.failures, r))
-        parts = []
-        for ranks, text in _group_identical({r: shown[r] for r in order}):
-            which = ", ".join(str(r) for r in ranks)
-            label = "rank" if len(ranks) == 1 else "ranks"
-            parts.append(
-                f"\n-------- {label} {which}: captured stdout/stderr --------\n"
-                + _tail(text.rstrip("\n"), _MAX_OUTPUT_CHARS)
-            )
-        return parts
+        return [
+            _section(ranks, "captured stdout/stderr", text, _MAX_OUTPUT_CHARS, "--------")
+            for ranks, text in _group_identical({r: shown[r] for r in order})
+        ]
 
 
 class RankTimeout(RankError):
@@ -171,19 +159,13 @@ class RankTimeout(RankError):
             "the pool was killed and restarts on the next run"
         )
 
-    def _format(self) -> str:
-        parts = [self._headline()]
-        if self.note:
-            parts.append(self.note)
+    def _sections(self) -> list[str]:
+        parts = []
         for ranks, text in _group_identical(self.failures):
-            which = ", ".join(str(r) for r in ranks)
-            label = "rank" if len(ranks) == 1 else "ranks"
             raised = all(r not in self.unfinished for r in ranks)
             title = "traceback" if raised else "stack when the timeout expired"
-            limit = _MAX_TRACEBACK_CHARS if raised else _MAX_STACK_CHARS
-            parts.append(f"\n======== {label} {which}: {title} ========\n" + _tail(text.rstrip("\n"), limit))
-        parts.extend(self._format_outputs())
-        return "\n".join(parts)
+            parts.append(_section(ranks, title, text, _MAX_TRACEBACK_CHARS if raised else _MAX_STACK_CHARS))
+        return parts
 
 
 def _rebuild(cls, failures, kwargs):

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
+from ..checks import checks_enabled, set_checks
+from ..helpers import init_process_group
+from ._pool import spawn
+
 __all__ = ["launch"]
 
 
@@ -28,14 +34,7 @@ def launch(fn, world_size: int = 8, args=(), kwargs=None, *, timeout: float = 30
     """
     kwargs = dict(kwargs or {})
     if "RANK" not in os.environ:
-        from ._pool import spawn
-
         return spawn(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, checks=checks)
-    import torch.distributed as dist
-
-    from ..checks import checks_enabled, set_checks
-    from ..helpers import init_process_group
-
     _, rank, world = init_process_group("gloo", use_cuda=False)
     if world != world_size:
         raise ValueError(f"{getattr(fn, '__name__', fn)} needs {world_size} ranks, but the job has {world}")

@@ -7,6 +7,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 __all__ = ["MeshSpec", "make_mesh"]
 
 # (shape, names) -> (world group the mesh was built in, DeviceMesh)
@@ -65,9 +68,6 @@ class MeshSpec:
         >>> mesh.mesh_dim_names                             # doctest: +SKIP
         ('dp', 'tp')
         """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
         if not dist.is_initialized():
             raise RuntimeError(
                 "MeshSpec.build() needs an initialised torch.distributed process group; "

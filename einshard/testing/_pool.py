@@ -20,7 +20,7 @@ import weakref
 from . import _worker
 from ._errors import RankError, RankTimeout
 
-__all__ = ["RankPool", "get_pool", "run_on_ranks", "spawn", "close_all_pools"]
+__all__ = ["RankPool", "get_pool", "run_on_ranks", "spawn", "close_all_pools", "mp_context"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -41,7 +41,7 @@ _CTX_LOCK = threading.Lock()
 _CTX = None
 
 
-def _mp_context():
+def mp_context():
     """The multiprocessing context used for rank processes.
 
     ``forkserver`` (default where available): one server process imports
@@ -84,7 +84,7 @@ class _Incarnation:
     """One set of live rank processes (a pool restarts with a new one)."""
 
     def __init__(self, world_size, gloo_timeout):
-        ctx = _mp_context()
+        ctx = mp_context()
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix=f"einshard-ranks{world_size}-")
         self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
@@ -117,15 +117,23 @@ class _Incarnation:
     def pids(self):
         return [p.pid for p in self.procs]
 
-    def read_log(self, rank, limit=1 << 20):
+    def read_log(self, rank, limit=1 << 20, offset=None):
+        """The last ``limit`` bytes of ``rank``'s log; from ``offset``: the first ``limit`` bytes after it."""
         try:
             with open(self.logs[rank], "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - limit))
-                return f.read().decode("utf-8", errors="backslashreplace")
+                f.seek(max(0, f.seek(0, os.SEEK_END) - limit) if offset is None else offset)
+                return f.read(limit).decode("utf-8", errors="backslashreplace")
         except (OSError, IndexError):
             return ""
+
+    def replies(self, ranks, timeout, wanted):
+        """``(rank, message)`` of ``ranks`` that answer within ``timeout`` while ``wanted(rank)``; ``None``: it died."""
+        objs = {self.conns[r]: r for r in ranks}
+        objs.update({self.procs[r].sentinel: r for r in ranks})
+        for obj in mp_connection.wait(list(objs), timeout=timeout):
+            r = objs[obj]
+            if wanted(r):
+                yield r, _recv(self.conns[r]) if obj is self.conns[r] else None
 
     def describe_death(self, rank, during="while running the task"):
         proc = self.procs[rank]
@@ -152,14 +160,6 @@ class _Incarnation:
         except OSError:
             return 0
 
-    def _log_since(self, rank, offset):
-        try:
-            with open(self.logs[rank], "rb") as f:
-                f.seek(offset)
-                return f.read(1 << 20).decode("utf-8", errors="backslashreplace")
-        except OSError:
-            return ""
-
     def dump_stacks(self, ranks, wait=1.0):
         """Make ``ranks`` write their Python stacks into their logs (SIGUSR1).
 
@@ -178,10 +178,10 @@ class _Incarnation:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             time.sleep(0.1)
-            if all("_run_task" in self._log_since(r, sizes[r]) for r in ranks):
+            if all("_run_task" in self.read_log(r, offset=sizes[r]) for r in ranks):
                 time.sleep(0.05)  # let the last lines land
                 break
-        stacks = {r: _clean_stack(self._log_since(r, sizes[r])) for r in ranks}
+        stacks = {r: _clean_stack(self.read_log(r, offset=sizes[r])) for r in ranks}
         return stacks, before
 
     def kill(self):
@@ -379,8 +379,7 @@ class RankPool:
         try:
             if not self._closed and self._inc is not None:
                 self._closed = True
-                inc, self._inc = self._inc, None
-                inc.kill()
+                self._kill()
         except Exception:
             pass
 
@@ -428,13 +427,7 @@ class RankPool:
                         unfinished=waiting,
                         note="(while starting the rank processes: torch import + gloo initialisation)",
                     )
-                objs = {inc.conns[r]: r for r in waiting}
-                objs.update({inc.procs[r].sentinel: r for r in waiting})
-                for obj in mp_connection.wait(list(objs), timeout=remaining):
-                    r = objs[obj]
-                    if r in failures or inc.ready[r]:
-                        continue
-                    msg = _recv(inc.conns[r]) if obj is inc.conns[r] else None
+                for r, msg in inc.replies(waiting, remaining, lambda r: r not in failures and not inc.ready[r]):
                     if msg is None or msg[0] == "init_error":
                         failures[r] = msg[2] if msg is not None else inc.describe_death(r, "while starting")
                         grace_deadline = grace_deadline or time.monotonic() + self.grace
@@ -521,13 +514,7 @@ class RankPool:
             remaining = limit - time.monotonic()
             if remaining <= 0:
                 break
-            objs = {inc.conns[r]: r for r in pending}
-            objs.update({inc.procs[r].sentinel: r for r in pending})
-            for obj in mp_connection.wait(list(objs), timeout=remaining):
-                r = objs[obj]
-                if r not in pending:
-                    continue
-                msg = _recv(inc.conns[r]) if obj is inc.conns[r] else None
+            for r, msg in inc.replies(pending, remaining, pending.__contains__):
                 if msg is not None and (msg[0] != "result" or msg[1] != task_id):
                     continue  # stale message; cannot happen with a healthy pool
                 pending.discard(r)
@@ -600,13 +587,7 @@ class RankPool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            objs = {inc.conns[r]: r for r in pending}
-            objs.update({inc.procs[r].sentinel: r for r in pending})
-            for obj in mp_connection.wait(list(objs), timeout=remaining):
-                r = objs[obj]
-                if r not in pending:
-                    continue
-                reply = _recv(inc.conns[r]) if obj is inc.conns[r] else None
+            for r, reply in inc.replies(pending, remaining, pending.__contains__):
                 if reply is None or reply[0] != "checked" or reply[1] != task_id or not reply[3]:
                     return False
                 pending.discard(r)

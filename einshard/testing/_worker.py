@@ -33,6 +33,13 @@ import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..checks import set_checks
+from ._mesh import MeshSpec
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _MAX_OUTPUT_BYTES = 1 << 20  # never ship more than 1 MiB of output per rank and task
@@ -104,11 +111,6 @@ def _start_watchdog(lifeline):
 
 
 def _init_distributed(rank, world_size, store_path, gloo_timeout_s):
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)
@@ -146,7 +148,7 @@ def _run_task(rank, task_id, context, payload, log_path):
     ok, value, exc_bytes = True, None, None
     try:
         _prepare(context)
-        _set_checks(context.get("checks", True))
+        set_checks(context.get("checks", True))  # cross-rank checks: on unless the task opted out
         fn, args, kwargs = pickle.loads(payload)
         args, kwargs = _materialise(args, kwargs)
         result = fn(*args, **kwargs)
@@ -277,21 +279,8 @@ def _install_reprcompare():
         util._reprcompare = callbinrepr
 
 
-def _set_checks(flag):
-    """Cross-rank checks for this task (on unless the task opted out)."""
-    from ..checks import set_checks
-
-    set_checks(flag)
-
-
 def _materialise(args, kwargs):
     """Replace top-level MeshSpec arguments by their built DeviceMesh."""
-    from ._mesh import MeshSpec
-
-    if not any(isinstance(a, MeshSpec) for a in args) and not any(
-        isinstance(v, MeshSpec) for v in kwargs.values()
-    ):
-        return args, kwargs
     args = tuple(a.build() if isinstance(a, MeshSpec) else a for a in args)
     kwargs = {k: (v.build() if isinstance(v, MeshSpec) else v) for k, v in kwargs.items()}
     return args, kwargs
@@ -299,8 +288,6 @@ def _materialise(args, kwargs):
 
 def _barrier():
     try:
-        import torch.distributed as dist
-
         dist.barrier()
         return True
     except BaseException:  # noqa: BLE001
@@ -309,8 +296,6 @@ def _barrier():
 
 def _healthy():
     try:
-        import torch.distributed as dist
-
         return bool(dist.is_initialized())
     except BaseException:  # noqa: BLE001
         return False

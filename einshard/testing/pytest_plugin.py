@@ -28,7 +28,7 @@ import pytest
 
 from ._errors import RankError
 from ._mesh import MeshSpec
-from ._pool import _mp_context, close_all_pools, get_pool
+from ._pool import mp_context, close_all_pools, get_pool
 
 DEFAULT_TIMEOUT = 120.0
 _MARKER_LINE = (
@@ -67,7 +67,7 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     try:
-        method = _mp_context().get_start_method()
+        method = mp_context().get_start_method()
     except Exception as exc:  # noqa: BLE001
         method = f"unavailable ({exc})"
     return f"einshard.testing: ranks start method {method}, default ranks timeout {_default_timeout(config):g} s"

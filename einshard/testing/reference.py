@@ -12,6 +12,7 @@ import math
 import torch
 
 from .._split import compute_split_shapes, resolve_split_shapes
+from ..mesh import resolve_mesh
 from ..notation import EllipsisItem, Group, expand
 
 __all__ = ["local_block"]
@@ -30,8 +31,6 @@ def local_block(x: torch.Tensor, spec: str, mesh, shapes=None, sizes=None, famil
     >>> local_block(w, "h/tp c", mesh, shapes={"tp": [1, 1, 1, 1]}).shape     # doctest: +SKIP
     torch.Size([1, 3])
     """
-    from ..mesh import resolve_mesh
-
     mesh = resolve_mesh(mesh)
     parsed = expand(spec, families)
     tensor = parsed.inputs[0] if parsed.output is None else parsed.output

@@ -1,0 +1,81 @@
+"""``einshard_like``: record the ``[param]`` states a formula would record, without running it."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .._split import compute_split_shapes
+from ..distributed import plan_distributed
+from ..mesh import resolve_mesh
+from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
+from ..ops.local import freeze_sizes
+from ..policy import resolve_policy
+from .formula import recorder_for
+from .names import mesh_names
+
+__all__ = ["einshard_like"]
+
+
+def _stand_in_shape(spec: TensorSpec, rt, sizes: dict) -> tuple[int, ...]:
+    """A local shape consistent with ``sizes``: unknown axes get the mesh size (divisible by any group)."""
+    default = math.prod(rt.shape)
+    shape = []
+    for item in spec.items:
+        if isinstance(item, EllipsisItem):
+            continue
+        size = 1
+        for a in item.axes if isinstance(item, Group) else (item,):
+            whole = int(sizes.get(a.name, default))
+            try:
+                size *= compute_split_shapes(whole, rt.size(a.mesh))[rt.index(a.mesh)] if a.mesh else whole
+            except ValueError:  # an unknown mesh name: planning reports it as einshard does
+                size *= whole
+        shape.append(size)
+    return tuple(shape)
+
+
+def _check_formula(parsed, mesh, sizes, frozen_families, duties=()) -> None:
+    """The formula-level errors ``einshard`` would raise, without operand values or sizes."""
+    if parsed.is_local:
+        return
+    rt = resolve_mesh(mesh)
+    known = dict(sizes or {})
+    shapes = [_stand_in_shape(t, rt, known) for t in parsed.inputs]
+    plan_distributed(
+        parsed, shapes, 4, rt, None, freeze_sizes(sizes), resolve_policy(None, None), frozen_families, duties
+    )
+
+
+def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> None:
+    """Record the ``[param]`` states ``es.einshard(formula, *operands)`` would record, without running it.
+
+    Operand values and sizes are never read (non-``[param]`` operands may be ``None``);
+    formula-level errors are raised as ``einshard`` would, before anything is attached.
+
+    >>> import torch, einshard as es
+    >>> w = torch.nn.Parameter(torch.zeros(3, 4))
+    >>> einshard_like("b c, c d [param, grad=dp] -> b d", None, w, mesh=es.Mesh.virtual((2,), ("dp",)))
+    >>> es.get_parameter_state(w).reduce
+    ('dp',)
+    """
+    return _einshard_like_outside_compile()(formula, *operands, mesh=mesh, sizes=sizes, families=families)
+
+
+@functools.cache
+def _einshard_like_outside_compile():
+    """``einshard_like`` behind ``torch.compiler.disable``, made on first use (importing dynamo costs a second)."""
+    return torch.compiler.disable(_einshard_like)
+
+
+def _einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> None:
+    frozen = freeze_families(families)
+    parsed = expand(formula, frozen)
+    recorder = recorder_for(formula, parsed)  # the same preparation es.einshard runs
+    prepared = None if recorder is None else recorder.prepare(operands, mesh_names(mesh))
+    duties = () if recorder is None else recorder.duties(operands, prepared)
+    _check_formula(parsed, mesh, sizes, frozen, duties)
+    if recorder is not None:
+        recorder.commit(operands, prepared)
