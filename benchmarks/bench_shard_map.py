@@ -21,7 +21,8 @@ Fields: ``case``, ``what``, ``leaves`` (tensor arguments), ``torch_ops``
 ``overhead_check_vma_us`` (over the direct call), ``tracking_us_per_op``
 (the check_vma overhead beyond check_vma=False, per plain torch op of the
 body), the same overheads from the fastest repeat (``*_min_us``), ``number``,
-``repeats``, ``threads``, ``torch_version``.
+``repeats``, ``threads``, ``clock`` (``--clock cpu`` times this thread's CPU
+time instead of wall time: steadier on a busy machine), ``torch_version``.
 """
 
 from __future__ import annotations
@@ -99,11 +100,15 @@ def _cases():
     ]
 
 
+_CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
+_clock = time.perf_counter_ns
+
+
 def _time_us(fn, number: int) -> float:
-    start = time.perf_counter_ns()
+    start = _clock()
     for _ in range(number):
         fn()
-    return (time.perf_counter_ns() - start) / number / 1000.0
+    return (_clock() - start) / number / 1000.0
 
 
 def run_case(case, mesh, number, repeats, warmup):
@@ -166,6 +171,7 @@ def run_case(case, mesh, number, repeats, warmup):
         "number": number,
         "repeats": repeats,
         "threads": torch.get_num_threads(),
+        "clock": "cpu" if _clock is time.thread_time_ns else "wall",
         "torch_version": torch.__version__,
     }
 
@@ -177,7 +183,11 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=50, help="warm-up calls of each (default 50)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--case", action="append", help="run only this case (may be repeated)")
+    parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
+                        help="wall time, or this thread's CPU time (steadier on a busy machine; default wall)")
     args = parser.parse_args(argv)
+    global _clock
+    _clock = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     mesh = _init()
     try:

@@ -24,6 +24,7 @@ costs on top of the body.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import optree
 import torch
@@ -42,8 +43,12 @@ from ._specs import (
     sizes_subset,
     spec_tree,
 )
+from .dtensor import apply_from_dtensor, plan_from_dtensor, to_dtensor
+from .errors import EinshardError
+from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import expand
+from .ops.einshard import einshard
 
 __all__ = ["shard_map", "ShardMap"]
 
@@ -141,7 +146,7 @@ class ShardMap:
             return self._call_traced(args, kwargs)
         outer = _context.current().shard_map
         if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
-            raise ValueError(
+            raise EinshardError(
                 f"shard_map: {self!r} is called inside the body of {outer.shard_map!r}, which tracks variance; "
                 "nested shard_map calls are not supported (call the inner function directly)"
             )
@@ -201,33 +206,14 @@ class ShardMap:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
         elif checks.ENABLED:
             _raise_agreed(mesh, ())
-        changed = False
+        new = _exit_leaves(out, leaves, oplan, tracker, eager=True)
         if tracker is not None:
-            for i, declared, spec in oplan.checks:
-                x = leaves[i]
-                m, missing = _output_vma(tracker, out, i, x, declared, spec)
-                if missing and x.requires_grad and torch.is_grad_enabled():
-                    if not changed:
-                        leaves = list(leaves)
-                        changed = True
-                    y = tracker.pvary(x, m, missing)
-                    if i not in oplan.converted:
-                        # returned as is: not a view made by an autograd Function, so the caller may
-                        # modify it in place
-                        y = y.clone()
-                    leaves[i] = y
-            tracker.suspended += 1  # the body is over: exit conversions are not tracked
-        if oplan.actions:
-            if not changed:
-                leaves = list(leaves)
-                changed = True
-            for i, fn in oplan.actions:
-                leaves[i] = fn(leaves[i])
-        if tracker is not None:
-            for x in leaves:
+            for x in new:
                 if isinstance(x, _Tensor):
                     x.__dict__.pop(_vma.ATTR, None)
-        return treedef.unflatten(leaves) if changed else out
+        if all(a is b for a, b in zip(new, leaves)):
+            return out
+        return treedef.unflatten(new)
 
     # -- under torch.compile ------------------------------------------------------------
     def _call_traced(self, args, kwargs):
@@ -240,7 +226,7 @@ class ShardMap:
         """
         outer = _context.current().shard_map
         if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
-            raise ValueError(f"shard_map: {self!r} is called inside the body of another shard_map")
+            raise EinshardError(f"shard_map: {self!r} is called inside the body of another shard_map")
         mesh = self.mesh if self.mesh is not None else _context.current().mesh
         leaves, spec = _pytree.tree_flatten(args)
         struct = spec.unflatten(list(range(len(leaves))))  # the structure, as constants
@@ -263,24 +249,10 @@ class ShardMap:
             out_leaves, out_spec = _pytree.tree_flatten(out)
             struct = out_spec.unflatten(list(range(len(out_leaves))))
             oplan = _trace.lookup(_out_plan_for_trace(self, struct, _trace_leaves(out_leaves), mesh, plan))
-            return self._finish_traced(out, out_leaves, out_spec, oplan, tracker)
+            return out_spec.unflatten(_exit_leaves(out, out_leaves, oplan, tracker, eager=False))
         finally:
             if token is not None:
                 _context.pop(token)
-
-    def _finish_traced(self, out, leaves, treedef, oplan, tracker):
-        leaves = list(leaves)
-        if tracker is not None:
-            for i, declared, spec in oplan.checks:
-                x = leaves[i]
-                m, missing = _output_vma(tracker, out, i, x, declared, spec)
-                if missing and x.requires_grad and torch.is_grad_enabled():
-                    leaves[i] = tracker.pvary(x, m, missing)
-                tracker.untag(x)
-            tracker.suspended += 1  # the body is over: exit conversions are not tracked
-        for i, fn in oplan.actions:
-            leaves[i] = fn(leaves[i])
-        return treedef.unflatten(leaves)
 
     # -- planning (once per argument structure and local shapes) ---------------------
     def _opts(self, parsed_formula):
@@ -295,8 +267,6 @@ class ShardMap:
         ambiguous: set = set()
         dtensor = False
         errors = []
-        from .ops.einshard import einshard
-
         for i, (x, spec) in enumerate(zip(leaves, per_leaf)):
             if spec is None or not isinstance(x, _Tensor):
                 continue
@@ -336,20 +306,15 @@ class ShardMap:
         return plan
 
     def _dtensor_input(self, x, spec, mesh, where):
-        from .dtensor import apply_from_dtensor, plan_from_dtensor
-
         try:
             src, layout = plan_from_dtensor(x, spec.outer, mesh, shapes=self.shapes, sizes=self.sizes,
                                             families=self.families, where=where)
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+            raise EinshardError(f"{where}: {err}") from None
         entries = layout_entries(layout)
         first = functools.partial(_from_dtensor, apply_from_dtensor, src, layout, mesh)
         if not spec.conversion:
             return first, entries
-        from .layout import MeshShape
-        from .ops.einshard import einshard
-
         local_shape = layout.local_shape(mesh.coordinate, MeshShape.of(mesh))
         resolved = resolve_spec(spec.text, local_shape, mesh, self.shapes, self.sizes, self.families,
                                 ambient=entries)
@@ -361,8 +326,6 @@ class ShardMap:
         per_leaf = _matched(mesh, self._out_leaves, self._out_def, out, "out_specs", "out", self.out_specs)
         info = _vma.mesh_info(mesh)
         checks_, actions, errors = [], [], []
-        from .ops.einshard import einshard
-
         for i, (x, spec) in enumerate(zip(leaves, per_leaf)):
             if spec is None or not isinstance(x, _Tensor):
                 continue
@@ -383,8 +346,6 @@ class ShardMap:
                 opts = self._opts(expand(spec.text, self.families))
                 steps.append(functools.partial(_convert, einshard, spec.text, mesh, opts))
             if plan.dtensor:
-                from .dtensor import to_dtensor
-
                 layout = resolved.output
                 steps.append(functools.partial(_to_dtensor, to_dtensor, layout, mesh, where))
             if steps:
@@ -398,8 +359,6 @@ class ShardMap:
 
 
 def _by_name(module: str, qualname: str):
-    import importlib
-
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -424,7 +383,7 @@ def _raise_agreed(mesh, errors) -> None:
     or not): a rank's plan cache can miss where another's hits (its local
     shapes changed).
     """
-    error = ValueError(errors[0]) if errors else None
+    error = EinshardError(errors[0]) if errors else None
     if checks.checks_enabled() and mesh.device_mesh is not None:
         checks.agree(mesh.group(tuple(mesh.names)), error, point="shard_map")
     elif error is not None:
@@ -441,13 +400,34 @@ def _convert_inputs(actions, args, leaves, treedef):
     return treedef.unflatten(converted), converted
 
 
+def _exit_leaves(out, leaves, oplan, tracker, eager):
+    """The output leaves after the variance checks (pvary-ing what lacks a declared dimension) and the
+    exit conversions."""
+    leaves = list(leaves)
+    if tracker is not None:
+        for i, declared, spec in oplan.checks:
+            x = leaves[i]
+            m, missing = _output_vma(tracker, out, i, x, declared, spec)
+            if missing and x.requires_grad and torch.is_grad_enabled():
+                y = tracker.pvary(x, m, missing)
+                # eager, returned as is: not a view made by an autograd Function, so the caller may modify it
+                # in place
+                leaves[i] = y.clone() if eager and i not in oplan.converted else y
+            if not eager:
+                tracker.untag(x)
+        tracker.suspended += 1  # the body is over: exit conversions are not tracked
+    for i, fn in oplan.actions:
+        leaves[i] = fn(leaves[i])
+    return leaves
+
+
 def _output_vma(tracker, out, i, x, declared, spec):
     """``(vma mask, declared dims it lacks)`` of output leaf ``i``; ``ValueError`` when it varies undeclared."""
     m = tracker.mask_of(x)
     bad = m & ~declared
     if bad:
         dim = tracker.info.dims(bad)[0]
-        raise ValueError(
+        raise EinshardError(
             f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
             f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
             f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
@@ -465,7 +445,7 @@ def _trace_leaves(leaves) -> tuple:
     for x in leaves:
         if isinstance(x, _Tensor):
             if maybe_dtensor(x):
-                raise ValueError("shard_map under torch.compile: DTensor arguments are not supported; "
+                raise EinshardError("shard_map under torch.compile: DTensor arguments are not supported; "
                                  "pass local tensors (x.to_local())")
             out.append((_trace.static_shape(x), x.dtype))
         else:

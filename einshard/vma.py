@@ -30,25 +30,23 @@ number of the ``shard_map`` call that set it, so tags left on tensors by an
 earlier call are ignored (and a tag is a plain ``int``: harmless in a
 ``state_dict`` or pickle). Tensors without a current tag are invariant.
 
-Library hook (zero cost when nothing is tracked): an operation checks the
-module global :data:`ACTIVE` (the number of tracking bodies running in the
-process) before anything else::
-
-    if _vma.ACTIVE and _vma.current() is not None:
-        return _vma.formula_op(my_op, formula, tensors, mesh=mesh, ...)
+Library ops pay nothing outside tracked bodies: they check the module global
+:data:`ACTIVE` (tracking bodies running) first, ``if _vma.ACTIVE and
+_vma.current() is not None: return _vma.formula_op(my_op, formula, tensors, ...)``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _context, _trace
-from . import collectives as C
+from ._traced_collectives import all_reduce
+from .errors import EinshardError
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
+from .notation import expand_specs, freeze_families
 
 __all__ = [
     "ACTIVE",
@@ -193,40 +191,106 @@ def _tensor_args(args, kwargs) -> list:
     return out
 
 
-class Tracker:
-    """Variance state of one ``shard_map`` call (see the module docstring)."""
+def _args_mask(serial: int, args, kwargs):
+    """``(union, mixed)``: the union of the current masks of :func:`_tensor_args` (tagged with
+    ``serial``), and whether they differ (one pass, no list)."""
+    union = 0
+    first = -1
+    mixed = False
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, _Tensor):
+            items = (a,)
+        elif type(a) in _SEQ:
+            items = a
+        else:
+            continue
+        for b in items:
+            if isinstance(b, _Tensor):
+                m = b.__dict__.get(ATTR, 0) ^ serial
+                if m > _MASK:
+                    m = 0
+                if first < 0:
+                    first = m
+                elif m != first:
+                    mixed = True
+                union |= m
+    return union, mixed
 
-    __slots__ = ("info", "serial", "suspended", "memo", "mode", "inplace")
+
+class _Rules:
+    """What the eager and the traced trackers share: widening an op's operands."""
+
+    __slots__ = ()
+
+    def pvary_operand(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
+        """:meth:`pvary` for an operand that only feeds an op (whose output is tagged anyway):
+        over dimensions of size 1 it is ``t`` itself (no alias, no autograd node)."""
+        return self.pvary(t, mask, missing) if missing & ~self.info.trivial else t
+
+    def _widen_args(self, func, args, kwargs, union):
+        inplace = _is_inplace(func)
+
+        def fix(a):
+            if isinstance(a, _Tensor):
+                m = self.mask_of(a)
+                if m != union and a.requires_grad:
+                    return self.pvary_operand(a, m, union & ~m)
+                return a
+            if type(a) in _SEQ:
+                return type(a)(fix(b) for b in a)
+            return a
+
+        new_args = list(args)
+        for i, a in enumerate(args):
+            if i == 0 and inplace:
+                # the tensor written in place keeps its identity; when it is invariant and carries a
+                # gradient, its old value is pvary-ed in place (all of it when it is a view: the whole
+                # base varies afterwards, as with JAX's x.at[i].set(v))
+                if isinstance(a, _Tensor) and a.requires_grad:
+                    base = a._base
+                    t = a if base is None else base
+                    missing = union & ~self.mask_of(t)
+                    if missing:
+                        self.pvary_inplace(t, missing)
+                continue
+            new_args[i] = fix(a)
+        if kwargs:
+            kwargs = {k: (v if k == "out" else fix(v)) for k, v in kwargs.items()}
+        return tuple(new_args), kwargs
+
+
+class Tracker(_Rules, TorchFunctionMode):
+    """Variance state of one ``shard_map`` call, and the ``TorchFunctionMode`` that tracks it.
+
+    One object per call: it is pushed as the mode itself, so a plain torch op
+    costs one Python call that reads the arguments' tags and returns at once
+    when none is tracked.
+    """
 
     def __init__(self, mesh):
         self.info = mesh_info(mesh)
         self.serial = next(_SERIALS) << 32
         self.suspended = 0
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
-        self.mode = None
         self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
 
     # tags ---------------------------------------------------------------
     def mask_of(self, t) -> int:
-        tag = t.__dict__.get(ATTR, 0)
-        m = tag & _MASK
-        return m if tag - m == self.serial else 0
+        m = t.__dict__.get(ATTR, 0) ^ self.serial
+        return 0 if m > _MASK else m
 
     def tag(self, t, mask: int) -> None:
         t.__dict__[ATTR] = self.serial | mask
 
     def tag_tree(self, out, mask: int):
+        tag = self.serial | mask
         if isinstance(out, _Tensor):
-            out.__dict__[ATTR] = self.serial | mask
+            out.__dict__[ATTR] = tag
         elif isinstance(out, _SEQ):
-            tag = self.serial | mask
             for o in out:
                 if isinstance(o, _Tensor):
                     o.__dict__[ATTR] = tag
         return out
-
-    def vma(self, t) -> frozenset:
-        return frozenset(self.info.dims(self.mask_of(t)))
 
     # pvary -----------------------------------------------------------------
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
@@ -257,78 +321,30 @@ class Tracker:
             _PVaryInPlace.apply(t, self.info.group(missing))
 
     # torch functions ---------------------------------------------------------
-    def dispatch(self, func, args, kwargs):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         special = _SPECIAL.get(func)
         if special is not None:
-            return special(self, func, args, kwargs)
+            return special(self, func, args, kwargs or {})
         serial = self.serial
-        union = 0
-        mixed = False
-        first = -1
-        for a in _tensor_args(args, kwargs):
-            tag = a.__dict__.get(ATTR, 0)
-            m = tag & _MASK
-            if tag - m != serial:
-                m = 0
-            if first < 0:
-                first = m
-            elif m != first:
-                mixed = True
-            union |= m
+        union, mixed = _args_mask(serial, args, kwargs)
         if not union:
-            return func(*args, **kwargs)
-        if mixed and _grad_enabled():
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs is None:
+            kwargs = {}
+        if mixed and union & ~self.info.trivial and _grad_enabled():  # (over size-1 dimensions: nothing to do)
             args, kwargs = self._widen_args(func, args, kwargs, union)
-        out = func(*args, **kwargs)
-        tag = serial | union
-        if isinstance(out, _Tensor):
-            out.__dict__[ATTR] = tag
-        elif isinstance(out, _SEQ):
-            for o in out:
-                if isinstance(o, _Tensor):
-                    o.__dict__[ATTR] = tag
+        out = self.tag_tree(func(*args, **kwargs), union)
         if mixed and _is_inplace(func):
             # the tensor written in place now holds data that varies like the union (x[i] = v returns None,
             # so tagging ``out`` is not enough), and so does the tensor it is a view of
             target = args[0] if args else None
             if isinstance(target, _Tensor):
                 self.inplace = True
-                target.__dict__[ATTR] = tag
+                target.__dict__[ATTR] = serial | union
                 base = target._base
                 if base is not None:
-                    base.__dict__[ATTR] = tag | self.mask_of(base)
+                    base.__dict__[ATTR] = serial | union | self.mask_of(base)
         return out
-
-    def _widen_args(self, func, args, kwargs, union):
-        inplace = _is_inplace(func)
-
-        def fix(a):
-            if isinstance(a, _Tensor):
-                m = self.mask_of(a)
-                if m != union and a.requires_grad:
-                    return self.pvary(a, m, union & ~m)
-                return a
-            if type(a) in _SEQ:
-                return type(a)(fix(b) for b in a)
-            return a
-
-        new_args = list(args)
-        for i, a in enumerate(args):
-            if i == 0 and inplace:
-                # the tensor written in place keeps its identity; when it is invariant and carries a
-                # gradient, its old value is pvary-ed in place (all of it when it is a view: the whole
-                # base varies afterwards, as with JAX's x.at[i].set(v))
-                if isinstance(a, _Tensor) and a.requires_grad:
-                    base = a._base
-                    t = a if base is None else base
-                    missing = union & ~self.mask_of(t)
-                    if missing:
-                        self.pvary_inplace(t, missing)
-                continue
-            new_args[i] = fix(a)
-        if kwargs:
-            kwargs = {k: (v if k == "out" else fix(v)) for k, v in kwargs.items()}
-        return tuple(new_args), kwargs
 
 
 _INPLACE_DUNDER = frozenset(
@@ -407,31 +423,25 @@ def current() -> Tracker | None:
 
 
 class tracking:
-    """Context manager: track variance with ``tracker`` (pushes its ``TorchFunctionMode``)."""
+    """Context manager: track variance with ``tracker`` (pushes it as the ``TorchFunctionMode``)."""
 
-    __slots__ = ("tracker",)
+    __slots__ = ("tracker", "mode")
 
-    def __init__(self, tracker: Tracker):
+    def __init__(self, tracker):
         self.tracker = tracker
+        # an eager Tracker is its own mode; a TracedTracker is wrapped (dynamo traces through the wrapper)
+        self.mode = tracker if isinstance(tracker, TorchFunctionMode) else _Mode(tracker)
 
     def __enter__(self):
         global ACTIVE
+        self.mode.__enter__()
         ACTIVE += 1
-        mode = _Mode(self.tracker)
-        self.tracker.mode = mode
-        try:
-            mode.__enter__()
-        except BaseException:
-            ACTIVE -= 1
-            raise
         return self.tracker
 
     def __exit__(self, *exc):
         global ACTIVE
-        try:
-            self.tracker.mode.__exit__(*exc)
-        finally:
-            ACTIVE -= 1
+        ACTIVE -= 1
+        self.mode.__exit__(*exc)
         return False
 
 
@@ -472,7 +482,7 @@ def get_vma(x) -> frozenset | None:
     t = current()
     if t is None or not isinstance(x, _Tensor):
         return None
-    return t.vma(x)
+    return frozenset(t.info.dims(t.mask_of(x)))
 
 
 # -- library operations ------------------------------------------------------------------
@@ -506,13 +516,9 @@ def _formula_rule(info: _MeshInfo, formula: str, families) -> _FormulaRule:
     if families is None:
         key = formula
     else:
-        from .notation import freeze_families
-
         key = (formula, families if isinstance(families, tuple) else freeze_families(families))
     rule = info.formulas.get(key)
     if rule is None:
-        from .notation import expand_specs
-
         parsed = expand_specs(formula, None if families is None else key[1])
         declared = tuple(spec_mask(info, s) for s in parsed.inputs)
         out_spec = parsed.output if parsed.output is not None else parsed.inputs[0]
@@ -545,13 +551,15 @@ def formula_op(fn, formula: str, tensors, **kwargs):
     - the output varies over the dimensions its spec shards or is partial over
       (for a bare spec without ``->``: the input's), plus the pass-through ones.
     """
-    tracker = current()
-    if tracker is None:
+    ambient = _context.current()
+    body = ambient.shard_map
+    tracker = None if body is None else body.tracker
+    if tracker is None or tracker.suspended:
         return fn(formula, *tensors, **kwargs)
     info = tracker.info
     mesh = kwargs.get("mesh")
     if mesh is None:
-        mesh = _context.current().mesh  # a nested es.use_mesh(other) in the body
+        mesh = ambient.mesh  # a nested es.use_mesh(other) in the body
     if tracker.serial == 0:  # a TracedTracker: no ValueError fallbacks, the rule is a trace-time constant
         if mesh is not info.mesh:
             return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
@@ -573,7 +581,7 @@ def formula_op(fn, formula: str, tensors, **kwargs):
             bad = m & mentioned & ~declared[k]
             if bad:
                 dim = info.dims(bad)[0]
-                raise ValueError(
+                raise EinshardError(
                     f"{formula!r}: operand {k} ('{texts[k]}') varies over mesh dimension {dim!r}, but its "
                     f"spec says it is replicated over {dim!r}. Declare it sharded or partial over {dim!r} "
                     f"(e.g. '{texts[k]} // {dim}'), or make it invariant first (es.psum / es.all_gather)"
@@ -586,7 +594,7 @@ def formula_op(fn, formula: str, tensors, **kwargs):
                 if missing and isinstance(t, _Tensor) and t.requires_grad:
                     if xs is tensors:
                         xs = list(tensors)
-                    xs[k] = tracker.pvary(t, masks[k], missing)
+                    xs[k] = tracker.pvary_operand(t, masks[k], missing)
         out = fn(formula, *xs, **kwargs)
     return tracker.tag_tree(out, out_mask | passthrough)
 
@@ -599,14 +607,10 @@ def _union_mask(tracker, tensors) -> int:
     return m
 
 
-def names_mask(tracker: Tracker, names: Iterable[str]) -> int:
-    return tracker.info.mask(names)
-
-
 # -- under torch.compile -------------------------------------------------------------------------
 
 
-class TracedTracker(Tracker):
+class TracedTracker(_Rules):
     """The tracker of a ``shard_map`` body that dynamo traces: variance decided at trace time.
 
     Same rules as :class:`Tracker`; tags are plain tensor attributes (which
@@ -623,14 +627,12 @@ class TracedTracker(Tracker):
     ``docs/shard_map.md``.
     """
 
-    __slots__ = ()
+    __slots__ = ("info", "serial", "suspended", "inplace")
 
     def __init__(self, mesh):
         self.info = _trace.lookup(_traced_info(mesh))
         self.serial = 0
         self.suspended = 0
-        self.memo = {}
-        self.mode = None
         self.inplace = False
 
     def mask_of(self, t) -> int:
@@ -658,7 +660,7 @@ class TracedTracker(Tracker):
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        raise ValueError(
+        raise EinshardError(
             "shard_map under torch.compile: an in-place op writes varying data into an invariant tensor that "
             "requires grad; use an out-of-place op (or es.pvary the tensor first)"
         )
@@ -692,8 +694,6 @@ class _TracedPVary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from ._traced_collectives import all_reduce
-
         return all_reduce(grad, ctx.group), None
 
 
