@@ -51,7 +51,7 @@ def einshard(
     >>> es.einshard("b (h p) -> b h p", torch.ones(2, 8), sizes={"p": 4}).shape
     torch.Size([2, 2, 4])
     """
-    if in_vma_scope():  # in shard_map(check_vma=True): set the output's vma
+    if _vma.ACTIVE and in_vma_scope():  # in shard_map(check_vma=True); ACTIVE first: no call when idle
         recorder = _vma_recorder(formula, families)
         if recorder is None:
             return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
