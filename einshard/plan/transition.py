@@ -9,10 +9,10 @@ move the fewest bytes:
    group of the rest;
 3. **exchange** the remaining shard/replicate changes. The exchange is one
    general mechanism (every rank receives exactly the part of its new block
-   it does not already hold, from the rank that holds it at the same
-   coordinates on every other mesh dimension); it runs as a local slice, an
-   all-gather, an all-to-all, or an all-to-all with per-rank split sizes,
-   whichever its pattern is;
+   it does not already hold, once; of several copies it reads its own, else
+   one whose holder reads from it too, see :mod:`einshard.exchange`); it runs
+   as a local slice, an all-gather, an all-to-all, or the general exchange
+   (point-to-point with the peers that have data), whichever its pattern is;
 4. dimensions that become partial need nothing in forward (``pvary``).
 
 Plans are rank-independent and cached; :func:`einshard.execute.compile_step`
