@@ -129,20 +129,28 @@ def test_every_module_is_in_the_note():
     assert sorted(set(layers) - set(modules)) == [], f"{NOTE.name} names modules that do not exist"
 
 
+def _edges(modules, graph):
+    """``(module, imported package module, line)`` for every import between two of the package's modules.
+
+    A submodule importing a package it is inside is no edge: Python runs that package first.
+    """
+    for m, found in graph.items():
+        for target, _names, line, _lazy in found:
+            t = _internal(target, modules)
+            if t and t != m and not _is_ancestor(t, m):
+                yield m, t, line
+
+
 def test_no_import_cycles():
     modules, graph = _graph()
     edges = {m: set() for m in modules}
-    for m, found in graph.items():
-        for target, _names, _line, _lazy in found:
-            t = _internal(target, modules)
-            # a submodule importing a package it is inside is no edge: Python runs that package first
-            if t and t != m and not _is_ancestor(t, m):
-                edges[m].add(t)
-                # importing ``a.b.c`` first runs the packages ``a.b`` (unless ``m`` is inside them)
-                parent = t.rpartition(".")[0]
-                while parent and not (parent == m or _is_ancestor(parent, m)):
-                    edges[m].add(parent)
-                    parent = parent.rpartition(".")[0]
+    for m, t, _line in _edges(modules, graph):
+        edges[m].add(t)
+        # importing ``a.b.c`` first runs the packages ``a.b`` (unless ``m`` is inside them)
+        parent = t.rpartition(".")[0]
+        while parent and not (parent == m or _is_ancestor(parent, m)):
+            edges[m].add(parent)
+            parent = parent.rpartition(".")[0]
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -165,13 +173,11 @@ def test_no_import_cycles():
 def test_layers_point_down():
     modules, graph = _graph()
     layers = _layers()
-    bad = []
-    for m, found in graph.items():
-        for target, _names, line, _lazy in found:
-            t = _internal(target, modules)
-            if t and t != m and not _is_ancestor(t, m):
-                if layers.get(t, 0) > layers.get(m, 0):
-                    bad.append(f"{m}:{line} (layer {layers.get(m)}) imports {t} (layer {layers.get(t)})")
+    bad = [
+        f"{m}:{line} (layer {layers.get(m)}) imports {t} (layer {layers.get(t)})"
+        for m, t, line in _edges(modules, graph)
+        if layers.get(t, 0) > layers.get(m, 0)
+    ]
     assert not bad, "imports of a higher layer:\n" + "\n".join(bad)
 
 
