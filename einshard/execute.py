@@ -14,6 +14,7 @@ from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
 from . import collectives as _eager_collectives
+from ._cache import BoundedCache
 from .exchange import runs_exchange
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
@@ -105,7 +106,7 @@ class Transition:
         return _apply_transition(x, self)
 
 
-_TRANSITIONS: dict = {}
+_TRANSITIONS = BoundedCache(16384)
 
 
 def transition(src: Layout, dst: Layout, mesh, back: Layout | None = None) -> Transition:
@@ -116,10 +117,7 @@ def transition(src: Layout, dst: Layout, mesh, back: Layout | None = None) -> Tr
     key = (src, dst, id(mesh), mesh.coordinate, back)
     found = _TRANSITIONS.get(key)
     if found is None or found.mesh is not mesh:
-        found = Transition(src, dst, mesh, back=back)
-        if len(_TRANSITIONS) > 16384:
-            _TRANSITIONS.clear()
-        _TRANSITIONS[key] = found
+        found = _TRANSITIONS.put(key, Transition(src, dst, mesh, back=back))
     return found
 
 

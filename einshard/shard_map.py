@@ -32,6 +32,7 @@ import torch.utils._pytree as _pytree
 
 from . import _context, _trace, checks
 from . import vma as _vma
+from ._cache import BoundedCache
 from ._specs import (
     explicit_entries,
     layout_entries,
@@ -128,8 +129,8 @@ class ShardMap:
         self.families = families
         self._in_leaves, self._in_def = spec_tree(in_specs, families, "in_specs", "in")
         self._out_leaves, self._out_def = spec_tree(out_specs, families, "out_specs", "out")
-        self._in_plans: dict = {}
-        self._out_plans: dict = {}
+        self._in_plans = BoundedCache(256)
+        self._out_plans = BoundedCache(256)
         functools.update_wrapper(self, f)
 
     def __reduce__(self):
@@ -300,10 +301,7 @@ class ShardMap:
                 masks.append((i, mask))
         _raise_agreed(mesh, errors)
         plan = _InPlan(tuple(actions), tuple(masks), table, dtensor)
-        if len(self._in_plans) > 256:
-            self._in_plans.clear()
-        self._in_plans[key] = plan
-        return plan
+        return self._in_plans.put(key, plan)
 
     def _dtensor_input(self, x, spec, mesh, where):
         try:
@@ -352,10 +350,7 @@ class ShardMap:
                 actions.append((i, steps[0] if len(steps) == 1 else functools.partial(_chain, tuple(steps))))
         _raise_agreed(mesh, errors)
         oplan = _OutPlan(tuple(checks_), tuple(actions))
-        if len(self._out_plans) > 256:
-            self._out_plans.clear()
-        self._out_plans[key] = oplan
-        return oplan
+        return self._out_plans.put(key, oplan)
 
 
 def _by_name(module: str, qualname: str):

@@ -43,6 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _context, _trace
+from ._cache import BoundedCache
 from ._traced_collectives import all_reduce
 from .errors import EinshardError
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
@@ -88,7 +89,7 @@ class _MeshInfo:
             if mesh.size(n) == 1:
                 self.trivial |= 1 << i
         self.groups: dict[int, object] = {}
-        self.formulas: dict = {}
+        self.formulas = BoundedCache(4096)
 
     def mask(self, name_or_names) -> int:
         """The mask of a (compound) dimension name or an iterable of names."""
@@ -114,7 +115,7 @@ class _MeshInfo:
         return g
 
 
-_INFOS: dict = {}
+_INFOS = BoundedCache(64)
 
 
 def same_mesh(info: _MeshInfo, mesh) -> bool:
@@ -139,10 +140,7 @@ def same_mesh(info: _MeshInfo, mesh) -> bool:
 def mesh_info(mesh) -> _MeshInfo:
     info = _INFOS.get(mesh)
     if info is None or info.mesh is not mesh:
-        info = _MeshInfo(mesh)
-        if len(_INFOS) > 64:
-            _INFOS.clear()
-        _INFOS[mesh] = info
+        info = _INFOS.put(mesh, _MeshInfo(mesh))
     return info
 
 
@@ -527,9 +525,7 @@ def _formula_rule(info: _MeshInfo, formula: str, families) -> _FormulaRule:
         for m in declared:
             mentioned |= m
         rule = _FormulaRule(declared, mentioned, out, tuple(str(s) for s in parsed.inputs))
-        if len(info.formulas) > 4096:
-            info.formulas.clear()
-        info.formulas[key] = rule
+        info.formulas.put(key, rule)
     return rule
 
 
