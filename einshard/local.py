@@ -159,7 +159,7 @@ def freeze_sizes(sizes: Mapping | None) -> tuple:
     return tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in sizes.items()))
 
 
-def _size_value(formula: Formula, key: str, value) -> int:
+def _size_value(key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         if not (isinstance(value, float) and value.is_integer() and value >= 0):
             raise EinshardError(f"sizes[{key!r}] must be a non-negative integer, got {value!r}")
@@ -183,18 +183,18 @@ def expand_sizes(formula: Formula, sizes: tuple, families: tuple) -> dict[str, i
                     f"has {len(members)} members"
                 )
             for member, v in zip(members, value):
-                out[member.split("/")[0].strip()] = _size_value(formula, key, v)
+                out[member.split("/")[0].strip()] = _size_value(key, v)
         elif key in table and key not in names:
             raise EinshardError(f"sizes[{key!r}] for a family needs one size per member")
         else:
-            out[key] = _size_value(formula, key, value)
+            out[key] = _size_value(key, value)
     unknown = sorted(set(out) - names)
     if unknown:
         raise EinshardError(f"sizes names axis {unknown[0]!r}, which is not in the formula")
     return out
 
 
-def infer_group_sizes(formula: Formula, index: int, group: Group, dim_size: int, known: dict) -> None:
+def infer_group_sizes(index: int, group: Group, dim_size: int, known: dict) -> None:
     """Fill ``known`` with the sizes of a group's factors (one unknown allowed)."""
     unknown = [a.name for a in group.axes if a.name not in known]
     product = math.prod(known[a.name] for a in group.axes if a.name in known)
@@ -217,7 +217,8 @@ def infer_group_sizes(formula: Formula, index: int, group: Group, dim_size: int,
         raise EinshardError(f"group '{group}' of {operand_name(index)} has size {dim_size}, but {sizes} = {product}")
 
 
-def check_size(formula: Formula, index: int, axis: str, size: int, known: dict) -> None:
+def check_size(index: int, axis: str, size: int, known: dict) -> None:
+    """Record ``axis``'s size from operand ``index`` (size 1 broadcasts against another size)."""
     old = known.get(axis)
     if old is None or old == size:
         known[axis] = size
@@ -279,14 +280,14 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
                         f"axis {d.name!r} of {operand_name(i)} has size {size} "
                         f"but sizes= says {given[d.name]}"
                     )
-                check_size(formula, i, d.name, size, known)
+                check_size(i, d.name, size, known)
             elif isinstance(d, EllipsisItem):
                 ell.append(size)
         ellipsis_shapes.append(tuple(ell))
     for i, (dims, shape) in enumerate(zip(per_input, shapes)):
         for d, size in zip(dims, shape):
             if isinstance(d, Group):
-                infer_group_sizes(formula, i, d, size, known)
+                infer_group_sizes(i, d, size, known)
     in_shapes = []
     in_axes = []
     for spec, shape in zip(formula.inputs, shapes):

@@ -37,15 +37,22 @@ def in_vma_scope() -> bool:
 
 def freeze(value):
     """A hashable form of nested dicts / lists of plain values, for cache keys (``dict(freeze(d)) == d``
-    for a flat dict; ``True`` is kept apart from ``1``, which would share a cache entry with a valid width).
+    for a flat dict). A sequence argument is tagged, so a list of pairs never shares a cache entry with
+    the dict it resembles (only the dict is valid); ``True`` is kept apart from ``1`` (a valid width).
 
     >>> freeze({"h": [1, 2], "w": True})
     (('h', (1, 2)), ('w', (<class 'bool'>, True)))
+    >>> freeze([("h", 1)])
+    (<class 'list'>, (('h', 1),))
     """
+    return (list, _frozen(value)) if isinstance(value, (list, tuple)) else _frozen(value)
+
+
+def _frozen(value):
     if isinstance(value, Mapping):
-        return tuple((k, freeze(v)) for k, v in value.items())
+        return tuple((k, _frozen(v)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return tuple(freeze(v) for v in value)
+        return tuple(_frozen(v) for v in value)
     if isinstance(value, bool):
         return (bool, value)
     return value

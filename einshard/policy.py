@@ -41,6 +41,10 @@ class PlanPolicy:
     memory_weight: float = 0.0
     metric: str = "sent"  # or "max_received" (see einshard.plan.cost)
 
+    def __post_init__(self):
+        if self.metric not in ("sent", "max_received"):
+            raise EinshardError(f"PlanPolicy: metric must be 'sent' or 'max_received', got {self.metric!r}")
+
     def __hash__(self) -> int:  # policies key every plan cache lookup: hash once
         cached = self.__dict__.get("_hash")
         if cached is None:

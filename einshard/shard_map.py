@@ -207,6 +207,8 @@ class ShardMap:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
         elif checks.ENABLED:
             _raise_agreed(mesh, ())
+        if tracker is None and not oplan.actions:
+            return out  # nothing checked, nothing converted
         new = _exit_leaves(out, leaves, oplan, tracker, eager=True)
         if tracker is not None:
             for x in new:

@@ -48,3 +48,24 @@ def test_bounded_cache_empties_at_its_limit():
     for k in range(10):
         assert cache.put(k, str(k)) == str(k)
         assert 1 <= len(cache) <= 3 and cache.get(k) == str(k)
+
+
+def test_a_cached_call_does_not_let_a_lookalike_argument_through():
+    # a list of pairs looks like the dict it is not: rejected whether or not the dict form is cached
+    x, y = torch.randn(6, 5), torch.randn(2, 8)
+    for _ in range(2):
+        assert es.einhalo("h w", x, {"h": 1}).shape == (8, 5)
+        with pytest.raises(es.EinshardError, match="halos must be a dict"):
+            es.einhalo("h w", x, [("h", 1)])
+        assert es.einfft("b x -> b kx", y, {"x": "kx"}).shape == (2, 8)
+        with pytest.raises(es.EinshardError, match="axes= must be a dict"):
+            es.einfft("b x -> b kx", y, [("x", "kx")])
+
+
+def test_plan_policy_metric_is_checked_and_either_metric_plans():
+    with pytest.raises(es.EinshardError, match="metric must be 'sent' or 'max_received'"):
+        es.PlanPolicy(metric="bogus")
+    mesh = es.Mesh.virtual((4,), ("tp",))
+    for metric in ("sent", "max_received"):
+        plan = es.explain("a/tp b, b c -> a c", (8, 6), (6, 4), mesh=mesh, policy=es.PlanPolicy(metric=metric))
+        assert "a/tp" in str(plan)

@@ -176,11 +176,12 @@ def _layout_for(base: Layout, roles, names, problem: Problem, partial_dims) -> L
     return Layout(base.axes, base.sizes, tuple(shard), tuple(splits), frozenset(partial_dims))
 
 
-def _move(what: str, src: Layout, dst: Layout, mesh: MeshShape, itemsize: int, back=None) -> tuple[Move, Cost]:
+def _move(what: str, src: Layout, dst: Layout, mesh: MeshShape, itemsize: int, metric: str,
+          back=None) -> tuple[Move, Cost]:
     """``src -> dst`` forward; backward ``dst -> back`` (default ``src``; a gradient duty's partial layout)."""
     fwd = plan_transition(src, dst, mesh)
     bwd = plan_transition(dst, src, mesh) if back is None else plan_gradient(dst, back, mesh)
-    return Move(what, src, dst, fwd, bwd), price(fwd, bwd, mesh, itemsize)
+    return Move(what, src, dst, fwd, bwd), price(fwd, bwd, mesh, itemsize, metric)
 
 
 def _sharding_role(role) -> bool:
@@ -188,7 +189,7 @@ def _sharding_role(role) -> bool:
     return role[0] in ("S", "E") and role[1] is not None
 
 
-def _candidate(problem: Problem, roles) -> Candidate | None:
+def _candidate(problem: Problem, roles, metric: str) -> Candidate | None:
     mesh = problem.mesh
     names = mesh.names
     embedded_axes = {r[1] for r in roles if r[0] == "E" and r[1] is not None}
@@ -216,7 +217,7 @@ def _candidate(problem: Problem, roles) -> Candidate | None:
         grads.append(grad)
         for n, (src, dst) in enumerate(zip(chain, chain[1:])):
             back = grad if n == 0 and grad is not None else src
-            move, c = _move(f"operand {k}" + (" (pvary)" if n else ""), src, dst, mesh, problem.itemsize, back)
+            move, c = _move(f"operand {k}" + (" (pvary)" if n else ""), src, dst, mesh, problem.itemsize, metric, back)
             if move.forward or move.backward:
                 moves.append(move)
             cost += c
@@ -233,11 +234,11 @@ def _candidate(problem: Problem, roles) -> Candidate | None:
     if embed_dims:
         embedded = _embedded(result, embed_dims)
         move, c = _embed_move(result, embedded, embed_dims, tuple(d for d, r in zip(names, roles) if r == ("E", None)),
-                              mesh, problem.itemsize)
+                              mesh, problem.itemsize, metric)
         moves.append(move)
         cost += c
     if not problem.free_output:
-        move, c = _move("result", embedded, problem.output, mesh, problem.itemsize)
+        move, c = _move("result", embedded, problem.output, mesh, problem.itemsize, metric)
         if move.forward or move.backward:
             moves.append(move)
         cost += c
@@ -272,13 +273,13 @@ def _embedded(result: Layout, dims: tuple[str, ...]) -> Layout:
     return out.with_partial(result.partial | set(dims))
 
 
-def _embed_move(result, embedded, dims, at_root, mesh: MeshShape, itemsize: int) -> tuple[Move, Cost]:
+def _embed_move(result, embedded, dims, at_root, mesh: MeshShape, itemsize: int, metric: str) -> tuple[Move, Cost]:
     """Embedding into contributions: zero-padding forward, a slice back (and a broadcast from
     group rank 0 for a replicated result kept on that rank only). Its memory is the result's,
     counted with the candidate's live bytes."""
     forward = (Step("embed", result, embedded, dims),)
     backward = (Step("embed_adjoint", embedded, result, at_root),)
-    cost = replace(price(forward, backward, mesh, itemsize), peak_bytes=0.0)
+    cost = replace(price(forward, backward, mesh, itemsize, metric), peak_bytes=0.0)
     return Move("embed", result, embedded, forward, backward), cost
 
 
@@ -385,6 +386,7 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
 def plan_contraction(problem: Problem, policy: PlanPolicy) -> tuple[Candidate, ...]:
     """Every candidate, best first under ``policy`` (deterministic on every rank)."""
     options = [_axis_roles(problem, d) for d in problem.mesh.names]  # never empty: ("R",) or ("E", None)
-    candidates = [c for roles in itertools.product(*options) if (c := _candidate(problem, roles)) is not None]
+    candidates = [c for roles in itertools.product(*options)
+                  if (c := _candidate(problem, roles, policy.metric)) is not None]
     order = sorted(range(len(candidates)), key=lambda k: (candidates[k].cost.key(policy), k))
     return tuple(candidates[k] for k in order)
