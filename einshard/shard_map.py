@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import operator
 
 import optree
 import torch
@@ -71,10 +72,11 @@ class _Body:
 
 
 class _InPlan:
-    __slots__ = ("actions", "masks", "shapes", "dtensor", "mesh", "source")
+    __slots__ = ("actions", "masks", "shapes", "dtensor", "mesh", "source", "info")
 
-    def __init__(self, actions, masks, shapes, dtensor):
+    def __init__(self, actions, masks, shapes, dtensor, info=None):
         self.mesh = self.source = None  # planned at trace time: the mesh, the plan in optree's leaf order
+        self.info = info  # the mesh's variance data (einshard.vma), for the eager tracker
         self.actions = actions  # ((leaf index, fn), ...)
         self.masks = masks  # ((leaf index, vma mask), ...) for tracked tensors that vary
         self.shapes = shapes  # ambient split shapes {(dims, axis): splits}
@@ -167,25 +169,22 @@ class ShardMap:
         token = None
         try:
             body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, treedef)
-            tracker = _vma.Tracker(mesh) if self.check_vma else None
+            tracker = _vma.Tracker(mesh, plan.info) if self.check_vma else None
             # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
             # push) must not resume after the push outside the block that pops it
             token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self, group))
             if tracker is None:
                 out = self.f(*body_args, **kwargs)
                 return self._finish(out, mesh, plan, None)
-            tagged = []
+            attr, serial = _vma.ATTR, tracker.serial
             for i, mask in plan.masks:
-                x = body_leaves[i]
-                tracker.tag(x, mask)
-                tagged.append(x)
+                body_leaves[i].__dict__[attr] = serial | mask
             try:
-                with _vma.tracking(tracker):
-                    out = self.f(*body_args, **kwargs)
+                out = _vma.run_tracked(tracker, self.f, body_args, kwargs)
                 return self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
             finally:
-                for x in tagged:
-                    x.__dict__.pop(_vma.ATTR, None)
+                for i, _mask in plan.masks:
+                    body_leaves[i].__dict__.pop(attr, None)
                 if tracker.inplace:  # an in-place op may have tagged any argument the body received
                     for x in body_leaves:
                         if isinstance(x, _Tensor):
@@ -214,7 +213,7 @@ class ShardMap:
             for x in new:
                 if isinstance(x, _Tensor):
                     x.__dict__.pop(_vma.ATTR, None)
-        if all(a is b for a, b in zip(new, leaves)):
+        if not any(map(operator.is_not, new, leaves)):
             return out
         return treedef.unflatten(new)
 
@@ -302,7 +301,7 @@ class ShardMap:
             if mask:
                 masks.append((i, mask))
         _raise_agreed(mesh, errors)
-        plan = _InPlan(tuple(actions), tuple(masks), table, dtensor)
+        plan = _InPlan(tuple(actions), tuple(masks), table, dtensor, info)
         return self._in_plans.put(key, plan)
 
     def _dtensor_input(self, x, spec, mesh, where):

@@ -189,32 +189,6 @@ def _tensor_args(args, kwargs) -> list:
     return out
 
 
-def _args_mask(serial: int, args, kwargs):
-    """``(union, mixed)``: the union of the current masks of :func:`_tensor_args` (tagged with
-    ``serial``), and whether they differ (one pass, no list)."""
-    union = 0
-    first = -1
-    mixed = False
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, _Tensor):
-            items = (a,)
-        elif type(a) in _SEQ:
-            items = a
-        else:
-            continue
-        for b in items:
-            if isinstance(b, _Tensor):
-                m = b.__dict__.get(ATTR, 0) ^ serial
-                if m > _MASK:
-                    m = 0
-                if first < 0:
-                    first = m
-                elif m != first:
-                    mixed = True
-                union |= m
-    return union, mixed
-
-
 class _Rules:
     """What the eager and the traced trackers share: widening an op's operands."""
 
@@ -265,8 +239,8 @@ class Tracker(_Rules, TorchFunctionMode):
     when none is tracked.
     """
 
-    def __init__(self, mesh):
-        self.info = mesh_info(mesh)
+    def __init__(self, mesh, info: _MeshInfo | None = None):
+        self.info = mesh_info(mesh) if info is None else info  # shard_map passes the one its plan holds
         self.serial = next(_SERIALS) << 32
         self.suspended = 0
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
@@ -324,15 +298,50 @@ class Tracker(_Rules, TorchFunctionMode):
         if special is not None:
             return special(self, func, args, kwargs or {})
         serial = self.serial
-        union, mixed = _args_mask(serial, args, kwargs)
+        # the union of the current masks of the tensor operands (also inside lists: torch.cat(tensors=[...])),
+        # and whether they differ; inlined, as this runs for every torch op of the body
+        union = 0
+        first = -1
+        mixed = False
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, _Tensor):
+                m = a.__dict__.get(ATTR, 0) ^ serial
+                if m > _MASK:
+                    m = 0
+                if first < 0:
+                    first = m
+                elif m != first:
+                    mixed = True
+                union |= m
+            elif type(a) in _SEQ:
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        m = b.__dict__.get(ATTR, 0) ^ serial
+                        if m > _MASK:
+                            m = 0
+                        if first < 0:
+                            first = m
+                        elif m != first:
+                            mixed = True
+                        union |= m
         if not union:
             return func(*args, **kwargs) if kwargs else func(*args)
+        if not mixed:  # every operand varies alike: nothing to widen, nothing written varies anew
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            tag = serial | union
+            if isinstance(out, _Tensor):
+                out.__dict__[ATTR] = tag
+            elif isinstance(out, _SEQ):
+                for o in out:
+                    if isinstance(o, _Tensor):
+                        o.__dict__[ATTR] = tag
+            return out
         if kwargs is None:
             kwargs = {}
-        if mixed and union & ~self.info.trivial and _grad_enabled():  # (over size-1 dimensions: nothing to do)
+        if union & ~self.info.trivial and _grad_enabled():  # (over size-1 dimensions: nothing to do)
             args, kwargs = self._widen_args(func, args, kwargs, union)
         out = self.tag_tree(func(*args, **kwargs), union)
-        if mixed and _is_inplace(func):
+        if _is_inplace(func):
             # the tensor written in place now holds data that varies like the union (x[i] = v returns None,
             # so tagging ``out`` is not enough), and so does the tensor it is a view of
             target = args[0] if args else None
@@ -441,6 +450,22 @@ class tracking:
         ACTIVE -= 1
         self.mode.__exit__(*exc)
         return False
+
+
+_push_mode = torch._C._push_on_torch_function_stack
+_pop_mode = torch._C._pop_torch_function_stack
+
+
+def run_tracked(tracker: Tracker, f, args, kwargs):
+    """``f(*args, **kwargs)`` tracked by the eager ``tracker``: ``with tracking(tracker)``, without the object."""
+    global ACTIVE
+    _push_mode(tracker)  # what TorchFunctionMode.__enter__ does
+    ACTIVE += 1
+    try:
+        return f(*args, **kwargs)
+    finally:
+        ACTIVE -= 1
+        _pop_mode()
 
 
 class suspended:
@@ -552,36 +577,107 @@ def formula_op(fn, formula: str, tensors, **kwargs):
     tracker = None if body is None else body.tracker
     if tracker is None or tracker.suspended:
         return fn(formula, *tensors, **kwargs)
+    return formula_op_in(ambient, fn, formula, tensors, kwargs)
+
+
+def tracking_ambient():
+    """The ambient context where a ``shard_map`` body tracks variance (``None``: untracked, or in a library op).
+
+    For the ops' hooks: ``if _vma.ACTIVE: ambient = _vma.tracking_ambient()``, then
+    :func:`formula_op_in` with it (one read of the context per op).
+    """
+    ambient = _context.current()
+    body = ambient.shard_map
+    if body is None:
+        return None
+    t = body.tracker
+    if t is None or t.suspended:
+        return None
+    return ambient
+
+
+def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
+    """:func:`formula_op` where ``ambient`` (from :func:`tracking_ambient`) is known to track variance."""
+    tracker = ambient.shard_map.tracker
+    if not tracker.serial:
+        return _traced_formula_op(tracker, ambient, fn, formula, tensors, kwargs)
     info = tracker.info
     mesh = kwargs.get("mesh")
     if mesh is None:
         mesh = ambient.mesh  # a nested es.use_mesh(other) in the body
-    if tracker.serial == 0:  # a TracedTracker: no ValueError fallbacks, the rule is a trace-time constant
-        if mesh is not info.mesh:
-            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-        declared, mentioned, out_mask, texts = _traced_rule(info, formula, kwargs.get("families"))
-    else:
-        if not same_mesh(info, mesh):  # another mesh: its dimensions are not the body's
-            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    if mesh is not info.mesh and not same_mesh(info, mesh):  # another mesh: its dimensions are not the body's
+        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    families = kwargs.get("families")
+    rule = info.formulas.get(formula) if families is None else None  # (the cache key without families)
+    if rule is None:
         try:
-            rule = _formula_rule(info, formula, kwargs.get("families"))
+            rule = _formula_rule(info, formula, families)
         except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
             return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-        declared, mentioned, out_mask, texts = rule.declared, rule.mentioned, rule.out, rule.texts
+    declared = rule.declared
     if len(declared) != len(tensors):
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-    with suspended(tracker):  # tensor attributes (requires_grad) would go through the mode otherwise
+    serial = tracker.serial
+    mentioned = rule.mentioned
+    masks = []
+    passthrough = 0
+    for k, t in enumerate(tensors):
+        m = 0
+        if isinstance(t, _Tensor):
+            m = t.__dict__.get(ATTR, 0) ^ serial
+            if m > _MASK:
+                m = 0
+        bad = m & mentioned & ~declared[k]
+        if bad:
+            raise _replicated_operand_error(info, formula, rule.texts, k, bad)
+        passthrough |= m & ~mentioned
+        masks.append(m)
+    trivial = info.trivial
+    tracker.suspended += 1
+    try:
+        with _DisableTorchFunction():  # tensor attributes (requires_grad) would go through the mode otherwise
+            xs = tensors
+            if _grad_enabled():
+                for k, t in enumerate(tensors):
+                    missing = (declared[k] | passthrough) & ~masks[k]
+                    # (over dimensions of size 1 a pvary is the identity: the operand is passed as it is)
+                    if missing & ~trivial and isinstance(t, _Tensor) and t.requires_grad:
+                        if xs is tensors:
+                            xs = list(tensors)
+                        xs[k] = tracker.pvary(t, masks[k], missing)
+            out = fn(formula, *xs, **kwargs)
+    finally:
+        tracker.suspended -= 1
+    return tracker.tag_tree(out, rule.out | passthrough)
+
+
+def _replicated_operand_error(info, formula, texts, k, bad) -> EinshardError:
+    dim = info.dims(bad)[0]
+    return EinshardError(
+        f"{formula!r}: operand {k} ('{texts[k]}') varies over mesh dimension {dim!r}, but its "
+        f"spec says it is replicated over {dim!r}. Declare it sharded or partial over {dim!r} "
+        f"(e.g. '{texts[k]} // {dim}'), or make it invariant first (es.psum / es.all_gather)"
+    )
+
+
+def _traced_formula_op(tracker, ambient, fn, formula, tensors, kwargs):
+    """:func:`formula_op` while dynamo traces: no ValueError fallbacks, the rule is a trace-time constant."""
+    info = tracker.info
+    mesh = kwargs.get("mesh")
+    if mesh is None:
+        mesh = ambient.mesh
+    if mesh is not info.mesh:
+        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    declared, mentioned, out_mask, texts = _traced_rule(info, formula, kwargs.get("families"))
+    if len(declared) != len(tensors):
+        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    with suspended(tracker):
         masks = [tracker.mask_of(t) if isinstance(t, _Tensor) else 0 for t in tensors]
         passthrough = 0
         for k, m in enumerate(masks):
             bad = m & mentioned & ~declared[k]
             if bad:
-                dim = info.dims(bad)[0]
-                raise EinshardError(
-                    f"{formula!r}: operand {k} ('{texts[k]}') varies over mesh dimension {dim!r}, but its "
-                    f"spec says it is replicated over {dim!r}. Declare it sharded or partial over {dim!r} "
-                    f"(e.g. '{texts[k]} // {dim}'), or make it invariant first (es.psum / es.all_gather)"
-                )
+                raise _replicated_operand_error(info, formula, texts, k, bad)
             passthrough |= m & ~mentioned
         xs = tensors
         if _grad_enabled():

@@ -13,7 +13,7 @@ from ..local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..params.formula import ANY, duty_of, formula_names, recorder_for, resolve_pending, state_duties
 from ..params.state import ParameterState
-from ..pipeline import check_tensors, in_vma_scope
+from ..pipeline import check_tensors
 from ..policy import resolve_policy
 
 __all__ = ["einshard"]
@@ -51,21 +51,33 @@ def einshard(
     >>> es.einshard("b (h p) -> b h p", torch.ones(2, 8), sizes={"p": 4}).shape
     torch.Size([2, 2, 4])
     """
-    if _vma.ACTIVE and in_vma_scope():  # in shard_map(check_vma=True); ACTIVE first: no call when idle
-        recorder = _vma_recorder(formula, families)
-        if recorder is None:
-            return _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
-                                   families=families, optimize=optimize, policy=policy)
-        # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
-        prepared = recorder.prepare(tensors, formula_names(mesh), backend="vma")
-        _SATISFIED.append(True)
-        try:
-            out = _vma.formula_op(einshard, formula, tensors, mesh=mesh, shapes=shapes, sizes=sizes,
-                                  families=families, optimize=optimize, policy=policy)
-        finally:
-            _SATISFIED.pop()
-        recorder.commit(tensors, prepared)
-        return out
+    if _vma.ACTIVE:  # some shard_map(check_vma=True) body runs; ACTIVE first: no call when idle
+        ambient = _vma.tracking_ambient()
+        if ambient is not None:  # in it (not in a library op)
+            return _tracked(ambient, formula, tensors, dict(mesh=mesh, shapes=shapes, sizes=sizes, families=families,
+                                                            optimize=optimize, policy=policy))
+    return _untracked(formula, *tensors, mesh=mesh, shapes=shapes, sizes=sizes, families=families,
+                      optimize=optimize, policy=policy)
+
+
+def _tracked(ambient, formula, tensors, kwargs):
+    """``einshard`` in a body that tracks variance: the variance rules, around :func:`_untracked`."""
+    recorder = _vma_recorder(formula, kwargs["families"])
+    if recorder is None:
+        return _vma.formula_op_in(ambient, _untracked, formula, tensors, kwargs)
+    # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
+    prepared = recorder.prepare(tensors, formula_names(kwargs["mesh"]), backend="vma")
+    _SATISFIED.append(True)
+    try:
+        out = _vma.formula_op_in(ambient, _untracked, formula, tensors, kwargs)
+    finally:
+        _SATISFIED.pop()
+    recorder.commit(tensors, prepared)
+    return out
+
+
+def _untracked(formula, *tensors, mesh=None, shapes=None, sizes=None, families=None, optimize=None, policy=None):
+    """``einshard`` without the variance hook (what the hook runs with tracking suspended)."""
     if _compiling():  # traced: gradient duties are not planned here (see the parameters guide)
         return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
@@ -134,11 +146,12 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
 
 
 def _vma_recorder(formula, families):
-    key = (formula, freeze_families(families))
+    frozen = None if families is None else freeze_families(families)
+    key = formula if frozen is None else (formula, frozen)  # (a plain string: no families)
     found = _VMA_RECORDERS.get(key, _MISSING)
     if found is _MISSING:
         try:
-            found = recorder_for(formula, expand(formula, key[1]))
+            found = recorder_for(formula, expand(formula, frozen))
         except ValueError:
             found = None  # the op reports a bad formula itself
         _VMA_RECORDERS.put(key, found)
