@@ -53,31 +53,9 @@ def einshard(
     """
     if _vma.ACTIVE:  # some shard_map(check_vma=True) body runs; ACTIVE first: no call when idle
         ambient = _vma.tracking_ambient()
-        if ambient is not None:  # in it (not in a library op)
+        if ambient is not None:  # in it, not in a library op (the call below, where tracking is suspended)
             return _tracked(ambient, formula, tensors, dict(mesh=mesh, shapes=shapes, sizes=sizes, families=families,
                                                             optimize=optimize, policy=policy))
-    return _untracked(formula, *tensors, mesh=mesh, shapes=shapes, sizes=sizes, families=families,
-                      optimize=optimize, policy=policy)
-
-
-def _tracked(ambient, formula, tensors, kwargs):
-    """``einshard`` in a body that tracks variance: the variance rules, around :func:`_untracked`."""
-    recorder = _vma_recorder(formula, kwargs["families"])
-    if recorder is None:
-        return _vma.formula_op_in(ambient, _untracked, formula, tensors, kwargs)
-    # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
-    prepared = recorder.prepare(tensors, formula_names(kwargs["mesh"]), backend="vma")
-    _SATISFIED.append(True)
-    try:
-        out = _vma.formula_op_in(ambient, _untracked, formula, tensors, kwargs)
-    finally:
-        _SATISFIED.pop()
-    recorder.commit(tensors, prepared)
-    return out
-
-
-def _untracked(formula, *tensors, mesh=None, shapes=None, sizes=None, families=None, optimize=None, policy=None):
-    """``einshard`` without the variance hook (what the hook runs with tracking suspended)."""
     if _compiling():  # traced: gradient duties are not planned here (see the parameters guide)
         return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
@@ -143,6 +121,22 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
             recorder.commit(tensors, prepared)
         return out
     return plan.run(tensors)
+
+
+def _tracked(ambient, formula, tensors, kwargs):
+    """``einshard`` in a body that tracks variance: the variance rules around the untracked call."""
+    recorder = _vma_recorder(formula, kwargs["families"])
+    if recorder is None:
+        return _vma.formula_op_in(ambient, einshard, formula, tensors, kwargs)
+    # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
+    prepared = recorder.prepare(tensors, formula_names(kwargs["mesh"]), backend="vma")
+    _SATISFIED.append(True)
+    try:
+        out = _vma.formula_op_in(ambient, einshard, formula, tensors, kwargs)
+    finally:
+        _SATISFIED.pop()
+    recorder.commit(tensors, prepared)
+    return out
 
 
 def _vma_recorder(formula, families):
