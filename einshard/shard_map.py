@@ -206,8 +206,14 @@ class ShardMap:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
         elif checks.ENABLED:
             _raise_agreed(mesh, ())
-        if tracker is None and not oplan.actions:
-            return out  # nothing checked, nothing converted
+        if not oplan.actions:
+            if tracker is None:
+                return out  # nothing checked, nothing converted
+            if _vary_as_declared(tracker, leaves, oplan.checks):  # the common case: nothing to pvary or report
+                for x in leaves:
+                    if isinstance(x, _Tensor):
+                        x.__dict__.pop(_vma.ATTR, None)
+                return out
         new = _exit_leaves(out, leaves, oplan, tracker, eager=True)
         if tracker is not None:
             for x in new:
@@ -415,6 +421,17 @@ def _exit_leaves(out, leaves, oplan, tracker, eager):
     for i, fn in oplan.actions:
         leaves[i] = fn(leaves[i])
     return leaves
+
+
+def _vary_as_declared(tracker, leaves, checks_) -> bool:
+    """Whether every checked output leaf varies over exactly the mesh dimensions its out spec declares."""
+    serial = tracker.serial
+    attr = _vma.ATTR
+    for i, declared, _spec in checks_:
+        m = leaves[i].__dict__.get(attr, 0) ^ serial
+        if (0 if m > _vma.MASK else m) != declared:
+            return False
+    return True
 
 
 def _output_vma(tracker, out, i, x, declared, spec):

@@ -63,7 +63,7 @@ __all__ = [
 ACTIVE = 0
 
 ATTR = "_es_vma"
-_MASK = (1 << 32) - 1
+MASK = _MASK = (1 << 32) - 1  # the mask bits of a tag (above them: the serial of the shard_map call)
 _SERIALS = itertools.count(1)
 _Tensor = torch.Tensor
 _SEQ = (list, tuple)
