@@ -20,7 +20,10 @@ Fields: ``case``, ``what``, ``leaves`` (tensor arguments), ``torch_ops``
 ``shard_map_check_vma_us`` (median µs per call), ``overhead_us`` and
 ``overhead_check_vma_us`` (over the direct call), ``tracking_us_per_op``
 (the check_vma overhead beyond check_vma=False, per plain torch op of the
-body), the same overheads from the fastest repeat (``*_min_us``), ``number``,
+body), the same overheads from the fastest repeat (``*_min_us``); for the cases with
+a backward pass, ``backward_direct_us``, ``backward_shard_map_us`` and
+``backward_check_vma_us`` (median µs per call of the backward part alone, from a
+second interleaved pass; ``null`` elsewhere); ``number``,
 ``repeats``, ``threads``, ``clock`` (``--clock cpu`` times this thread's CPU
 time instead of wall time: steadier on a busy machine), ``torch_version``.
 """
@@ -111,15 +114,29 @@ def _time_us(fn, number: int) -> float:
     return (_clock() - start) / number / 1000.0
 
 
+def _time_backward_us(forward, number: int) -> float:
+    """Per call, the time of ``forward().sum().backward()`` spent in the backward part alone."""
+    total = 0
+    for _ in range(number):
+        loss = forward().sum()
+        start = _clock()
+        loss.backward()
+        total += _clock() - start
+    return total / number / 1000.0
+
+
 def run_case(case, mesh, number, repeats, warmup):
     body, args = case["body"], case["args"]
     plain = shard_map(body, case["in_specs"], case["out_specs"], mesh=mesh, check_vma=False)
     tracked = shard_map(body, case["in_specs"], case["out_specs"], mesh=mesh, check_vma=True)
     backward = case.get("backward", False)
 
-    def direct():
+    def body_direct():
         with es.use_mesh(mesh):
-            out = body(*args)
+            return body(*args)
+
+    def direct():
+        out = body_direct()
         if backward:
             out.sum().backward()
         return out
@@ -134,6 +151,7 @@ def run_case(case, mesh, number, repeats, warmup):
         return run
 
     variants = {"direct": direct, "plain": call(plain), "tracked": call(tracked)}
+    forwards = {"direct": body_direct, "plain": lambda: plain(*args), "tracked": lambda: tracked(*args)}
     ref = direct()
     for name, fn in variants.items():
         got = fn()
@@ -143,18 +161,24 @@ def run_case(case, mesh, number, repeats, warmup):
         for fn in variants.values():
             fn()
     times = {k: [] for k in variants}
+    back = {k: [] for k in variants}
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         for _ in range(repeats):
             for k, fn in variants.items():
                 times[k].append(_time_us(fn, number))
+        if backward:  # a second interleaved pass: where the time goes (the backward part alone)
+            for _ in range(repeats):
+                for k, fn in forwards.items():
+                    back[k].append(_time_backward_us(fn, number))
     finally:
         if gc_was_enabled:
             gc.enable()
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     ops = case["ops"]
+    bmed = {k: round(statistics.median(v), 2) if v else None for k, v in back.items()}
     return {
         "case": case["case"],
         "what": case["what"],
@@ -168,6 +192,9 @@ def run_case(case, mesh, number, repeats, warmup):
         "tracking_us_per_op": round((med["tracked"] - med["plain"]) / ops, 2) if ops else None,
         "overhead_min_us": round(best["plain"] - best["direct"], 2),
         "overhead_check_vma_min_us": round(best["tracked"] - best["direct"], 2),
+        "backward_direct_us": bmed["direct"],
+        "backward_shard_map_us": bmed["plain"],
+        "backward_check_vma_us": bmed["tracked"],
         "number": number,
         "repeats": repeats,
         "threads": torch.get_num_threads(),

@@ -93,6 +93,8 @@ class _OutPlan:
 
 
 def _leaf_key(x):
+    if type(x) is _Tensor:  # (the common case, before the DTensor check)
+        return x.shape
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
             return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
