@@ -32,7 +32,15 @@ earlier call are ignored (and a tag is a plain ``int``: harmless in a
 
 Library ops pay nothing outside tracked bodies: they check the module global
 :data:`ACTIVE` (tracking bodies running) first, ``if _vma.ACTIVE and
-_vma.current() is not None: return _vma.formula_op(my_op, formula, tensors, ...)``.
+_vma.current() is not None: return _vma.formula_op(my_op, formula, tensors, ...)``
+(``es.einshard``, the hottest, reads the context once: :func:`tracking_ambient`,
+then :func:`formula_op_in`).
+
+Eager costs: the tracker is pushed as the ``TorchFunctionMode`` itself, and a
+plain torch op costs one Python call; what the mode machinery costs per op is
+the floor. Nothing is added to backward: over mesh dimensions of size 1 no
+pvary (no autograd node, no alias) is inserted, so the graph is the untracked
+one there.
 """
 
 from __future__ import annotations
@@ -55,8 +63,11 @@ __all__ = [
     "current",
     "get_vma",
     "formula_op",
+    "formula_op_in",
     "library_call",
     "pvary_tensor",
+    "run_tracked",
+    "tracking_ambient",
 ]
 
 #: number of ``shard_map(check_vma=True)`` bodies running in this process (any thread)
@@ -301,32 +312,25 @@ class Tracker(_Rules, TorchFunctionMode):
         # the union of the current masks of the tensor operands (also inside lists: torch.cat(tensors=[...])),
         # and whether they differ; inlined, as this runs for every torch op of the body
         union = 0
-        first = -1
-        mixed = False
+        common = -1  # the intersection: equal to the union when every operand varies alike
         for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, _Tensor):
                 m = a.__dict__.get(ATTR, 0) ^ serial
                 if m > _MASK:
                     m = 0
-                if first < 0:
-                    first = m
-                elif m != first:
-                    mixed = True
                 union |= m
+                common &= m
             elif type(a) in _SEQ:
                 for b in a:
                     if isinstance(b, _Tensor):
                         m = b.__dict__.get(ATTR, 0) ^ serial
                         if m > _MASK:
                             m = 0
-                        if first < 0:
-                            first = m
-                        elif m != first:
-                            mixed = True
                         union |= m
+                        common &= m
         if not union:
             return func(*args, **kwargs) if kwargs else func(*args)
-        if not mixed:  # every operand varies alike: nothing to widen, nothing written varies anew
+        if union == common:  # every operand varies alike: nothing to widen, nothing written varies anew
             out = func(*args, **kwargs) if kwargs else func(*args)
             tag = serial | union
             if isinstance(out, _Tensor):
@@ -519,10 +523,14 @@ def library_call(tracker: Tracker, fn, args, kwargs, out_mask: int):
 
 
 class _FormulaRule:
-    __slots__ = ("declared", "mentioned", "out", "texts")
+    __slots__ = ("declared", "mentioned", "out", "texts", "forbidden", "declared_nontrivial")
 
-    def __init__(self, declared, mentioned, out, texts):
+    def __init__(self, declared, mentioned, out, texts, trivial=0):
         self.declared, self.mentioned, self.out, self.texts = declared, mentioned, out, texts
+        # per operand: the dimensions it must not vary over (the formula names them, its spec replicates them),
+        # and the declared ones where a pvary is more than the identity (their size is above 1)
+        self.forbidden = tuple(mentioned & ~d for d in declared)
+        self.declared_nontrivial = tuple(d & ~trivial for d in declared)
 
 
 def spec_mask(info: _MeshInfo, spec) -> int:
@@ -549,7 +557,7 @@ def _formula_rule(info: _MeshInfo, formula: str, families) -> _FormulaRule:
         mentioned = out
         for m in declared:
             mentioned |= m
-        rule = _FormulaRule(declared, mentioned, out, tuple(str(s) for s in parsed.inputs))
+        rule = _FormulaRule(declared, mentioned, out, tuple(str(s) for s in parsed.inputs), info.trivial)
         info.formulas.put(key, rule)
     return rule
 
@@ -618,37 +626,44 @@ def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
     if len(declared) != len(tensors):
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
     serial = tracker.serial
-    mentioned = rule.mentioned
     masks = []
-    passthrough = 0
-    for k, t in enumerate(tensors):
-        m = 0
-        if isinstance(t, _Tensor):
-            m = t.__dict__.get(ATTR, 0) ^ serial
-            if m > _MASK:
-                m = 0
-        bad = m & mentioned & ~declared[k]
-        if bad:
-            raise _replicated_operand_error(info, formula, rule.texts, k, bad)
-        passthrough |= m & ~mentioned
+    varies = lack = 0
+    for t, forbidden, needed in zip(tensors, rule.forbidden, rule.declared_nontrivial):
+        m = t.__dict__.get(ATTR, 0) ^ serial if isinstance(t, _Tensor) else 0
+        if m > _MASK:
+            m = 0
+        if m & forbidden:
+            k = len(masks)
+            raise _replicated_operand_error(info, formula, rule.texts, k, m & forbidden)
+        varies |= m
+        lack |= needed & ~m
         masks.append(m)
-    trivial = info.trivial
+    passthrough = varies & ~rule.mentioned  # dimensions the formula does not name: the op is per-rank over them
     tracker.suspended += 1
     try:
         with _DisableTorchFunction():  # tensor attributes (requires_grad) would go through the mode otherwise
-            xs = tensors
-            if _grad_enabled():
-                for k, t in enumerate(tensors):
-                    missing = (declared[k] | passthrough) & ~masks[k]
-                    # (over dimensions of size 1 a pvary is the identity: the operand is passed as it is)
-                    if missing & ~trivial and isinstance(t, _Tensor) and t.requires_grad:
-                        if xs is tensors:
-                            xs = list(tensors)
-                        xs[k] = tracker.pvary(t, masks[k], missing)
+            # (over dimensions of size 1 a pvary is the identity: then every operand is used as it is)
+            if (lack or passthrough & ~info.trivial) and _grad_enabled():
+                xs = _pvary_operands(tracker, tensors, masks, declared, passthrough)
+            else:
+                xs = tensors
             out = fn(formula, *xs, **kwargs)
     finally:
         tracker.suspended -= 1
     return tracker.tag_tree(out, rule.out | passthrough)
+
+
+def _pvary_operands(tracker, tensors, masks, declared, passthrough):
+    """The operands of a formula op, each pvary-ed over the declared and pass-through dimensions it lacks."""
+    trivial = tracker.info.trivial
+    xs = tensors
+    for k, t in enumerate(tensors):
+        missing = (declared[k] | passthrough) & ~masks[k]
+        if missing & ~trivial and isinstance(t, _Tensor) and t.requires_grad:
+            if xs is tensors:
+                xs = list(tensors)
+            xs[k] = tracker.pvary(t, masks[k], missing)
+    return xs
 
 
 def _replicated_operand_error(info, formula, texts, k, bad) -> EinshardError:
