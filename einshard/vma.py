@@ -650,6 +650,9 @@ def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
             out = fn(formula, *xs, **kwargs)
     finally:
         tracker.suspended -= 1
+    if isinstance(out, _Tensor):
+        out.__dict__[ATTR] = serial | rule.out | passthrough
+        return out
     return tracker.tag_tree(out, rule.out | passthrough)
 
 
