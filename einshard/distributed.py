@@ -88,7 +88,8 @@ class DistributedPlan:
                 grad = cand.grad_of(k)
                 chain = [transition(a, b, mesh, grad if n == 0 else None) for n, (a, b) in enumerate(zip(steps, steps[1:]))]
                 chains.append(tuple(t for t in chain if not t.trivial))
-            contraction = Contraction([t.axes for t in cand.targets], cand.result.axes)
+            contraction = Contraction([t.axes for t in cand.targets], cand.result.axes,
+                                      sizes=[dict(zip(t.axes, t.sizes)) for t in cand.targets])
             embedding = None
             if cand.embedded is not None and cand.embedded != cand.result:
                 root = tuple(d for d, r in zip(mesh.names, cand.roles) if r == ("E", None))

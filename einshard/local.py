@@ -1,8 +1,8 @@
 """Local (single-rank) lowering of a formula: reshapes around one ``einsum``.
 
 A formula on local tensors becomes: split factored groups (``reshape``), run
-the cheapest torch call for the core (nothing, ``permute``, ``sum`` or
-``einsum``), and merge output groups (``reshape``). Everything is decided
+the cheapest torch call for the core (nothing, ``permute``, ``sum``, a
+matrix product or ``einsum``), and merge output groups (``reshape``). Everything is decided
 once, in :func:`build_local_plan`; the returned plan only replays.
 """
 
@@ -13,6 +13,7 @@ import string
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .errors import EinshardError, naming
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec
@@ -47,12 +48,15 @@ class Contraction:
     """The core of a formula on atomic axes: ``operand axes -> output axes``.
 
     ``inputs`` and ``output`` are tuples of axis names; ``None`` stands for
-    the ellipsis. The callable picks the cheapest torch call once.
+    the ellipsis. ``sizes`` (per operand, axis name to size) lets a matrix
+    product be chosen: it needs to know no axis broadcasts. The callable picks
+    the cheapest torch call once.
     """
 
     __slots__ = ("run", "run_traced", "equation", "path", "kind")
 
-    def __init__(self, inputs: Sequence[tuple], output: tuple, ellipsis_ndims: Sequence[int] = ()):
+    def __init__(self, inputs: Sequence[tuple], output: tuple, ellipsis_ndims: Sequence[int] = (),
+                 sizes: Sequence[Mapping[str, int] | None] | None = None):
         names = [n for axes in list(inputs) + [output] for n in axes if n is not None]
         table = letters_for(names)
 
@@ -61,13 +65,13 @@ class Contraction:
 
         self.equation = ",".join(term(a) for a in inputs) + "->" + term(output)
         self.path = None
-        self.kind, self.run = self._lower(list(inputs), tuple(output), list(ellipsis_ndims))
+        self.kind, self.run = self._lower(list(inputs), tuple(output), list(ellipsis_ndims), sizes)
         self.run_traced = self.run
         if self.kind == "einsum":  # dynamo traces torch.einsum, not its C++ entry point
             equation = self.equation
             self.run_traced = lambda tensors: torch.einsum(equation, *tensors)
 
-    def _lower(self, inputs, output, ellipsis_ndims):
+    def _lower(self, inputs, output, ellipsis_ndims, sizes):
         if len(inputs) == 1:
             (axes,) = inputs
             if len(set(axes)) == len(axes) and None not in axes:
@@ -83,6 +87,10 @@ class Contraction:
                     if identity:
                         return "sum", _sum(dropped)
                     return "sum+permute", _sum_permute(dropped, order)
+        if len(inputs) == 2 and sizes is not None:
+            product = _matrix_product(*inputs, output, sizes)
+            if product is not None:
+                return product
         if len(inputs) > 2:
             self.path = _greedy_path(inputs, output)
         equation, path = self.equation, self.path
@@ -106,6 +114,49 @@ def _sum(dims):
 
 def _sum_permute(dims, order):
     return lambda tensors: tensors[0].sum(dims).permute(order)
+
+
+def _matrix_product(a: tuple, b: tuple, output: tuple, sizes):
+    """``(kind, run)`` when ``a, b -> output`` is one matrix product on the operands as laid out.
+
+    The shape is ``x[..., k] * w[n, k] -> y[..., n]`` (``F.linear``, the
+    layout of ``nn.Linear`` weights) or ``x[..., k] * w[k(, n)] -> y[...(, n)]``
+    (``torch.matmul``), with either operand first. These run one ``mm`` with no
+    copies, forward and backward, where ``einsum`` goes through ``bmm`` and
+    views. Anything else, or a contracted axis that broadcasts (size 1
+    against another size), returns ``None`` (``einsum``).
+    """
+    if None in a or None in b or len(set(a)) != len(a) or len(set(b)) != len(b) or None in sizes:
+        return None
+    for x, w in ((a, b), (b, a)):
+        if not x or x[-1] not in w or x[-1] in output or len(w) > 2:
+            continue
+        if sizes[0][x[-1]] != sizes[1][x[-1]]:
+            return None
+        k, rows = x[-1], x[:-1]
+        if any(n in w for n in rows):
+            continue
+        if w == (k,) and output == rows:
+            return "matmul", _matmul(x is b)
+        if len(w) == 2 and k in w:
+            n = w[0] if w[1] == k else w[1]
+            if n not in rows and output == rows + (n,):
+                if w[1] == k:
+                    return "linear", _linear(x is b)
+                return "matmul", _matmul(x is b)
+    return None
+
+
+def _linear(swap):
+    if swap:
+        return lambda tensors: F.linear(tensors[1], tensors[0])
+    return lambda tensors: F.linear(tensors[0], tensors[1])
+
+
+def _matmul(swap):
+    if swap:
+        return lambda tensors: torch.matmul(tensors[1], tensors[0])
+    return lambda tensors: torch.matmul(tensors[0], tensors[1])
 
 
 def _greedy_path(inputs, output):
@@ -290,6 +341,7 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
                 infer_group_sizes(i, d, size, known)
     in_shapes = []
     in_axes = []
+    in_sizes: list = []
     for spec, shape in zip(formula.inputs, shapes):
         axes: list = []
         expanded: list[int] = []
@@ -312,6 +364,7 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
             k += 1
         in_axes.append(tuple(axes))
         in_shapes.append(tuple(expanded) if grouped else None)
+        in_sizes.append(None if None in axes else dict(zip(axes, expanded)))
     out_axes: list = []
     out_shape: list[int] = []
     out_grouped = False
@@ -327,7 +380,7 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
         else:
             out_axes.append(None)
             out_shape.extend(ell_out)
-    contraction = Contraction(in_axes, tuple(out_axes), [len(e) for e in ellipsis_shapes])
+    contraction = Contraction(in_axes, tuple(out_axes), [len(e) for e in ellipsis_shapes], in_sizes)
     return LocalPlan(tuple(in_shapes), contraction, tuple(out_shape) if out_grouped else None)
 
 

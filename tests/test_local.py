@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einshard as es
+from einshard.local import build_local_plan
+from einshard.notation import parse_sharding
 
 # valid axis names: underscores, digits after the first character, Unicode letters
 NAMES = ["a", "b", "c", "d_1", "_e", "é", "ζeta", "long_name", "x2", "Ab", "ß", "日"]
@@ -197,6 +199,36 @@ def _randn(*shape):
 def test_operations_match_torch(formula, equation, shapes):
     xs = [_randn(*s) for s in shapes]
     torch.testing.assert_close(es.einshard(formula, *xs), torch.einsum(equation, *xs))
+
+
+@pytest.mark.parametrize(
+    "formula, equation, shapes, kind",
+    [
+        ("b n c, f c -> b n f", "bnc,fc->bnf", [(2, 3, 4), (5, 4)], "linear"),  # nn.Linear's weight layout
+        ("f c, b n c -> b n f", "fc,bnc->bnf", [(5, 4), (2, 3, 4)], "linear"),
+        ("c, f c -> f", "c,fc->f", [(4,), (5, 4)], "linear"),
+        ("b c, c f -> b f", "bc,cf->bf", [(2, 4), (4, 5)], "matmul"),
+        ("c f, b n c -> b n f", "cf,bnc->bnf", [(4, 5), (2, 3, 4)], "matmul"),
+        ("b c, c -> b", "bc,c->b", [(2, 4), (4,)], "matmul"),
+        ("c, c ->", "c,c->", [(4,), (4,)], "matmul"),
+        ("b n c, f c -> b f n", "bnc,fc->bfn", [(2, 3, 4), (5, 4)], "einsum"),  # output not in product order
+        ("b n c, n c -> b n", "bnc,nc->bn", [(2, 3, 4), (3, 4)], "einsum"),  # a batch axis
+        ("b c, f c -> b f", "bc,fc->bf", [(2, 1), (5, 4)], "einsum"),  # the contracted axis broadcasts
+        ("b c, f c -> b f", "bc,fc->bf", [(0, 4), (5, 4)], "linear"),  # zero-size rows
+        ("b c, f c -> b f", "bc,fc->bf", [(2, 0), (5, 0)], "linear"),  # zero-size contraction
+    ],
+)
+def test_matrix_products_lower_to_linear_or_matmul(formula, equation, shapes, kind):
+    plan = build_local_plan(parse_sharding(formula), [tuple(s) for s in shapes])
+    assert plan.contraction.kind == kind
+    for dtype in (torch.float64, torch.complex128, torch.int64):
+        xs = [_randn(*s).mul(3).to(dtype) for s in shapes]
+        torch.testing.assert_close(es.einshard(formula, *xs), torch.einsum(equation, *xs))
+    xs = [_randn(*s).requires_grad_() for s in shapes]
+    want = torch.autograd.grad(torch.einsum(equation, *xs).square().sum(), xs)
+    got = torch.autograd.grad(es.einshard(formula, *xs).square().sum(), xs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 def test_factored_split_and_merge():
