@@ -340,12 +340,13 @@ class Tracker(_Rules, TorchFunctionMode):
                     if isinstance(o, _Tensor):
                         o.__dict__[ATTR] = tag
             return out
-        if kwargs is None:
-            kwargs = {}
         if union & ~self.info.trivial and _grad_enabled():  # (over size-1 dimensions: nothing to do)
-            args, kwargs = self._widen_args(func, args, kwargs, union)
-        out = self.tag_tree(func(*args, **kwargs), union)
-        if _is_inplace(func):
+            args, kwargs = self._widen_args(func, args, kwargs or {}, union)
+        out = self.tag_tree(func(*args, **kwargs) if kwargs else func(*args), union)
+        inplace = _INPLACE_CACHE.get(func)
+        if inplace is None:
+            inplace = _is_inplace(func)
+        if inplace:
             # the tensor written in place now holds data that varies like the union (x[i] = v returns None,
             # so tagging ``out`` is not enough), and so does the tensor it is a view of
             target = args[0] if args else None
@@ -626,27 +627,18 @@ def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
     if len(declared) != len(tensors):
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
     serial = tracker.serial
-    masks = []
-    varies = lack = 0
-    for t, forbidden, needed in zip(tensors, rule.forbidden, rule.declared_nontrivial):
-        m = t.__dict__.get(ATTR, 0) ^ serial if isinstance(t, _Tensor) else 0
-        if m > _MASK:
-            m = 0
-        if m & forbidden:
-            k = len(masks)
-            raise _replicated_operand_error(info, formula, rule.texts, k, m & forbidden)
-        varies |= m
-        lack |= needed & ~m
-        masks.append(m)
-    passthrough = varies & ~rule.mentioned  # dimensions the formula does not name: the op is per-rank over them
+    masks = tuple([t.__dict__.get(ATTR, 0) ^ serial if isinstance(t, _Tensor) else 0 for t in tensors])
+    if masks == declared:  # the common case: every operand varies exactly as its spec says
+        passthrough = 0
+        widen = False
+    else:
+        masks, passthrough, widen = _operand_masks(info, formula, rule, masks)
     tracker.suspended += 1
     try:
         with _DisableTorchFunction():  # tensor attributes (requires_grad) would go through the mode otherwise
-            # (over dimensions of size 1 a pvary is the identity: then every operand is used as it is)
-            if (lack or passthrough & ~info.trivial) and _grad_enabled():
+            xs = tensors
+            if widen and _grad_enabled():
                 xs = _pvary_operands(tracker, tensors, masks, declared, passthrough)
-            else:
-                xs = tensors
             out = fn(formula, *xs, **kwargs)
     finally:
         tracker.suspended -= 1
@@ -654,6 +646,25 @@ def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
         out.__dict__[ATTR] = serial | rule.out | passthrough
         return out
     return tracker.tag_tree(out, rule.out | passthrough)
+
+
+def _operand_masks(info, formula, rule, tags):
+    """``(masks, pass-through dimensions, whether an operand may need a pvary)`` of a formula op's operands
+    (``tags``: their tags xor the call's serial); ``ValueError`` for an operand that varies where its spec
+    replicates."""
+    masks = []
+    varies = lack = 0
+    for m, forbidden, needed in zip(tags, rule.forbidden, rule.declared_nontrivial):
+        if m > _MASK:  # a tag left by an earlier call: invariant
+            m = 0
+        if m & forbidden:
+            raise _replicated_operand_error(info, formula, rule.texts, len(masks), m & forbidden)
+        varies |= m
+        lack |= needed & ~m
+        masks.append(m)
+    passthrough = varies & ~rule.mentioned  # dimensions the formula does not name: the op is per-rank over them
+    # over dimensions of size 1 a pvary is the identity: then every operand is used as it is
+    return masks, passthrough, bool(lack or passthrough & ~info.trivial)
 
 
 def _pvary_operands(tracker, tensors, masks, declared, passthrough):
