@@ -320,26 +320,18 @@ class Tracker(_Rules, TorchFunctionMode):
                     m = 0
                 union |= m
                 common &= m
-            elif type(a) in _SEQ:
-                for b in a:
-                    if isinstance(b, _Tensor):
-                        m = b.__dict__.get(ATTR, 0) ^ serial
-                        if m > _MASK:
-                            m = 0
-                        union |= m
-                        common &= m
+            elif type(a) in _SEQ:  # a list of tensors (torch.cat, torch.stack)
+                for m in [self.mask_of(b) for b in a if isinstance(b, _Tensor)]:
+                    union |= m
+                    common &= m
         if not union:
             return func(*args, **kwargs) if kwargs else func(*args)
         if union == common:  # every operand varies alike: nothing to widen, nothing written varies anew
             out = func(*args, **kwargs) if kwargs else func(*args)
-            tag = serial | union
-            if isinstance(out, _Tensor):
-                out.__dict__[ATTR] = tag
-            elif isinstance(out, _SEQ):
-                for o in out:
-                    if isinstance(o, _Tensor):
-                        o.__dict__[ATTR] = tag
-            return out
+            if isinstance(out, _Tensor):  # (the common result, tagged here without a call)
+                out.__dict__[ATTR] = serial | union
+                return out
+            return self.tag_tree(out, union)
         if union & ~self.info.trivial and _grad_enabled():  # (over size-1 dimensions: nothing to do)
             args, kwargs = self._widen_args(func, args, kwargs or {}, union)
         out = self.tag_tree(func(*args, **kwargs) if kwargs else func(*args), union)
@@ -425,13 +417,8 @@ class _Mode(TorchFunctionMode):
 
 def current() -> Tracker | None:
     """The tracker of the running ``shard_map`` body (``None``: not tracking, or inside a library op)."""
-    body = _context.current().shard_map
-    if body is None:
-        return None
-    t = body.tracker
-    if t is None or t.suspended:
-        return None
-    return t
+    ambient = tracking_ambient()
+    return None if ambient is None else ambient.shard_map.tracker
 
 
 class tracking:
