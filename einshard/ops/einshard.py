@@ -54,8 +54,8 @@ def einshard(
     if _vma.ACTIVE:  # some shard_map(check_vma=True) body runs; ACTIVE first: no call when idle
         ambient = _vma.tracking_ambient()
         if ambient is not None:  # in it, not in a library op (the call below, where tracking is suspended)
-            return _tracked(ambient, formula, tensors, dict(mesh=mesh, shapes=shapes, sizes=sizes, families=families,
-                                                            optimize=optimize, policy=policy))
+            return _tracked(ambient, formula, tensors, {"mesh": mesh, "shapes": shapes, "sizes": sizes,
+                                                        "families": families, "optimize": optimize, "policy": policy})
     if _compiling():  # traced: gradient duties are not planned here (see the parameters guide)
         return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
