@@ -74,7 +74,7 @@ __all__ = [
 ACTIVE = 0
 
 ATTR = "_es_vma"
-MASK = _MASK = (1 << 32) - 1  # the mask bits of a tag (above them: the serial of the shard_map call)
+MASK = (1 << 32) - 1  # the mask bits of a tag (above them: the serial of the shard_map call)
 _SERIALS = itertools.count(1)
 _Tensor = torch.Tensor
 _SEQ = (list, tuple)
@@ -260,7 +260,7 @@ class Tracker(_Rules, TorchFunctionMode):
     # tags ---------------------------------------------------------------
     def mask_of(self, t) -> int:
         m = t.__dict__.get(ATTR, 0) ^ self.serial
-        return 0 if m > _MASK else m
+        return 0 if m > MASK else m
 
     def tag(self, t, mask: int) -> None:
         t.__dict__[ATTR] = self.serial | mask
@@ -316,7 +316,7 @@ class Tracker(_Rules, TorchFunctionMode):
         for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, _Tensor):
                 m = a.__dict__.get(ATTR, 0) ^ serial
-                if m > _MASK:
+                if m > MASK:
                     m = 0
                 union |= m
                 common &= m
@@ -642,7 +642,7 @@ def _operand_masks(info, formula, rule, tags):
     masks = []
     varies = lack = 0
     for m, forbidden, needed in zip(tags, rule.forbidden, rule.declared_nontrivial):
-        if m > _MASK:  # a tag left by an earlier call: invariant
+        if m > MASK:  # a tag left by an earlier call: invariant
             m = 0
         if m & forbidden:
             raise _replicated_operand_error(info, formula, rule.texts, len(masks), m & forbidden)
@@ -745,7 +745,7 @@ class TracedTracker(_Rules):
 
     def mask_of(self, t) -> int:
         tag = getattr(t, ATTR, 0)
-        return tag if tag <= _MASK else 0
+        return tag if tag <= MASK else 0
 
     def tag(self, t, mask: int) -> None:
         setattr(t, ATTR, mask)
