@@ -730,7 +730,7 @@ class TracedTracker(_Rules):
 
     Limit: tracking sees the calls dynamo routes through torch function
     modes. Tensors dynamo makes without them (iterating or unpacking a
-    tensor, multi-output ops such as ``unbind``) carry no tag and count as
+    tensor, property views such as ``.T``) carry no tag and count as
     invariant, like tensors captured from outside the body; see
     ``docs/shard_map.md``.
     """
@@ -754,10 +754,18 @@ class TracedTracker(_Rules):
         setattr(t, ATTR, 0)
 
     def tag_tree(self, out, mask: int):
+        """``out`` tagged; the pieces of a multi-output op (``unbind``, ``split``, ``chunk``) come back as
+        fresh aliases, as dynamo refuses attributes on tensors it made outside this frame."""
         if isinstance(out, _Tensor):
             setattr(out, ATTR, mask)
-        # the elements of a sequence (unbind, split) cannot be tagged in traced code (dynamo refuses)
+        elif type(out) in _SEQ:
+            out = type(out)([self._tagged_alias(o, mask) if isinstance(o, _Tensor) else o for o in out])
         return out
+
+    def _tagged_alias(self, t, mask: int):
+        y = t.view_as(t)
+        setattr(y, ATTR, mask)
+        return y
 
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
         if missing & ~self.info.trivial:
@@ -785,8 +793,7 @@ class TracedTracker(_Rules):
         mixed = any(m != masks[0] for m in masks)
         if mixed and _grad_enabled():
             args, kwargs = self._widen_args(func, args, kwargs, union)
-        out = func(*args, **kwargs)
-        self.tag_tree(out, union)
+        out = self.tag_tree(func(*args, **kwargs), union)
         if mixed and _is_inplace(func) and args and isinstance(args[0], _Tensor):
             self.tag(args[0], union)
         return out

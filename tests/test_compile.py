@@ -139,6 +139,13 @@ def _dp_body(p, x):  # plain torch ops on replicated parameters: check_vma pvary
     return es.einshard("b/tp h -> // tp", y.square())
 
 
+def _pieces_body(p, x):  # the pieces of multi-output ops vary like x: w is pvary-ed, its gradient summed over tp
+    a, b = x.chunk(2, dim=1)
+    first, _rest = x.split([1, 5], dim=1)
+    column = torch.unbind(x, dim=1)[2]
+    return (a * p["w"]).sum(1) + (b * p["w"]).sum(1) + first.squeeze(1) * p["w"][0] + column * p["w"][1]
+
+
 def _run_step(step, params, x):
     p = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     out = step(p, x)
@@ -159,6 +166,7 @@ def test_shard_map_step_compiles_with_vma(backend):
     if backend == "aot_eager":  # a body where variance tracking inserts pvary (gradients summed over tp)
         cases.append((_dp_body, ({"w": "h c", "b": "h"}, "b/tp c"), "// tp",
                        {"w": _randn(5, 6, seed=6), "b": _randn(5, seed=7)}, _randn(3, 6, seed=8 + r)))
+        cases.append((_pieces_body, ({"w": "h"}, "b/tp c"), "b/tp", {"w": _randn(3, seed=9)}, _randn(4, 6, seed=10 + r)))
     for body, in_specs, out_specs, ps, xs in cases:
         step = es.shard_map(body, in_specs=in_specs, out_specs=out_specs, mesh=mesh, check_vma=True)
         want, want_grads = _run_step(step, ps, xs)
