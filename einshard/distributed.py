@@ -116,6 +116,8 @@ class DistributedPlan:
             stages.append((indices, chains, core))
         if finish is not None and traced:
             finish = finish.prepare_traced().traced
+        elif finish is not None and compiled[-1][2].fresh and compiled[-1][3] is None:
+            finish = finish.owning()  # the product is this plan's own tensor: a sum over ranks goes into it
         in_shapes = self.resolved.in_shapes
         out_shape = self.resolved.out_shape
         single = len(stages) == 1

@@ -8,6 +8,8 @@ whole transition; its backward is the reverse transition (itself a
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from . import _traced_collectives as TC
@@ -44,7 +46,8 @@ def _exchange(src: Layout, dst: Layout, dims, mesh, C):
 class Transition:
     """A compiled ``src -> dst`` transition on this rank; call it on a local tensor."""
 
-    __slots__ = ("src", "dst", "mesh", "shape", "planned", "steps", "traced_steps", "_reverse", "trivial", "back")
+    __slots__ = ("src", "dst", "mesh", "shape", "planned", "steps", "traced_steps", "_reverse", "trivial", "back",
+                 "_owning")
 
     def __init__(self, src: Layout, dst: Layout, mesh, steps=None, back: Layout | None = None):
         self.src, self.dst, self.mesh = src, dst, mesh
@@ -55,7 +58,7 @@ class Transition:
         self.planned = tuple(planned)
         self.steps = [compile_step(s, mesh) for s in planned]
         self.traced_steps = None  # built by prepare_traced (when a plan is first traced)
-        self._reverse = None
+        self._reverse = self._owning = None
         # no forward steps and no reverse steps: autograd needs nothing either
         self.trivial = not self.steps and not plan_transition(dst, src, self.shape) and self.back == src
 
@@ -69,6 +72,24 @@ class Transition:
                 rev._reverse = transition(self.back, self.dst, self.mesh)
                 self._reverse = rev
         return self._reverse
+
+    def owning(self) -> "Transition":
+        """This transition for a tensor nobody else reads (a contraction's fresh result).
+
+        A leading all-reduce then sums into the tensor itself, as hand-written
+        tensor-parallel code does, instead of into a copy; the backward is the
+        same. ``self`` when the transition does not start with an all-reduce.
+        """
+        if self._owning is None:
+            self._owning = self
+            if self.planned and self.planned[0].kind == "all_reduce":
+                owning = copy.copy(self)
+                group = self.mesh.group(self.planned[0].dims)
+                owning.steps = [lambda x: C.all_reduce_owned(x, group)] + self.steps[1:]
+                owning._reverse = self.reverse()
+                owning._owning = owning
+                self._owning = owning
+        return self._owning
 
     def run_raw(self, x: torch.Tensor) -> torch.Tensor:
         if _checks.ENABLED:  # agreed once per operation, not per collective

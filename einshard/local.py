@@ -53,7 +53,7 @@ class Contraction:
     the cheapest torch call once.
     """
 
-    __slots__ = ("run", "run_traced", "equation", "path", "kind")
+    __slots__ = ("run", "run_traced", "equation", "path", "kind", "fresh")
 
     def __init__(self, inputs: Sequence[tuple], output: tuple, ellipsis_ndims: Sequence[int] = (),
                  sizes: Sequence[Mapping[str, int] | None] | None = None):
@@ -66,6 +66,8 @@ class Contraction:
         self.equation = ",".join(term(a) for a in inputs) + "->" + term(output)
         self.path = None
         self.kind, self.run = self._lower(list(inputs), tuple(output), list(ellipsis_ndims), sizes)
+        # a product of two or more operands: a new tensor that its backward does not keep (it keeps the operands)
+        self.fresh = len(inputs) > 1 and self.kind in ("einsum", "linear", "matmul")
         self.run_traced = self.run
         if self.kind == "einsum":  # dynamo traces torch.einsum, not its C++ entry point
             equation = self.equation

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from dist_reference import check_formula, check_many
+from dist_reference import check_formula, check_many, default_shapes
+from einshard.notation import expand
 from einshard.testing import MeshSpec, RankError, run_on_ranks
 
 # Every documented distributed example (docs/distributed.md), with uneven sizes (10, 7, 9 over groups of 2 and 4).
@@ -380,3 +381,33 @@ def test_mixed_dtypes_are_rejected_before_communicating():
     mesh = es.Mesh.virtual((4,), ("tp",))
     with pytest.raises(ValueError, match="different dtypes"):
         es.einshard("a b, b c -> a c/tp", torch.ones(2, 3), torch.ones(3, 4, dtype=torch.float64), mesh=mesh)
+
+
+def _owned_reduction(mesh):
+    """A product's sum over ranks is reduced in the product itself (no copy): right values and gradients,
+    even and uneven, and the caller's tensors are never written."""
+    mesh = es.wrap_mesh(mesh)
+    cases = [
+        ("b n f/tp, c f/tp -> b n c", [(2, 3, 8), (5, 8)]),  # F.linear, even
+        ("b n f/tp, c f/tp -> b n c", [(2, 3, 10), (5, 10)]),  # uneven
+        ("b f/dp-tp, f/dp-tp c -> b c", [(3, 11), (11, 4)]),  # torch.matmul, over both mesh dimensions
+        ("a k/tp, k/tp m, m -> a", [(3, 9), (9, 4), (4,)]),  # einsum of three operands
+        ("a k // tp -> k a", [(3, 4)]),  # no product: the caller's partial operand is reduced in a copy
+        ("a k // tp -> a k", [(3, 4)]),
+    ]
+    for formula, shapes in cases:
+        check_formula(mesh, formula, shapes)
+        splits = default_shapes(mesh, expand(formula, None), shapes, None)
+        xs = [torch.randn(s, dtype=torch.float64) for s in shapes]
+        locals_ = [es.testing.local_block(x, str(spec), mesh, shapes=splits)
+                   for x, spec in zip(xs, expand(formula, None).inputs)]
+        before = [t.clone() for t in locals_]
+        y = es.einshard(formula, *locals_, mesh=mesh, shapes=splits)
+        assert all(torch.equal(a, b) for a, b in zip(locals_, before)), formula
+        assert all(y.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in locals_), formula
+    return True
+
+
+@pytest.mark.ranks(8)
+def test_a_products_sum_over_ranks_reduces_in_place(mesh_2x4):
+    assert _owned_reduction(mesh_2x4)

@@ -221,6 +221,7 @@ def test_operations_match_torch(formula, equation, shapes):
 def test_matrix_products_lower_to_linear_or_matmul(formula, equation, shapes, kind):
     plan = build_local_plan(parse_sharding(formula), [tuple(s) for s in shapes])
     assert plan.contraction.kind == kind
+    assert plan.contraction.fresh  # a product: a new tensor that a sum over ranks may be reduced into
     for dtype in (torch.float64, torch.complex128, torch.int64):
         xs = [_randn(*s).mul(3).to(dtype) for s in shapes]
         torch.testing.assert_close(es.einshard(formula, *xs), torch.einsum(equation, *xs))
@@ -229,6 +230,13 @@ def test_matrix_products_lower_to_linear_or_matmul(formula, equation, shapes, ki
     got = torch.autograd.grad(es.einshard(formula, *xs).square().sum(), xs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("formula, shapes", [("a b -> b a", [(2, 3)]), ("a b -> a b", [(2, 3)]),
+                                             ("i i -> i", [(3, 3)]), ("a b -> a", [(2, 3)])])
+def test_single_operand_results_are_not_fresh(formula, shapes):
+    # views of the caller's tensor (or sums the planner never reduces into): never reduced in place
+    assert not build_local_plan(parse_sharding(formula), shapes).contraction.fresh
 
 
 def test_factored_split_and_merge():
