@@ -114,9 +114,10 @@ class DistributedPlan:
             if embedding is not None:
                 core = _then(core, embedding.traced if traced else embedding)
             stages.append((indices, chains, core))
+        _, _, last_contraction, last_embedding = compiled[-1]
         if finish is not None and traced:
             finish = finish.prepare_traced().traced
-        elif finish is not None and compiled[-1][2].fresh and compiled[-1][3] is None:
+        elif finish is not None and last_contraction.fresh and last_embedding is None:
             finish = finish.owning()  # the product is this plan's own tensor: a sum over ranks goes into it
         in_shapes = self.resolved.in_shapes
         out_shape = self.resolved.out_shape

@@ -1,9 +1,10 @@
-"""Local (single-rank) lowering of a formula: reshapes around one ``einsum``.
+"""Local (single-rank) lowering of a formula: reshapes around one torch call.
 
 A formula on local tensors becomes: split factored groups (``reshape``), run
 the cheapest torch call for the core (nothing, ``permute``, ``sum``, a
-matrix product or ``einsum``), and merge output groups (``reshape``). Everything is decided
-once, in :func:`build_local_plan`; the returned plan only replays.
+matrix product or ``einsum``), and merge output groups (``reshape``).
+Everything is decided once, in :func:`build_local_plan`; the returned plan
+only replays.
 """
 
 from __future__ import annotations
