@@ -12,7 +12,8 @@ timed interleaved in one job (a barrier before every step):
   (``dp x sp x tp`` = 4 x 1 x 2: batch over dp, sequence parallelism over tp);
 - ``einshard_hooks``: the example's ``--style einshard`` step (no ``shard_map``; gradient duties
   summed by bucketed asynchronous all-reduces started during backward) on 4 x 1 x 2;
-- ``einshard_compiled``: the ``shard_map`` loss compiled with ``torch.compile`` (inductor) on 4 x 1 x 2;
+- ``einshard_compiled``: the ``shard_map`` loss compiled with ``torch.compile`` (inductor, its all-reduces
+  bucketed: ``bucket_all_reduces_fx``) on 4 x 1 x 2;
 - ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too).
 
 Before timing, every variant trains the same first steps from the same initial values and their

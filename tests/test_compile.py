@@ -167,11 +167,17 @@ def test_shard_map_step_compiles_with_vma(backend):
         cases.append((_dp_body, ({"w": "h c", "b": "h"}, "b/tp c"), "// tp",
                        {"w": _randn(5, 6, seed=6), "b": _randn(5, seed=7)}, _randn(3, 6, seed=8 + r)))
         cases.append((_pieces_body, ({"w": "h"}, "b/tp c"), "b/tp", {"w": _randn(3, seed=9)}, _randn(4, 6, seed=10 + r)))
-    for body, in_specs, out_specs, ps, xs in cases:
+    cases = [case + (None,) for case in cases]
+    if backend == "inductor":  # the gradient sums of replicated parameters, bucketed by inductor
+        cases.append((_dp_body, ({"w": "h c", "b": "h"}, "b/tp c"), "// tp",
+                      {"w": _randn(5, 6, seed=6), "b": _randn(5, seed=7)}, _randn(3, 6, seed=8 + r),
+                      {"bucket_all_reduces_fx": "all"}))
+    for body, in_specs, out_specs, ps, xs, options in cases:
         step = es.shard_map(body, in_specs=in_specs, out_specs=out_specs, mesh=mesh, check_vma=True)
         want, want_grads = _run_step(step, ps, xs)
         torch._dynamo.reset()
-        got, got_grads = _run_step(torch.compile(step, fullgraph=True, backend=backend), ps, xs)
+        compiled = torch.compile(step, fullgraph=True, backend=backend, options=options)
+        got, got_grads = _run_step(compiled, ps, xs)
         torch.testing.assert_close(got, want)
         for k in want_grads:
             torch.testing.assert_close(got_grads[k], want_grads[k])
