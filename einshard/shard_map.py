@@ -208,15 +208,12 @@ class ShardMap:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
         elif checks.ENABLED:
             _raise_agreed(mesh, ())
-        if not oplan.actions:
-            if tracker is None:
-                return out  # nothing checked, nothing converted
-            if _vary_as_declared(tracker, leaves, oplan.checks):  # the common case: nothing to pvary or report
-                for x in leaves:
-                    if isinstance(x, _Tensor):
-                        x.__dict__.pop(_vma.ATTR, None)
-                return out
-        new = _exit_leaves(out, leaves, oplan, tracker, eager=True)
+        if not oplan.actions and tracker is None:
+            return out  # nothing checked, nothing converted
+        if not oplan.actions and _vary_as_declared(tracker, leaves, oplan.checks):
+            new = leaves  # the common case: nothing to pvary or report
+        else:
+            new = _exit_leaves(out, leaves, oplan, tracker, eager=True)
         if tracker is not None:
             for x in new:
                 if isinstance(x, _Tensor):

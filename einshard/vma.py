@@ -335,10 +335,7 @@ class Tracker(_Rules, TorchFunctionMode):
         if union & ~self.info.trivial and _grad_enabled():  # (over size-1 dimensions: nothing to do)
             args, kwargs = self._widen_args(func, args, kwargs or {}, union)
         out = self.tag_tree(func(*args, **kwargs) if kwargs else func(*args), union)
-        inplace = _INPLACE_CACHE.get(func)
-        if inplace is None:
-            inplace = _is_inplace(func)
-        if inplace:
+        if _is_inplace(func):
             # the tensor written in place now holds data that varies like the union (x[i] = v returns None,
             # so tagging ``out`` is not enough), and so does the tensor it is a view of
             target = args[0] if args else None
@@ -568,10 +565,8 @@ def formula_op(fn, formula: str, tensors, **kwargs):
     - the output varies over the dimensions its spec shards or is partial over
       (for a bare spec without ``->``: the input's), plus the pass-through ones.
     """
-    ambient = _context.current()
-    body = ambient.shard_map
-    tracker = None if body is None else body.tracker
-    if tracker is None or tracker.suspended:
+    ambient = tracking_ambient()
+    if ambient is None:
         return fn(formula, *tensors, **kwargs)
     return formula_op_in(ambient, fn, formula, tensors, kwargs)
 
@@ -603,13 +598,10 @@ def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
         mesh = ambient.mesh  # a nested es.use_mesh(other) in the body
     if mesh is not info.mesh and not same_mesh(info, mesh):  # another mesh: its dimensions are not the body's
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-    families = kwargs.get("families")
-    rule = info.formulas.get(formula) if families is None else None  # (the cache key without families)
-    if rule is None:
-        try:
-            rule = _formula_rule(info, formula, families)
-        except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
-            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    try:
+        rule = _formula_rule(info, formula, kwargs.get("families"))
+    except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
+        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
     declared = rule.declared
     if len(declared) != len(tensors):
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))

@@ -125,10 +125,7 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
 
 def _tracked(ambient, formula, tensors, kwargs):
     """``einshard`` in a body that tracks variance: the variance rules around the untracked call."""
-    families = kwargs["families"]
-    recorder = _VMA_RECORDERS.get(formula, _MISSING) if families is None else _MISSING  # (the common key)
-    if recorder is _MISSING:
-        recorder = _vma_recorder(formula, families)
+    recorder = _vma_recorder(formula, kwargs["families"])
     if recorder is None:
         return _vma.formula_op_in(ambient, einshard, formula, tensors, kwargs)
     # [param] here: the body's pvary reduces the gradient, so the duty is recorded as satisfied (vma)
