@@ -5,16 +5,26 @@ Planning runs as ordinary Python while dynamo traces (in functions marked
 They register the plan here and return its name; traced code fetches it with
 :func:`lookup`, an attribute of a module-level object, which is a source
 dynamo knows how to guard on.
+
+Code that must see the graph dynamo is building runs in :func:`at_trace_time`
+(``torch._dynamo.comptime``): it gets the graph and the traced frames' local
+variables, and hands a result back under a :func:`fresh_name` with
+:func:`publish`. Errors found there are raised with :func:`trace_error`, an
+``EinshardError`` that dynamo passes to the caller as it is.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 
 import torch
 
-__all__ = ["register", "lookup", "static_shape", "constant_result"]
+from .errors import EinshardError
+
+__all__ = ["register", "lookup", "static_shape", "constant_result", "fresh_name", "publish", "at_trace_time",
+           "trace_error"]
 
 
 def constant_result(fn):
@@ -51,6 +61,56 @@ def register(obj) -> str:
 
 def lookup(name: str):
     return getattr(_OBJECTS, name)
+
+
+_FRESH = itertools.count()
+
+
+@constant_result
+def fresh_name() -> str:
+    """A name no object is registered under yet (a trace-time constant), for :func:`publish`."""
+    return f"fresh{next(_FRESH)}"
+
+
+def publish(name: str, value) -> None:
+    """Register ``value`` under ``name`` (at trace time; traced code reads it with :func:`lookup`)."""
+    setattr(_OBJECTS, name, value)
+
+
+def at_trace_time(fn) -> None:
+    """Run ``fn(ctx)`` while dynamo traces the caller (``torch._dynamo.comptime``).
+
+    ``ctx.get_local(name, stacklevel=1)`` reads the caller's local variables
+    (tensors as graph proxies), ``ctx.graph()`` is the graph being built. Only
+    for code that runs while compiling (dynamo is loaded then).
+    """
+    torch._dynamo.comptime.comptime(fn)
+
+
+_TRACE_ERROR: list = []
+
+
+def trace_error(message: str) -> EinshardError:
+    """An ``EinshardError`` to raise at trace time; dynamo passes it to the caller unwrapped.
+
+    Dynamo rewraps most exceptions raised while it traces; its ``UserError``
+    ("valid in eager, not supported by the compiler") reaches the caller as it
+    is, so the error is both.
+    """
+    if not _TRACE_ERROR:
+        exc = sys.modules["torch._dynamo.exc"]
+
+        class EinshardCompileError(EinshardError, exc.UserError):
+            """An einshard error found while ``torch.compile`` traces."""
+
+            def __init__(self, msg: str):
+                exc.UserError.__init__(self, exc.UserErrorType.INVALID_INPUT, msg)
+
+            def __str__(self) -> str:
+                return self.msg
+
+        _TRACE_ERROR.append(EinshardCompileError)
+    return _TRACE_ERROR[0](message)
 
 
 def static_shape(t) -> tuple:

@@ -251,6 +251,7 @@ class ShardMap:
                     tracker.tag(body_leaves[i], mask)
                 with _vma.tracking(tracker):
                     out = self.f(*body_args, **kwargs)
+                tracker.check_graph()
                 for i, _mask in plan.masks:
                     tracker.untag(body_leaves[i])
             out_leaves, out_spec = _pytree.tree_flatten(out)
@@ -436,10 +437,16 @@ def _vary_as_declared(tracker, leaves, checks_) -> bool:
 def _output_vma(tracker, out, i, x, declared, spec):
     """``(vma mask, declared dims it lacks)`` of output leaf ``i``; ``ValueError`` when it varies undeclared."""
     m = tracker.mask_of(x)
+    if m & _vma.UNKNOWN:
+        _vma.refuse(
+            f"shard_map under torch.compile: einshard cannot decide over which mesh dimensions output "
+            f"out{leaf_path(out, i)} varies: it depends on a tensor that crossed a graph break inside the body "
+            "without einshard's tag; avoid the graph break (fullgraph=True shows where it is)"
+        )
     bad = m & ~declared
     if bad:
         dim = tracker.info.dims(bad)[0]
-        raise EinshardError(
+        _vma.refuse(
             f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
             f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
             f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
