@@ -758,7 +758,7 @@ class TracedTracker(_Rules):
     graph nodes; the compiled step runs no tracking code at all.
     """
 
-    __slots__ = ("info", "serial", "suspended", "inplace")
+    __slots__ = ("info", "serial", "suspended", "inplace", "memo")
     traced = True
 
     @staticmethod
@@ -770,6 +770,7 @@ class TracedTracker(_Rules):
         self.serial = _traced_serial()
         self.suspended = 0
         self.inplace = False
+        self.memo: list = []  # (tensor, missing mask, grad mode, pvaried): no id(), which dynamo guards on
         serial, trivial = self.serial, self.info.trivial  # (read by _open_body)
         if _compiling():
             _trace.at_trace_time(_open_body)
@@ -808,16 +809,27 @@ class TracedTracker(_Rules):
         return y
 
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
+        """As :meth:`Tracker.pvary`: memoised per call, so that every rank sums a tensor's gradient once,
+        however often its body uses it (a loop over a per-rank number of rows, say)."""
+        grad = _grad_enabled()
+        for hit in self.memo:
+            if hit[0] is t and hit[1] == missing and hit[2] == grad:
+                return hit[3]
         if missing & ~self.info.trivial:
             y = _TracedPVary.apply(t, self.info.group(missing))
         else:
             y = t.view_as(t)
         self.tag(y, mask | missing)
+        self.memo.append((t, missing, grad, y))
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
         refuse("shard_map under torch.compile: an in-place op writes varying data into an invariant tensor that "
                "requires grad; use an out-of-place op (or es.pvary the tensor first)")
+
+    def forget(self, t) -> None:
+        """Drop the memoised pvary-s of ``t`` (it is written in place: its old value's alias is stale)."""
+        self.memo = [hit for hit in self.memo if hit[0] is not t]
 
     def region(self) -> None:
         """The graph nodes made since the last check belong to a library op (its internals): not checked."""
@@ -848,6 +860,8 @@ class TracedTracker(_Rules):
         if mixed and _grad_enabled():
             args, kwargs = self._widen_args(func, args, kwargs, union)
         out = self.tag_tree(func(*args, **kwargs), union)
+        if self.memo and self.is_inplace(func) and args and isinstance(args[0], _Tensor):
+            self.forget(args[0])
         if mixed and self.is_inplace(func) and args and isinstance(args[0], _Tensor):
             target = args[0]
             self.tag(target, union)
