@@ -247,12 +247,16 @@ class ShardMap:
             if tracker is None:
                 out = self.f(*body_args, **kwargs)
             else:
-                for i, mask in plan.masks:
-                    tracker.tag(body_leaves[i], mask)
+                # every tensor argument is tagged (invariant ones too): a graph break in the body must not
+                # leave one untagged, as untagged tensors after a break are decided from the tensor alone
+                masks = dict(plan.masks)
+                tensors = [i for i, x in enumerate(body_leaves) if isinstance(x, _Tensor)]
+                for i in tensors:
+                    tracker.tag(body_leaves[i], masks.get(i, 0))
                 with _vma.tracking(tracker):
                     out = self.f(*body_args, **kwargs)
                 tracker.check_graph()
-                for i, _mask in plan.masks:
+                for i in tensors:
                     tracker.untag(body_leaves[i])
             out_leaves, out_spec = _pytree.tree_flatten(out)
             struct = out_spec.unflatten(list(range(len(out_leaves))))

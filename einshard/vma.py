@@ -48,6 +48,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from . import _context, _trace
@@ -78,7 +79,7 @@ ACTIVE = 0
 
 ATTR = "_es_vma"
 MASK = (1 << 32) - 1  # the mask bits of a tag (above them: the serial of the shard_map call)
-_SERIALS = itertools.count(1)
+_SERIALS = itertools.count(2)  # eager calls; 1 is every traced call's (TRACED_SERIAL)
 _Tensor = torch.Tensor
 _SEQ = (list, tuple)
 _DisableTorchFunction = torch._C.DisableTorchFunction
@@ -745,6 +746,10 @@ def _union_mask(tracker, tensors) -> int:
 # and an operation whose result would depend on it raises.
 
 UNKNOWN = 1 << 31  # a mask bit: variance that cannot be decided (see above); never a mesh dimension's bit
+# The serial of every traced call's tags: a constant, as a per-call number would be a new guard (a recompile)
+# on every call, and dynamo makes an int that changes between calls dynamic. Every body re-tags its arguments,
+# and an earlier body's intermediate tensors keep the variance they had there.
+TRACED_SERIAL = 1 << 32
 _NODE_VMA = "einshard_vma"  # node.meta key: {body serial: mask}
 _NODE_PRE = "einshard_pre"  # node.meta key: serials of the bodies that began after this node was made
 
@@ -767,12 +772,12 @@ class TracedTracker(_Rules):
 
     def __init__(self, mesh):
         self.info = _trace.lookup(_traced_info(mesh))
-        self.serial = _traced_serial()
+        self.serial = TRACED_SERIAL
         self.suspended = 0
         self.inplace = False
         self.memo: list = []  # (tensor, missing mask, grad mode, pvaried): no id(), which dynamo guards on
-        serial, trivial = self.serial, self.info.trivial  # (read by _open_body)
         if _compiling():
+            serial, trivial = self.serial, self.info.trivial  # (read by _open_body)
             _trace.at_trace_time(_open_body)
 
     def mask_of(self, t) -> int:
@@ -781,14 +786,14 @@ class TracedTracker(_Rules):
             return m
         if not _compiling():  # the eager call at a graph break
             return _real_mask(self.serial, t)
-        serial, name = self.serial, _trace.fresh_name()  # (read by _node_lookup)
+        serial, trivial, name = self.serial, self.info.trivial, _trace.fresh_name()  # (read by _node_lookup)
         _trace.at_trace_time(_node_lookup)
         return _trace.lookup(name)
 
     def tag(self, t, mask: int) -> None:
         setattr(t, ATTR, self.serial | mask)
         if _compiling():
-            serial = self.serial  # (read by _node_tag)
+            serial, trivial = self.serial, self.info.trivial  # (read by _node_tag)
             _trace.at_trace_time(_node_tag)
 
     def untag(self, t) -> None:
@@ -834,17 +839,18 @@ class TracedTracker(_Rules):
     def region(self) -> None:
         """The graph nodes made since the last check belong to a library op (its internals): not checked."""
         if _compiling():
-            serial = self.serial  # (read by _skip_region)
+            serial, trivial = self.serial, self.info.trivial  # (read by _skip_region)
             _trace.at_trace_time(_skip_region)
 
     def check_graph(self) -> None:
         """Decide and check the variance of every graph node made since the last check (at the body's end)."""
         if _compiling():
-            serial = self.serial  # (read by _sweep_here)
+            serial, trivial = self.serial, self.info.trivial  # (read by _sweep_here)
             _trace.at_trace_time(_sweep_here)
 
     def dispatch(self, func, args, kwargs):
-        if self.suspended:
+        if self.suspended or not _compiling() and _fake(args):
+            # (fake tensors outside traced code: dynamo's own work while it compiles a frame of the body)
             return func(*args, **kwargs)
         special = _SPECIAL.get(func)
         if special is not None:
@@ -869,6 +875,10 @@ class TracedTracker(_Rules):
             if base is not None:
                 self.tag(base, union | self.mask_of(base))
         return out
+
+
+def _fake(args) -> bool:
+    return any(isinstance(a, FakeTensor) for a in args)
 
 
 def refuse(message: str) -> None:
@@ -921,11 +931,6 @@ def _traced_is_inplace(func) -> bool:
 
 
 @_trace.constant_result
-def _traced_serial() -> int:
-    return next(_SERIALS) << 32
-
-
-@_trace.constant_result
 def _traced_rule(info: _MeshInfo, formula: str, families):
     """The variance rule of a formula as constants: (declared masks, mentioned, out mask, spec texts)."""
     rule = _formula_rule(info, formula, families)
@@ -936,11 +941,12 @@ def _traced_rule(info: _MeshInfo, formula: str, families):
 
 
 class _GraphBody:
-    """What the graph checks know of one traced body: its size-1 dimensions, where each graph was checked."""
+    """What the graph checks know of one traced body: its size-1 dimensions, the graph it began in (``None``
+    when it began outside one: in eager code between two graphs), where each graph was checked."""
 
     __slots__ = ("serial", "trivial", "entry", "swept")
 
-    def __init__(self, serial: int, trivial: int, graph):
+    def __init__(self, serial: int, trivial: int, graph=None):
         self.serial, self.trivial, self.entry = serial, trivial, graph
         self.swept: dict = {}  # graph -> the last node checked (None: none yet)
 
@@ -952,19 +958,35 @@ def _local(ctx, name: str):
     return ctx.get_local(name, stacklevel=1)
 
 
+def _int(ctx, name: str) -> int:
+    """The caller's local int ``name``; one that dynamo made dynamic (a frame of its own, called with other
+    values before) is specialised."""
+    var = _local(ctx, name)
+    try:
+        return var.as_python_constant()
+    except Exception:  # noqa: BLE001  (dynamo's AsPythonConstantNotImplementedError: a SymInt)
+        return int(var.as_fake())
+
+
 def _body_of(ctx) -> _GraphBody:
-    return _GRAPH_BODIES.get(_local(ctx, "serial").as_python_constant())
+    """The body of the caller's ``serial`` (and ``trivial``: its size-1 dimensions); made here when it began outside a graph
+    (dynamo split the frame that created the tracker, and ran that part eagerly)."""
+    serial, trivial = _int(ctx, "serial"), _int(ctx, "trivial")
+    body = _GRAPH_BODIES.get(serial)
+    if body is None:
+        body = _GRAPH_BODIES.put(serial, _GraphBody(serial, trivial))
+    return body
 
 
 def _open_body(ctx) -> None:
     """The body starts: every node made so far is outside it (invariant, like a captured tensor)."""
-    serial = _local(ctx, "serial").as_python_constant()
+    serial, trivial = _int(ctx, "serial"), _int(ctx, "trivial")
     graph = ctx.graph()
     last = None
     for node in graph.nodes:
         node.meta.setdefault(_NODE_PRE, set()).add(serial)
         last = node
-    body = _GraphBody(serial, _local(ctx, "trivial").as_python_constant(), graph)
+    body = _GraphBody(serial, trivial, graph)
     body.swept[graph] = last
     _GRAPH_BODIES.put(serial, body)
 
@@ -972,7 +994,7 @@ def _open_body(ctx) -> None:
 def _node_tag(ctx) -> None:
     body = _body_of(ctx)
     node = _local(ctx, "t").as_proxy().node
-    node.meta.setdefault(_NODE_VMA, {})[body.serial] = _local(ctx, "mask").as_python_constant()
+    node.meta.setdefault(_NODE_VMA, {})[body.serial] = _int(ctx, "mask")
 
 
 def _node_lookup(ctx) -> None:
@@ -1084,7 +1106,10 @@ def _node_mask(body: _GraphBody, graph, node) -> int:
 
 
 def _real_mask(serial: int, t) -> int:
-    """The mask of a real tensor without this call's tag (one that crossed a graph break in the body)."""
+    """The mask of a real tensor that has no tag of this call (one that crossed a graph break in the body)."""
+    m = t.__dict__.get(ATTR, 0) ^ serial
+    if m <= MASK:
+        return m
     base = t._base
     if base is not None:
         m = base.__dict__.get(ATTR, 0) ^ serial

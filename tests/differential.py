@@ -153,7 +153,8 @@ def _check(sc: Scenario, variant: str, mode: str) -> None:
         whole[k].requires_grad_(k in grads)
     want = _as_tuple(sc.reference(**whole))
     cots = [_randn(w.shape, 100 + j, w.dtype) for j, w in enumerate(want)]
-    torch.autograd.backward(want, cots)
+    if grads:
+        torch.autograd.backward(want, cots)
 
     program = sc.program(mesh, shapes)
     if mode != "eager":
@@ -161,9 +162,10 @@ def _check(sc: Scenario, variant: str, mode: str) -> None:
         program = torch.compile(program, backend=mode, fullgraph=sc.fullgraph)
     got = _as_tuple(program(**blocks))
     assert len(got) == len(want), f"{name}: {len(got)} outputs, the reference has {len(want)}"
-    local_cots = [local_block(c, spec, mesh, shapes=shapes) for c, spec in zip(cots, sc.outputs)]
-    torch.autograd.backward([g for g in got if g.requires_grad],
-                            [c for g, c in zip(got, local_cots) if g.requires_grad])
+    if grads:
+        local_cots = [local_block(c, spec, mesh, shapes=shapes) for c, spec in zip(cots, sc.outputs)]
+        torch.autograd.backward([g for g in got if g.requires_grad],
+                                [c for g, c in zip(got, local_cots) if g.requires_grad])
     where = f"{name} [{variant}, {mode}] on rank {dist.get_rank()}"
     for j, (g, w, spec) in enumerate(zip(got, want, sc.outputs)):
         value = g.detach().clone()
@@ -219,3 +221,27 @@ _REFERENCES = {"builtin_abs": lambda x, w1, w2: F.gelu(abs(x @ w1.T)) @ w2.T}
 
 for _name, _body in _BODIES.items():
     scenario(f"shard_map_{_name}", TP2, _MLP_IN, "b c", _REFERENCES.get(_name, _mlp), EVEN_UNEVEN)(_mlp_body(_body))
+
+
+# a training step inside the body: torch.autograd.grad (a graph break under torch.compile), an SGD update
+
+def _train_reference(x, w1, w2):
+    ws = [w1.detach().requires_grad_(), w2.detach().requires_grad_()]
+    loss = _mlp(x.detach(), *ws).square().mean()
+    grads = torch.autograd.grad(loss, ws)
+    return tuple(w - 0.1 * g for w, g in zip(ws, grads)) + (loss,)
+
+
+def _train_body(x, w1, w2):
+    loss = es.psum(F.gelu(x @ w1.T) @ w2.T, "tp").square().mean()
+    g1, g2 = torch.autograd.grad(loss, [w1, w2])
+    with torch.no_grad():
+        return w1 - 0.1 * g1, w2 - 0.1 * g2, loss.detach()
+
+
+@scenario("shard_map_autograd_grad_step", TP2, _MLP_IN, ("f/tp c", "c f/tp", ""), _train_reference, EVEN_UNEVEN,
+          grads=(), fullgraph=False)
+def _train_step(mesh, shapes):
+    step = es.shard_map(_train_body, in_specs=("b c", "f/tp c", "c f/tp"), out_specs=("f/tp c", "c f/tp", ""),
+                        mesh=mesh, shapes=shapes)
+    return lambda x, w1, w2: step(x, w1.requires_grad_(), w2.requires_grad_())
