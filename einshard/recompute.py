@@ -100,6 +100,11 @@ def replay(forward: Forward, fn, args, kwargs=None):
     >>> replay(Forward(_context.current(), None, None), max, (1, 2))
     2
     """
+    if _compiling():  # compiled autograd tracing a reentrant backward: the context cannot be entered there
+        raise EinshardError(
+            "activation checkpointing: a recompute traced by torch.compile (compiled autograd) cannot run in its "
+            "forward's einshard context; compile the forward too, use use_reentrant=False, or run backward eagerly"
+        )
     kwargs = kwargs or {}
     ambient = forward.ambient
     tracker = forward.tracker
