@@ -32,6 +32,9 @@ from .named import (
 )
 from .tree import tree_gather, tree_shard
 from .vma import get_vma
+from .recompute import install as _install_recompute
+
+_install_recompute()  # torch.utils.checkpoint recomputes regions in their forward's context (einshard.recompute)
 
 __all__ = [
     "__version__",

@@ -80,6 +80,14 @@ def push(mesh=None, shapes=None, shard_map=None):
     return token
 
 
+def restore(ambient: Ambient):
+    """Enter ``ambient`` (an earlier :func:`current`) as the whole context, in eager code; pop the token with
+    :func:`pop`. For recomputation: an activation-checkpointed region runs again in its forward's context."""
+    token = _AMBIENT.set(ambient)
+    _STATE.ambient = ambient
+    return token
+
+
 def pop(token) -> None:
     if isinstance(token, Ambient):  # pushed by traced code
         _STATE.ambient = token

@@ -134,7 +134,7 @@ def explain(
     frozen = freeze_families(families)
     parsed = expand(formula, frozen)
     local_shapes, itemsizes = [], []
-    default_itemsize = torch.empty((), dtype=dtype or torch.float32).element_size()
+    default_itemsize = torch.empty((), dtype=dtype or torch.float32, device="meta").element_size()
     for k, t in enumerate(tensors_or_shapes):
         if isinstance(t, torch.Tensor):
             local_shapes.append(tuple(t.shape))

@@ -464,11 +464,19 @@ def current_mesh() -> Mesh | None:
     return _context.current().mesh
 
 
+def _in_backward() -> str:
+    """A hint for an op without a mesh that runs during backward (a hook, a custom Function's backward)."""
+    if torch._C._current_graph_task_id() == -1:
+        return ""
+    return (" (this call runs during backward, where no es.use_mesh or shard_map context is active: pass mesh=; "
+            "activation-checkpointed regions are recomputed in their forward's context)")
+
+
 def resolve_mesh(mesh) -> Mesh:
     """``mesh`` as a :class:`Mesh`, falling back to the ambient mesh."""
     if mesh is None:
         mesh = _context.current().mesh
         if mesh is None:
-            raise EinshardError(MESH_REQUIRED)
+            raise EinshardError(MESH_REQUIRED + _in_backward())
         return mesh
     return as_mesh(mesh)

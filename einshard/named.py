@@ -421,7 +421,7 @@ def pvary(x, dims, *, mesh=None):
 
 
 def axis_index(dim_name, *, mesh=None) -> torch.Tensor:
-    """This rank's index along ``dim_name`` as a 0-d int64 tensor that varies over it.
+    """This rank's index along ``dim_name`` as a 0-d int64 tensor that varies over it, on the mesh's device.
 
     For several dimensions: the index in their group, mesh order (``a/dp-tp``
     block order).
@@ -430,10 +430,11 @@ def axis_index(dim_name, *, mesh=None) -> torch.Tensor:
     """
     ax = _Axes(dim_name, mesh, "axis_index")
     value = ax.mesh.index(ax.dims)
+    device = ax.mesh.device_type  # the mesh's device ("cuda": the current one)
     if ax.tracker is None:
-        return torch.tensor(value, dtype=torch.int64)
+        return torch.tensor(value, dtype=torch.int64, device=device)
     with _vma.suspended(ax.tracker):
-        t = torch.tensor(value, dtype=torch.int64)
+        t = torch.tensor(value, dtype=torch.int64, device=device)
     ax.tracker.tag(t, ax.mask)
     return t
 

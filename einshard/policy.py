@@ -15,7 +15,7 @@ from torch.compiler import is_compiling as _compiling
 
 from .errors import EinshardError
 
-__all__ = ["PlanPolicy", "optimize", "set_default_policy", "resolve_policy", "MODES"]
+__all__ = ["PlanPolicy", "optimize", "set_default_policy", "resolve_policy", "MODES", "scope", "scoped"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,34 @@ def optimize(mode):
     policy = _as_policy(mode)
     token = None
     try:  # set inside the try, so that no exit path (a compiler splitting the frame) skips the reset
+        token = _SCOPE.set(policy)
+        _SCOPE_MIRROR[0] = policy
+        yield
+    finally:
+        if token is not None:
+            _SCOPE.reset(token)
+            _SCOPE_MIRROR[0] = _SCOPE.get()
+
+
+def scope() -> PlanPolicy | None:
+    """The policy of the innermost ``es.optimize`` scope (eager code), ``None`` outside any.
+
+    >>> scope() is None
+    True
+    """
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def scoped(policy: PlanPolicy | None):
+    """Make ``policy`` (an earlier :func:`scope`, ``None``: no scope) the scoped policy, e.g. for a recompute.
+
+    >>> with scoped(MODES["memory"]):
+    ...     scope().name
+    'memory'
+    """
+    token = None
+    try:
         token = _SCOPE.set(policy)
         _SCOPE_MIRROR[0] = policy
         yield

@@ -70,6 +70,10 @@ class _Body:
         self.shard_map = shard_map
         self.group = group  # checks on: the mesh's whole group, where every agreement in the body runs
 
+    def with_tracker(self, tracker) -> "_Body":
+        """The same body with another tracker (``None``: untracked), for a recompute (einshard.recompute)."""
+        return _Body(tracker, self.shard_map, self.group)
+
 
 class _InPlan:
     __slots__ = ("actions", "masks", "shapes", "dtensor", "mesh", "source", "info")
@@ -185,6 +189,8 @@ class ShardMap:
                 out = _vma.run_tracked(tracker, self.f, body_args, kwargs)
                 return self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
             finally:
+                if tracker.kept is not None:  # a region was checkpointed: its recompute puts the tags back
+                    tracker.keep(body_leaves)
                 for i, _mask in plan.masks:
                     body_leaves[i].__dict__.pop(attr, None)
                 if tracker.inplace:  # an in-place op may have tagged any argument the body received
@@ -215,6 +221,8 @@ class ShardMap:
         else:
             new = _exit_leaves(out, leaves, oplan, tracker, eager=True)
         if tracker is not None:
+            if tracker.kept is not None:
+                tracker.keep(new)
             for x in new:
                 if isinstance(x, _Tensor):
                     x.__dict__.pop(_vma.ATTR, None)

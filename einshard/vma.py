@@ -46,6 +46,7 @@ one there.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -68,6 +69,7 @@ __all__ = [
     "library_call",
     "pvary_tensor",
     "run_tracked",
+    "run_replayed",
     "tracking_ambient",
     "TracedTracker",
     "UNKNOWN",
@@ -261,12 +263,38 @@ class Tracker(_Rules, TorchFunctionMode):
     def is_inplace(func) -> bool:
         return _is_inplace(func)
 
-    def __init__(self, mesh, info: _MeshInfo | None = None):
+    def __init__(self, mesh, info: _MeshInfo | None = None, serial: int | None = None):
         self.info = mesh_info(mesh) if info is None else info  # shard_map passes the one its plan holds
-        self.serial = next(_SERIALS) << 32
+        self.serial = next(_SERIALS) << 32 if serial is None else serial  # (given: a replica, see replica())
         self.suspended = 0
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
         self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
+        # a region of this body is checkpointed (einshard.recompute): the tags shard_map removes on exit,
+        # as (weak reference, tag), for the recompute to put back
+        self.kept: list | None = None
+
+    # recomputation ------------------------------------------------------
+    def replica(self) -> "Tracker":
+        """A tracker for a recompute of part of this call: the same serial (so it reads this call's tags),
+        its own memo and suspension count (and this call's kept tags)."""
+        replica = Tracker(self.info.mesh, self.info, self.serial)
+        replica.kept = self.kept
+        return replica
+
+    def keep(self, tensors) -> None:
+        """Remember the tags of ``tensors`` that shard_map is about to remove (when a region is checkpointed)."""
+        if self.kept is None:
+            return
+        serial = self.serial
+        for t in tensors:
+            if isinstance(t, _Tensor):
+                tag = t.__dict__.get(ATTR)
+                if tag is not None and (tag ^ serial) <= MASK:
+                    self.kept.append((weakref.ref(t), tag))
+
+    def masks(self, leaves) -> tuple:
+        """The mask of every tensor among ``leaves`` (``None`` for other leaves)."""
+        return tuple(self.mask_of(x) if isinstance(x, _Tensor) else None for x in leaves)
 
     # tags ---------------------------------------------------------------
     def mask_of(self, t) -> int:
@@ -466,6 +494,55 @@ def run_tracked(tracker: Tracker, f, args, kwargs):
     finally:
         ACTIVE -= 1
         _pop_mode()
+
+
+_stack_len = torch._C._len_torch_function_stack
+_EnableTorchFunction = torch._C._EnableTorchFunction
+_UNTAGGED = object()
+
+
+def run_replayed(tracker: Tracker, f, args, kwargs, leaves, masks):
+    """``f(*args, **kwargs)`` recomputed as a region of ``tracker``'s body ran: tracked by ``tracker`` (a
+    :meth:`Tracker.replica`), with the tags of that call put back for the duration.
+
+    ``leaves``/``masks``: tensors (the recompute's arguments: for a reentrant checkpoint fresh detached
+    copies) and the masks they had in the forward; the tags shard_map removed on exit (``kept``) come back
+    too. The tracker runs alone on the mode stack, with torch functions enabled (a backward inside a body
+    runs with them disabled). Every tag is restored afterwards.
+    """
+    global ACTIVE
+    undo: list = []
+    modes: list = []
+    pushed = False
+    try:
+        for ref, tag in tracker.kept or ():
+            _retag(undo, ref(), tag)
+        for t, m in zip(leaves, masks):  # (after the kept tags: the arguments' masks are the forward's)
+            if m is not None:
+                _retag(undo, t, tracker.serial | m)
+        modes = [_pop_mode() for _ in range(_stack_len())]
+        _push_mode(tracker)
+        pushed = True
+        ACTIVE += 1
+        with _EnableTorchFunction():
+            return f(*args, **kwargs)
+    finally:
+        if pushed:
+            ACTIVE -= 1
+            _pop_mode()
+        for mode in reversed(modes):
+            _push_mode(mode)
+        for t, tag in reversed(undo):
+            if tag is _UNTAGGED:
+                t.__dict__.pop(ATTR, None)
+            else:
+                t.__dict__[ATTR] = tag
+
+
+def _retag(undo: list, t, tag: int) -> None:
+    if isinstance(t, _Tensor) and t.__dict__.get(ATTR) != tag:
+        undo.append((t, t.__dict__.get(ATTR, _UNTAGGED)))
+        t.__dict__[ATTR] = tag
 
 
 class suspended:

@@ -350,7 +350,9 @@ def _compile_local_fft(act: LocalFFT, inverse: bool, norm, dtypes):
     return run
 
 
-def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes):
+def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
+    """The steps of a four-step transform; its weights and twiddles are computed in float64 on the host
+    and stored once on ``device`` (the input's) in the plan's dtype."""
     shape = MeshShape.of(mesh)
     coord = mesh.coordinate
     i = fs.axis
@@ -359,8 +361,8 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes):
     steps = []
     if fs.real == "c2r":
         lo, hi = fs.pre.interval(i, coord, shape)
-        k = torch.arange(lo, hi, dtype=torch.float64)
-        weight = torch.where((k == 0) | (2 * k == fs.n), 1.0, 2.0).to(rdtype)
+        k = torch.arange(lo, hi, dtype=torch.float64, device="cpu")
+        weight = torch.where((k == 0) | (2 * k == fs.n), 1.0, 2.0).to(device=device, dtype=rdtype)
         view = [1] * len(fs.pre.axes)
         view[i] = hi - lo
         weight = weight.view(view)
@@ -383,10 +385,10 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes):
     b_shape = list(fs.b.local_shape(coord, shape))
     q0, q1 = fs.b.interval(i + 1, coord, shape)
     sign = 1.0 if inverse else -1.0
-    k_hi = torch.arange(fs.n1, dtype=torch.float64).view(-1, 1)
-    lo_idx = torch.arange(q0, q1, dtype=torch.float64).view(1, -1)
+    k_hi = torch.arange(fs.n1, dtype=torch.float64, device="cpu").view(-1, 1)
+    lo_idx = torch.arange(q0, q1, dtype=torch.float64, device="cpu").view(1, -1)
     angle = sign * 2 * math.pi * torch.remainder(k_hi * lo_idx, fs.n) / fs.n
-    twiddle = torch.polar(torch.ones_like(angle), angle).to(cdtype)
+    twiddle = torch.polar(torch.ones_like(angle), angle).to(device=device, dtype=cdtype)
     tview = [1] * len(fs.a.axes)
     tview[i], tview[i + 1] = fs.n1, q1 - q0
     twiddle = twiddle.view(tview)
@@ -428,7 +430,7 @@ class _Bound:
 
     __slots__ = ("plan", "steps", "local_error", "warning", "mesh", "fingerprint")
 
-    def __init__(self, plan: FFTPlan, mesh, norm, dtype, order, local_error=None, warning=None):
+    def __init__(self, plan: FFTPlan, mesh, norm, dtype, order, local_error=None, warning=None, device=None):
         self.plan = plan
         self.local_error = local_error
         self.warning = warning
@@ -446,7 +448,7 @@ class _Bound:
             elif isinstance(act, LocalFFT):
                 steps.append(_compile_local_fft(act, p.inverse, norm, dtypes))
             else:
-                steps.append(_compile_four_step(act, mesh, p.inverse, norm, dtypes))
+                steps.append(_compile_four_step(act, mesh, p.inverse, norm, dtypes, device))
         if order != tuple(range(len(order))):
             steps.append(lambda x: x.permute(order))
         self.steps = tuple(steps)
@@ -646,10 +648,11 @@ def einfft(
     if norm not in _NORMS:
         raise EinshardError(f"einfft: norm must be None, 'backward', 'ortho' or 'forward', got {norm!r}")
     if isinstance(x, torch.Tensor):
-        shape, dtype = tuple(x.shape), x.dtype
+        shape, dtype, device = tuple(x.shape), x.dtype, x.device
     elif explain and isinstance(x, (tuple, list, torch.Size)):
         shape = tuple(int(s) for s in x)
         dtype = torch.complex64 if (real and inverse) else torch.float32
+        device = torch.device("meta")
     else:
         raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
     axes_key = freeze(axes)
@@ -666,13 +669,13 @@ def einfft(
         return _vma.formula_op(untracked, proxy, (x,), mesh=mesh)
     ambient = _context.current()
     mesh_key = mesh if mesh is not None else ambient.mesh
-    key = (formula, axes_key, bool(inverse), norm, bool(real), freeze(signal_sizes), fam_key, shape, dtype,
+    key = (formula, axes_key, bool(inverse), norm, bool(real), freeze(signal_sizes), fam_key, shape, dtype, device,
            freeze(shapes), id(mesh_key), mesh_key, ambient.shapes_key)
     bound = _PLANS.get(key)
     if bound is None:
         try:
             bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
-                                 mesh, shapes)
+                                 mesh, shapes, device)
         except ValueError as err:
             if not explain:
                 _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh)
@@ -716,8 +719,8 @@ def _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh) -> None:
 
 
 @naming()
-def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes):
-    """Parse, validate, resolve and plan one call; returns ``(bound plan, spec)``."""
+def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes, device):
+    """Parse, validate, resolve and plan one call for an input on ``device``; returns ``(bound plan, spec)``."""
     if not isinstance(axes, Mapping):
         raise EinshardError.named(_axes_form(formula, axes), formula)
     spec = _parse_cached(formula, axes_key, fam_key)
@@ -752,4 +755,4 @@ def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, 
         bound.plan, bound.steps, bound.local_error, bound.warning = plan, (), local_error, warning
         bound.mesh, bound.fingerprint = None, 0
         return bound, spec
-    return _Bound(plan, m, norm, dtype, order, local_error, warning), spec
+    return _Bound(plan, m, norm, dtype, order, local_error, warning, device), spec
