@@ -96,6 +96,35 @@ def test_group_ranks_are_not_block_order_and_mesh_says_so():
         assert got.flatten().tolist() == list(range(8)), got.flatten().tolist()
 
 
+@pytest.mark.ranks(4)
+def test_plain_collectives_take_an_order():
+    from einshard import collectives as C
+
+    order, sizes = (2, 0, 3, 1), [3, 1, 0, 2]  # block k on group rank order[k]; uneven, one empty
+    group, me = dist.group.WORLD, order.index(dist.get_rank())
+    offsets = [sum(sizes[:k]) for k in range(4)]
+    whole = torch.arange(6.0 * 5).reshape(6, 5)
+    mine = whole[offsets[me] : offsets[me] + sizes[me]]
+    assert torch.equal(C.split(whole, group, 0, sizes, order), mine)
+    assert torch.equal(es.helpers.all_gather(mine, group, 0, sizes, order=order), whole)
+    assert torch.equal(C.reduce_scatter(whole, group, 0, sizes, order), 4 * mine)
+    even = torch.arange(8.0 * 4).reshape(8, 4)
+    assert torch.equal(C.all_gather(even[2 * me : 2 * me + 2], group, 0, order=order), even)
+    assert torch.equal(C.reduce_scatter(even, group, 0, order=order), 4 * even[2 * me : 2 * me + 2])
+    cols = [2, 0, 2, 1]  # all_to_all: rows by block -> columns by block
+    square = torch.arange(6.0 * 5).reshape(6, 5)
+    got = C.all_to_all(square[offsets[me] : offsets[me] + sizes[me]], group, 0, 1, sizes, cols, order)
+    start = sum(cols[:me])
+    assert torch.equal(got, square[:, start : start + cols[me]])
+    with pytest.raises(ValueError, match="not a permutation"):
+        C.all_gather(mine, group, 0, sizes, (0, 1, 2, 2))
+
+
+def test_virtual_meshes_have_no_order():
+    mesh = es.Mesh.virtual((2, 2), ("dp", "tp"))
+    assert mesh.order("dp-tp") is None and mesh["tp", "dp"].order("tp-dp") is None
+
+
 # -- transitions and contractions: every planner kind ------------------------------------------
 
 CASES = [
