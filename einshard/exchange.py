@@ -73,10 +73,10 @@ class Exchange:
     """Pieces of this rank's block to and from the ranks of ``group`` (``None``: this rank alone).
 
     ``sends[j]`` / ``recvs[j]``: the runs per dimension of the piece sent to /
-    received from group rank ``j`` (:func:`runs_exchange` puts the members of
-    a mesh group, in block order, in group-rank order) (``None``: nothing; ``j`` = this rank: the
-    part that stays). Output elements are written once, or lie in a
-    ``blank`` box, set to ``fill``. ``add``: sum into zeros (the adjoint).
+    received from group rank ``j`` (``None``: nothing; ``j`` = this rank: the
+    part that stays; :func:`runs_exchange` puts a mesh group's members, found
+    in block order, in group-rank order). Output elements are written once, or
+    lie in a ``blank`` box, set to ``fill``. ``add``: sum into zeros (the adjoint).
     """
 
     __slots__ = ("group", "in_shape", "out_shape", "sends", "recvs", "add", "blank", "send_to", "recv_from",

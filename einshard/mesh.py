@@ -216,8 +216,14 @@ class Mesh:
         order = None
         if self._has_groups():
             ranks = dist.get_process_group_ranks(self.group(dims))
+            members = self._member_ranks(dims)
+            if sorted(members) != sorted(ranks):
+                raise EinshardError(
+                    f"the process group of mesh dimension(s) {list(dims)} holds ranks {sorted(ranks)}, "
+                    f"but the mesh puts {sorted(members)} there"
+                )
             position = {r: j for j, r in enumerate(ranks)}
-            found = tuple(position[r] for r in self._member_ranks(dims))
+            found = tuple(position[r] for r in members)
             order = None if found == tuple(range(len(found))) else found
         self._orders[dims] = order
         return order

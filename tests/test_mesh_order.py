@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import einshard as es
 from dist_reference import check_many
+from einshard import collectives
 from einshard import named
 from einshard._split import compute_split_shapes
 from einshard.dtensor import chunk_splits
@@ -65,8 +66,8 @@ def permuted_mesh(kind: str):
     return mesh
 
 
-def _rename(cases, names):
-    """Cases written for ``dp``/``tp`` (and ``sp``) kept when the mesh has every name they use."""
+def _on_mesh(cases, names):
+    """The cases (``check_many`` dicts) whose mesh dimensions (``dp``, ``sp``, ``tp``) the mesh has."""
     out = []
     for formula, shapes in cases:
         used = {d for d in ("dp", "sp", "tp") if d in formula.replace("-", " ").replace("/", " ").replace(",", " ")
@@ -98,26 +99,24 @@ def test_group_ranks_are_not_block_order_and_mesh_says_so():
 
 @pytest.mark.ranks(4)
 def test_plain_collectives_take_an_order():
-    from einshard import collectives as C
-
     order, sizes = (2, 0, 3, 1), [3, 1, 0, 2]  # block k on group rank order[k]; uneven, one empty
     group, me = dist.group.WORLD, order.index(dist.get_rank())
     offsets = [sum(sizes[:k]) for k in range(4)]
     whole = torch.arange(6.0 * 5).reshape(6, 5)
     mine = whole[offsets[me] : offsets[me] + sizes[me]]
-    assert torch.equal(C.split(whole, group, 0, sizes, order), mine)
+    assert torch.equal(collectives.split(whole, group, 0, sizes, order), mine)
     assert torch.equal(es.helpers.all_gather(mine, group, 0, sizes, order=order), whole)
-    assert torch.equal(C.reduce_scatter(whole, group, 0, sizes, order), 4 * mine)
+    assert torch.equal(collectives.reduce_scatter(whole, group, 0, sizes, order), 4 * mine)
     even = torch.arange(8.0 * 4).reshape(8, 4)
-    assert torch.equal(C.all_gather(even[2 * me : 2 * me + 2], group, 0, order=order), even)
-    assert torch.equal(C.reduce_scatter(even, group, 0, order=order), 4 * even[2 * me : 2 * me + 2])
+    assert torch.equal(collectives.all_gather(even[2 * me : 2 * me + 2], group, 0, order=order), even)
+    assert torch.equal(collectives.reduce_scatter(even, group, 0, order=order), 4 * even[2 * me : 2 * me + 2])
     cols = [2, 0, 2, 1]  # all_to_all: rows by block -> columns by block
     square = torch.arange(6.0 * 5).reshape(6, 5)
-    got = C.all_to_all(square[offsets[me] : offsets[me] + sizes[me]], group, 0, 1, sizes, cols, order)
+    got = collectives.all_to_all(square[offsets[me] : offsets[me] + sizes[me]], group, 0, 1, sizes, cols, order)
     start = sum(cols[:me])
     assert torch.equal(got, square[:, start : start + cols[me]])
     with pytest.raises(ValueError, match="not a permutation"):
-        C.all_gather(mine, group, 0, sizes, (0, 1, 2, 2))
+        collectives.all_gather(mine, group, 0, sizes, (0, 1, 2, 2))
 
 
 def test_virtual_meshes_have_no_order():
@@ -166,7 +165,7 @@ CASES_3D = [
 @pytest.mark.parametrize("kind", ["1d", "cols", "sub"])
 def test_transitions_and_contractions(kind):
     mesh = permuted_mesh(kind)
-    check_many(mesh, _rename(CASES, mesh.names))
+    check_many(mesh, _on_mesh(CASES, mesh.names))
 
 
 @pytest.mark.ranks(4)
@@ -175,13 +174,13 @@ def test_plain_device_mesh_1d():
     x = torch.arange(16.0).reshape(8, 2)  # even: no shapes= needed
     got = es.einshard("a/tp b -> a b", local_block(x, "a/tp b", dm), mesh=dm)
     assert torch.equal(got, x)
-    check_many(dm, _rename(CASES[:12], ("tp",)))
+    check_many(dm, _on_mesh(CASES[:12], ("tp",)))
 
 
 @pytest.mark.ranks(2)
 def test_two_ranks_swapped():
     mesh = permuted_mesh("1d2")
-    check_many(mesh, _rename(CASES, mesh.names))
+    check_many(mesh, _on_mesh(CASES, mesh.names))
     _check_named(mesh, ("tp",), True, 7)
     assert mesh.order("tp") == (1, 0)
 
@@ -505,11 +504,11 @@ def test_compiled_formulas_on_permuted_mesh():
 @pytest.mark.ranks(8, timeout=900)
 def test_shuffled_8_rank_meshes():
     m24 = permuted_mesh("2x4")
-    check_many(m24, _rename(CASES, m24.names))
+    check_many(m24, _on_mesh(CASES, m24.names))
     _check_named(m24, ("dp", "tp"), True, 0)
     _check_named(m24, ("tp",), True, 50)
     m3 = permuted_mesh("2x2x2")
-    check_many(m3, _rename(CASES + CASES_3D, m3.names))
+    check_many(m3, _on_mesh(CASES + CASES_3D, m3.names))
     _check_named(m3, ("tp", "dp"), True, 100)
     _check_named(m3, ("dp", "sp", "tp"), True, 200)
     run_roll_cases(m3, [dict(spec="h/dp w/sp-tp", gshape=(5, 9), shifts={"h": 1, "w": 4},
