@@ -145,6 +145,9 @@ CASES = [
     ("a/dp b/tp -> a/tp b/dp", [(10, 7)]),
     ("a/tp-dp b -> a/dp b", [(10, 9)]),
     ("a b/tp -> a", [(10, 7)]),
+    ("a/tp b -> a // tp", [(10, 3)]),  # embedded as zero-padded contributions
+    ("a b -> // tp", [(4, 3)]),  # contributions kept on block 0 (backward: broadcast from it)
+    ("a b/dp -> a // (dp, tp)", [(5, 3)]),
     ("b n c/tp, h c/tp -> b n h", [(3, 5, 10), (4, 10)]),  # contractions
     ("l f/tp, f/tp e -> l/tp e", [(10, 9), (9, 5)]),
     ("a k/dp m/tp, k/tp m/dp b -> a b", [(3, 6, 7), (6, 7, 5)]),
