@@ -6,7 +6,9 @@ in-place ``torch.distributed`` ones: each is built on
 new tensor), so a whole layer is one graph and inductor may reorder and
 overlap its communication. Same signatures and results as the eager
 functions (uneven blocks padded to the largest, as there); arguments were
-checked when the plan was made, so there is no validation here.
+checked when the plan was made, so there is no validation here. ``order``
+(the group rank holding each block, ``None``: block ``j`` on group rank
+``j``) is as in the eager functions.
 """
 
 from __future__ import annotations
@@ -50,19 +52,21 @@ def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def all_gather(x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` (``shapes``: per-rank sizes)."""
+def all_gather(x: torch.Tensor, group, dim: int, shapes, order=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (``shapes``: per-block sizes)."""
     size = group.size()
     if size == 1:
         return x.clone()
     m = max(shapes)
     blocks = _back(fc.all_gather_tensor(_real(_pad(x, dim, m)).unsqueeze(0), 0, group), x)
+    if order is not None:
+        blocks = blocks[list(order)]  # block k came from group rank order[k]
     if all(s == m for s in shapes):
         return blocks.movedim(0, dim).reshape(x.shape[:dim] + (size * m,) + x.shape[dim + 1 :])
     return torch.cat([blocks[j].narrow(dim, 0, s) for j, s in enumerate(shapes) if s], dim)
 
 
-def reduce_scatter(x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group, dim: int, shapes, order=None) -> torch.Tensor:
     """This rank's block along ``dim`` of the sum of ``x`` over ``group``."""
     size = group.size()
     if size == 1:
@@ -73,16 +77,20 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
     else:
         offsets = [sum(shapes[:j]) for j in range(size)]
         buf = torch.stack([_pad(x.narrow(dim, o, s), dim, m) for o, s in zip(offsets, shapes)])
+    if order is not None:  # slot j goes to group rank j: the block it holds
+        buf = buf[[order.index(j) for j in range(size)]]
     out = _back(fc.reduce_scatter_tensor(_real(buf), "sum", 0, group), x)[0]
-    mine = shapes[group.rank()]
+    mine = shapes[group.rank() if order is None else order.index(group.rank())]
     return out if mine == m else out.narrow(dim, 0, mine)
 
 
-def all_to_all(x: torch.Tensor, group, src_dim: int, dst_dim: int, src_shapes, dst_shapes) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group, src_dim: int, dst_dim: int, src_shapes, dst_shapes, order=None) -> torch.Tensor:
     """Sharded along ``src_dim`` -> sharded along ``dst_dim`` (one ``all_to_all_single``)."""
     size = group.size()
     if size == 1:
         return x.clone()
+    if order is not None:  # in group-rank order along dst_dim, then the pieces back in block order
+        return _all_to_all_ordered(x, group, src_dim, dst_dim, src_shapes, dst_shapes, order)
     sd, dd = src_dim, dst_dim
     rank = group.rank()
     other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
@@ -102,6 +110,18 @@ def all_to_all(x: torch.Tensor, group, src_dim: int, dst_dim: int, src_shapes, d
             moved[sd_moved] = s
             pieces.append(part.view(moved).movedim(0, dd))
     return torch.cat(pieces, sd)
+
+
+def _all_to_all_ordered(x, group, sd, dd, src_shapes, dst_shapes, order):
+    """:func:`all_to_all` whose blocks live on group ranks ``order``: the dst blocks sent in group-rank
+    order, the received src pieces put back in block order."""
+    size = group.size()
+    blocks = [order.index(j) for j in range(size)]  # the block group rank j holds
+    offsets = [sum(dst_shapes[:b]) for b in range(size)]
+    x = torch.cat([x.narrow(dd, offsets[b], dst_shapes[b]) for b in blocks], dd)
+    y = all_to_all(x, group, sd, dd, [src_shapes[b] for b in blocks], [dst_shapes[b] for b in blocks])
+    pieces = list(y.split([src_shapes[b] for b in blocks], sd))
+    return torch.cat([pieces[order[k]] for k in range(size)], sd)
 
 
 def all_to_all_v(chunks, recv_numels, group) -> list:

@@ -19,6 +19,13 @@ versions are in :mod:`einshard.mappings`. Every function
 - records its calls and bytes in :mod:`einshard.comm_stats`, as its
   :mod:`einshard.primitives` entry prices them (the planner's numbers).
 
+Blocks are in group-rank order: block ``j`` is group rank ``j``'s. The block
+collectives (:func:`split`, :func:`all_gather`, :func:`reduce_scatter`,
+:func:`all_to_all`) also take ``order``, the group rank holding each block
+(``order[k]``: block ``k``'s), for meshes whose block order (mesh
+coordinates) is not the group's rank order (``es.Mesh.order``); ``shapes``
+are then in block order too.
+
 Groups of one rank communicate nothing.
 """
 
@@ -158,6 +165,21 @@ def _along(x, group, dim, shapes, fn: str):
     return (size, None if shapes is None else _sizes(shapes, f"{fn}: shapes", size), *_dim(dim, x.dim(), fn))
 
 
+def _order(order, size: int, fn: str) -> tuple[int, ...]:
+    """``order`` as a tuple, checked to be a permutation of the group's ranks."""
+    try:
+        order = tuple(int(j) for j in order)
+    except (TypeError, ValueError):
+        raise EinshardError(f"{fn}: order must be a sequence of group ranks, got {order!r}") from None
+    if sorted(order) != list(range(size)):
+        raise EinshardError(f"{fn}: order {list(order)} is not a permutation of the group's {size} ranks")
+    return order
+
+
+def _holder(rank: int, me: int) -> str:
+    return f"group rank {rank}" if rank == me else f"group rank {rank}, block {me}"
+
+
 def _whole_split(shapes, length: int, size: int, what: str, dim_text: str):
     """``(shapes, error)`` for splitting a whole axis of ``length``: the default split, or a check of ``shapes``."""
     if shapes is None:
@@ -291,29 +313,34 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
 # -- split / all_gather / reduce_scatter -----------------------------------------
 
 
-def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None) -> torch.Tensor:
+def split(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None, order=None) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim`` (a view; no communication).
 
     ``shapes`` are the per-rank block sizes (default
     ``compute_split_shapes(x.shape[dim], P)``); they must sum to ``x.shape[dim]``.
+    ``order``: the group rank holding each block (default: block ``j`` on group rank ``j``).
 
     >>> split(torch.arange(10), group, 0)  # rank 3 of 4 → shapes [3, 3, 3, 1]  # doctest: +SKIP
     tensor([9])
     """
     size, shapes, d, err = _along(x, group, dim, shapes, "split")
+    if order is not None:
+        order = _order(order, size, "split")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "split: shapes", f"dim {dim}")
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "split")
     rank = _rank(group) if size > 1 else 0
-    return x.detach().narrow(d, sum(shapes[:rank]), shapes[rank])
+    me = rank if order is None else order.index(rank)
+    return x.detach().narrow(d, sum(shapes[:me]), shapes[me])
 
 
-def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in group-rank order.
+def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None, order=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in group-rank order (block order with ``order``).
 
     ``shapes`` are the per-rank sizes along ``dim`` (default: even, every
     rank holds ``x.shape[dim]``). Uneven blocks are padded to the largest.
+    ``order``: the group rank holding each block (default: block ``j`` on group rank ``j``).
 
     >>> all_gather(torch.full((1, 2), float(rank)), group, 0)  # 2 ranks  # doctest: +SKIP
     tensor([[0., 0.],
@@ -321,11 +348,14 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
     >>> all_gather(x, group, dim=1, shapes=[3, 3, 3, 0])  # doctest: +SKIP
     """
     size, shapes, d, err = _along(x, group, dim, shapes, "all_gather")
+    if order is not None:
+        order = _order(order, size, "all_gather")
     rank = _rank(group) if size > 1 else 0
-    if err is None and shapes is not None and x.shape[d] != shapes[rank]:
+    me = rank if order is None else order.index(rank)
+    if err is None and shapes is not None and x.shape[d] != shapes[me]:
         err = EinshardError(
-            f"all_gather: this rank (group rank {rank}) holds {x.shape[d]} elements along dim {dim} "
-            f"but shapes[{rank}] = {shapes[rank]} (shapes {shapes})"
+            f"all_gather: this rank ({_holder(rank, me)}) holds {x.shape[d]} elements along dim {dim} "
+            f"but shapes[{me}] = {shapes[me]} (shapes {shapes})"
         )
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "all_gather", x, _masked(x.shape, d if shapes is not None and err is None else None),
@@ -349,21 +379,29 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
             _record("all_gather", group, size, block.numel() * block.element_size())
         _all_gather_tensor(_flat(out), _flat(block), group=group)
     if even:
+        if order is not None:
+            out = out[list(order)]  # block k came from group rank order[k]
         return out.movedim(0, d).reshape(x.shape[:d] + (size * m,) + x.shape[d + 1 :])
-    return torch.cat([out[j].narrow(d, 0, shapes[j]) for j in range(size)], dim=d)
+    holders = range(size) if order is None else order
+    return torch.cat([out[j].narrow(d, 0, s) for j, s in zip(holders, shapes)], dim=d)
 
 
-def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None) -> torch.Tensor:
+def reduce_scatter(
+    x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None, order=None
+) -> torch.Tensor:
     """This rank's block along ``dim`` of the sum over ranks of ``x``.
 
     Every rank passes the whole (same-shaped) ``x``; ``shapes`` (default
     ``compute_split_shapes(x.shape[dim], P)``) must sum to ``x.shape[dim]``.
-    Uneven blocks are padded to the largest.
+    Uneven blocks are padded to the largest. ``order``: the group rank
+    holding each block (default: block ``j`` on group rank ``j``).
 
     >>> reduce_scatter(torch.ones(4), group, 0)  # 2 ranks  # doctest: +SKIP
     tensor([2., 2.])
     """
     size, shapes, d, err = _along(x, group, dim, shapes, "reduce_scatter")
+    if order is not None:
+        order = _order(order, size, "reduce_scatter")
     if err is None:
         shapes, err = _whole_split(shapes, x.shape[d], size, "reduce_scatter: shapes", f"dim {dim}")
     if err is not None or _checks.agreement_needed():
@@ -372,23 +410,27 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     if size == 1:
         return _contiguous_clone(x)
     rank = _rank(group)
+    mine = shapes[rank if order is None else order.index(rank)]
     m = max(shapes)
     if all(s == m for s in shapes):
-        buf = x.unflatten(d, (size, m)).movedim(d, 0).contiguous()
+        buf = x.unflatten(d, (size, m)).movedim(d, 0)
+        # slot j goes to group rank j: the block it holds
+        buf = buf.contiguous() if order is None else buf[[order.index(j) for j in range(size)]]
     else:
         buf = x.new_zeros((size,) + x.shape[:d] + (m,) + x.shape[d + 1 :])
-        for j, off in enumerate(_offsets(shapes)):
-            if shapes[j]:
-                buf[j].narrow(d, 0, shapes[j]).copy_(x.narrow(d, off, shapes[j]))
+        holders = range(size) if order is None else order
+        for j, off, s in zip(holders, _offsets(shapes), shapes):
+            if s:
+                buf[j].narrow(d, 0, s).copy_(x.narrow(d, off, s))
     out = buf.new_empty(buf.shape[1:])
     if out.numel() == 0:
-        return out.narrow(d, 0, shapes[rank]).contiguous()
+        return out.narrow(d, 0, mine).contiguous()
     if _stats.is_active():
         _record("reduce_scatter", group, size, out.numel() * out.element_size())
     _reduce_scatter_tensor(_flat(out), _flat(buf), op=dist.ReduceOp.SUM, group=group)
-    if shapes[rank] == m:
+    if mine == m:
         return out
-    return out.narrow(d, 0, shapes[rank]).contiguous()
+    return out.narrow(d, 0, mine).contiguous()
 
 
 # -- all_to_all ------------------------------------------------------------------
@@ -401,6 +443,7 @@ def all_to_all(
     dst_dim: int,
     src_shapes: Sequence[int] | None = None,
     dst_shapes: Sequence[int] | None = None,
+    order=None,
 ) -> torch.Tensor:
     """Repartition: sharded along ``src_dim`` and whole along ``dst_dim`` → the reverse.
 
@@ -408,7 +451,9 @@ def all_to_all(
     and the whole ``dst_dim``; it gets the whole ``src_dim`` and
     ``dst_shapes[rank]`` along ``dst_dim`` (default
     ``compute_split_shapes(x.shape[dst_dim], P)``). One ``all_to_all_single``
-    with split sizes, so uneven and empty blocks cost no padding.
+    with split sizes, so uneven and empty blocks cost no padding. ``order``:
+    the group rank holding each block of both dims (default: block ``j`` on
+    group rank ``j``); the shapes are then indexed by block.
 
     >>> x = torch.randn(2, 8)              # rows 2r, 2r+1 of a (8, 8) matrix, 4 ranks  # doctest: +SKIP
     >>> all_to_all(x, group, 0, 1).shape   # every row, columns 2r, 2r+1  # doctest: +SKIP
@@ -419,7 +464,10 @@ def all_to_all(
         src_shapes = _sizes(src_shapes, "all_to_all: src_shapes", size)
     if dst_shapes is not None:
         dst_shapes = _sizes(dst_shapes, "all_to_all: dst_shapes", size)
+    if order is not None:
+        order = _order(order, size, "all_to_all")
     rank = _rank(group) if size > 1 else 0
+    me = rank if order is None else order.index(rank)
     sd, err = _dim(src_dim, x.dim(), "all_to_all", "src_dim")
     dd, err2 = _dim(dst_dim, x.dim(), "all_to_all", "dst_dim")
     err = err or err2
@@ -428,10 +476,10 @@ def all_to_all(
     if err is None:
         if src_shapes is None:
             src_shapes = [x.shape[sd]] * size
-        elif x.shape[sd] != src_shapes[rank]:
+        elif x.shape[sd] != src_shapes[me]:
             err = EinshardError(
-                f"all_to_all: this rank (group rank {rank}) holds {x.shape[sd]} elements along src_dim "
-                f"{src_dim} but src_shapes[{rank}] = {src_shapes[rank]} (src_shapes {src_shapes})"
+                f"all_to_all: this rank ({_holder(rank, me)}) holds {x.shape[sd]} elements along src_dim "
+                f"{src_dim} but src_shapes[{me}] = {src_shapes[me]} (src_shapes {src_shapes})"
             )
     if err is None:
         dst_shapes, err = _whole_split(dst_shapes, x.shape[dd], size, "all_to_all: dst_shapes", f"dst_dim {dst_dim}")
@@ -442,19 +490,23 @@ def all_to_all(
     x = x.detach()
     if size == 1:
         return _contiguous_clone(x)
+    # blocks[j]: the block group rank j holds (its dst block goes there, its src block comes from there)
+    blocks = range(size) if order is None else [order.index(j) for j in range(size)]
     # Pack the blocks for the destination ranks one after the other, each in x's own dimension order, so
     # that the received blocks are this rank's result pieces along src_dim (no unpacking when nothing
     # precedes src_dim).
     m = max(dst_shapes)
     if all(s == m for s in dst_shapes):
-        send = x.unflatten(dd, (size, m)).movedim(dd, 0).reshape(-1)  # one copy (a view for dd == 0)
+        send = x.unflatten(dd, (size, m)).movedim(dd, 0)  # one copy below (a view for dd == 0)
+        send = (send if order is None else send[blocks]).reshape(-1)
     else:
-        send = torch.cat([x.narrow(dd, off, s).reshape(-1) for off, s in zip(_offsets(dst_shapes), dst_shapes)])
+        offsets = _offsets(dst_shapes)
+        send = torch.cat([x.narrow(dd, offsets[b], dst_shapes[b]).reshape(-1) for b in blocks])
     other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
-    mine = dst_shapes[rank]
+    mine = dst_shapes[me]
     factor = _real_factor(x)
-    in_splits = [s * other * x.shape[sd] for s in dst_shapes]
-    out_splits = [mine * other * s for s in src_shapes]
+    in_splits = [dst_shapes[b] * other * x.shape[sd] for b in blocks]
+    out_splits = [mine * other * src_shapes[b] for b in blocks]
     out = x.new_empty(sum(out_splits))
     # Skip only when nobody moves anything (decided from shared sizes, so every rank agrees).
     if sum(src_shapes) * sum(dst_shapes) * other:
@@ -476,14 +528,15 @@ def all_to_all(
     result_shape = list(x.shape)
     result_shape[sd] = sum(src_shapes)
     result_shape[dd] = mine
-    if math.prod(x.shape[:sd]) == 1:  # the pieces, one after the other, are the result
+    if order is None and math.prod(x.shape[:sd]) == 1:  # the pieces, one after the other, are the result
         return out.view(result_shape)
     piece = list(result_shape)
+    received = out.split(out_splits)  # from group rank j: block blocks[j]
     parts = []
-    for s, part in zip(src_shapes, out.split(out_splits)):
+    for s, j in zip(src_shapes, range(size) if order is None else order):
         if s:
             piece[sd] = s
-            parts.append(part.view(piece))
+            parts.append(received[j].view(piece))
     return torch.cat(parts, sd)
 
 

@@ -74,8 +74,9 @@ class Exchange:
 
     ``sends[j]`` / ``recvs[j]``: the runs per dimension of the piece sent to /
     received from group rank ``j`` (``None``: nothing; ``j`` = this rank: the
-    part that stays). Output elements are written once, or lie in a
-    ``blank`` box, set to ``fill``. ``add``: sum into zeros (the adjoint).
+    part that stays; :func:`runs_exchange` puts a mesh group's members, found
+    in block order, in group-rank order). Output elements are written once, or
+    lie in a ``blank`` box, set to ``fill``. ``add``: sum into zeros (the adjoint).
     """
 
     __slots__ = ("group", "in_shape", "out_shape", "sends", "recvs", "add", "blank", "send_to", "recv_from",
@@ -247,4 +248,8 @@ def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes
         sends.append(piece(mine_src, intervals(dst, m)) if reads_from(m, coord) else None)
         recvs.append(piece(intervals(src, m), mine_dst) if reads_from(coord, m) else None)
     out_shape = [(out_sizes or {}).get(d, n) for d, n in enumerate(out_shape)]
+    order = mesh.order(dims) if dims else None
+    if order is not None:  # members are in block order; the exchange indexes peers by group rank
+        blocks = [order.index(j) for j in range(len(order))]
+        sends, recvs = [sends[b] for b in blocks], [recvs[b] for b in blocks]
     return Exchange(mesh.group(dims) if dims else None, in_shape, out_shape, sends, recvs, blank=blank)

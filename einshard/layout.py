@@ -63,7 +63,7 @@ class MeshShape:
         return itertools.product(*(range(s) for s in self.shape))
 
     def group_coords(self, dims: Sequence[str], coord: Sequence[int]) -> list[tuple[int, ...]]:
-        """The coordinates of ``coord``'s group over ``dims``, in group-rank order."""
+        """The coordinates of ``coord``'s group over ``dims``, in block order (``index`` order)."""
         positions = [self.names.index(d) for d in dims]
         out = []
         for values in itertools.product(*(range(self.shape[p]) for p in positions)):
@@ -187,7 +187,7 @@ def interval_grid(layout: Layout, mesh: MeshShape) -> tuple[np.ndarray, np.ndarr
 
 
 def grouped(values: np.ndarray, mesh: MeshShape, dims: Sequence[str]) -> np.ndarray:
-    """``values`` (shaped like the mesh) as ``(groups, group size)``, members in group-rank order."""
+    """``values`` (shaped like the mesh) as ``(groups, group size)``, members in block order."""
     positions = [mesh.names.index(d) for d in dims]
     moved = np.moveaxis(values, positions, list(range(values.ndim - len(positions), values.ndim)))
     return moved.reshape(-1, mesh.size(dims))

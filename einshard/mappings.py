@@ -13,6 +13,11 @@ Layouts, with the inner product that makes each pair adjoint
 - *sharded*: rank ``r`` holds block ``r``; ``Σ_r <x_r, y_r>``.
 
 The communication guide tabulates every mapping's layouts and backward.
+
+Blocks are in group-rank order; the block mappings (gathers, splits,
+scatters, all-to-all, ``ppermute``) also take ``order``, the group rank
+holding each block (``es.Mesh.order``), for meshes whose block order is not
+the group's rank order. The backward uses the same order.
 """
 
 from __future__ import annotations
@@ -139,7 +144,7 @@ def broadcast_forward_allreduce_backward(x: torch.Tensor, group, src: int = 0) -
 
 # -- all-gather / split / reduce-scatter ------------------------------------------------
 
-# ``*a`` is ``(group, dim, shapes)``.
+# ``*a`` is ``(group, dim, shapes, order)``.
 _allgather_split = make_mapping("AllGatherSplit", C.all_gather, lambda d, *a: split_forward_allgather_backward(d, *a))
 _split_allgather = make_mapping(
     "SplitAllGather", lambda x, *a: C.split(x, *a).contiguous(), lambda d, *a: allgather_forward_split_backward(d, *a)
@@ -152,17 +157,22 @@ _allgather_reducescatter = make_mapping(
 )
 
 
-def allgather_forward_split_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
+def allgather_forward_split_backward(
+    x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None, order=None
+):
     """Gather a sharded ``x`` along ``dim`` into a replicated tensor; backward keeps this rank's block.
 
-    ``shapes``: per-rank sizes along ``dim`` (``None``: even).
+    ``shapes``: per-rank sizes along ``dim`` (``None``: even); ``order``: the
+    group rank holding each block (``None``: block ``j`` on group rank ``j``).
 
     >>> full = allgather_forward_split_backward(x_shard, tp_group, 0, [3, 3, 3, 1])  # doctest: +SKIP
     """
-    return _allgather_split(x, group, dim, _shapes(x, group, dim, shapes, True))
+    return _allgather_split(x, group, dim, _shapes(x, group, dim, shapes, True), order)
 
 
-def split_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
+def split_forward_allgather_backward(
+    x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None, order=None
+):
     """This rank's block of a replicated ``x`` along ``dim``; backward all-gathers the gradient.
 
     ``shapes``: per-rank sizes (``None``: ``compute_split_shapes(x.shape[dim], P)``).
@@ -170,27 +180,31 @@ def split_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: S
 
     >>> x_shard = split_forward_allgather_backward(x, tp_group, 0, None)  # doctest: +SKIP
     """
-    return _split_allgather(x, group, dim, _shapes(x, group, dim, shapes, False))
+    return _split_allgather(x, group, dim, _shapes(x, group, dim, shapes, False), order)
 
 
-def reducescatter_forward_allgather_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
+def reducescatter_forward_allgather_backward(
+    x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None, order=None
+):
     """This rank's block of the sum over ranks of per-rank ``x``; backward all-gathers the gradient.
 
     ``shapes``: per-rank sizes (``None``: ``compute_split_shapes(x.shape[dim], P)``).
 
     >>> out_shard = reducescatter_forward_allgather_backward(partial, tp_group, 0, None)  # doctest: +SKIP
     """
-    return _reducescatter_allgather(x, group, dim, _shapes(x, group, dim, shapes, False))
+    return _reducescatter_allgather(x, group, dim, _shapes(x, group, dim, shapes, False), order)
 
 
-def allgather_forward_reducescatter_backward(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None):
+def allgather_forward_reducescatter_backward(
+    x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = None, order=None
+):
     """Gather a sharded ``x`` for per-rank use; backward reduce-scatters the gradient.
 
     Sequence parallelism's entry to a tensor-parallel region.
 
     >>> full = allgather_forward_reducescatter_backward(x_shard, tp_group, 1, None)  # doctest: +SKIP
     """
-    return _allgather_reducescatter(x, group, dim, _shapes(x, group, dim, shapes, True))
+    return _allgather_reducescatter(x, group, dim, _shapes(x, group, dim, shapes, True), order)
 
 
 # -- all-to-all / ppermute -----------------------------------------------------------------
@@ -199,8 +213,8 @@ def allgather_forward_reducescatter_backward(x: torch.Tensor, group, dim: int, s
 _alltoall = make_mapping(
     "AllToAll",
     C.all_to_all,
-    lambda d, g, src_dim, dst_dim, src_shapes, dst_shapes: alltoall_repartition(
-        d, g, dst_dim, src_dim, dst_shapes, src_shapes
+    lambda d, g, src_dim, dst_dim, src_shapes, dst_shapes, order: alltoall_repartition(
+        d, g, dst_dim, src_dim, dst_shapes, src_shapes, order
     ),
 )
 
@@ -212,16 +226,19 @@ def alltoall_repartition(
     dst_dim: int,
     src_shapes: Sequence[int] | None = None,
     dst_shapes: Sequence[int] | None = None,
+    order=None,
 ) -> torch.Tensor:
     """Move the sharding of ``x`` from ``src_dim`` to ``dst_dim`` (all-to-all); backward moves it back.
 
     ``src_shapes`` default to even; ``dst_shapes`` to
-    ``compute_split_shapes(x.shape[dst_dim], P)``.
+    ``compute_split_shapes(x.shape[dst_dim], P)``; ``order``: the group rank
+    holding each block (``None``: block ``j`` on group rank ``j``).
 
     >>> y = alltoall_repartition(x, sp_group, 1, 2, [3, 3, 2], None)  # doctest: +SKIP
     """
     src_shapes = _shapes(x, group, src_dim, src_shapes, True)
-    return _alltoall(x, group, src_dim, dst_dim, src_shapes, _shapes(x, group, dst_dim, dst_shapes, False))
+    dst_shapes = _shapes(x, group, dst_dim, dst_shapes, False)
+    return _alltoall(x, group, src_dim, dst_dim, src_shapes, dst_shapes, order)
 
 
 _ppermute = make_mapping(
@@ -231,14 +248,17 @@ _ppermute = make_mapping(
 )
 
 
-def ppermute(x: torch.Tensor, group, perm, *, recv_shape=None) -> torch.Tensor:
+def ppermute(x: torch.Tensor, group, perm, *, recv_shape=None, order=None) -> torch.Tensor:
     """Send ``x`` along the ``(src, dst)`` group-rank pairs of ``perm``; backward sends gradients back.
 
     A rank that receives nothing gets zeros (and a rank that sends nothing
-    gets a zero gradient). ``recv_shape`` defaults to ``x.shape``.
+    gets a zero gradient). ``recv_shape`` defaults to ``x.shape``. With
+    ``order`` (the group rank holding each block), ``perm`` pairs blocks.
 
     >>> y = ppermute(x, sp_group, [(i, (i + 1) % P) for i in range(P)])  # doctest: +SKIP
     """
     perm = tuple((int(s), int(d)) for s, d in C.check_perm(perm, C.group_size(group)))
+    if order is not None:
+        perm = tuple((order[s], order[d]) for s, d in perm)
     recv_shape = tuple(recv_shape) if recv_shape is not None else None
     return _ppermute(x, group, perm, recv_shape, tuple(x.shape))

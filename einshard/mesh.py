@@ -13,6 +13,15 @@ A :class:`Mesh` can stand in for the ``DeviceMesh`` it wraps: it has
 ``get_coordinate``, ``get_rank`` and indexing by one, several or compound
 names (``mesh["dp"]``, ``mesh["dp", "tp"]``, ``mesh["dp-sp"]``), which gives
 a cached sub-mesh whose groups are the parent's.
+
+Blocks follow mesh coordinates: block ``k`` of an axis sharded over a group
+lives at the member whose index in the group (mesh-order flattening, as
+:meth:`Mesh.index`) is ``k``. A process group numbers its ranks in ascending
+global-rank order (``torch.distributed.new_group`` sorts them), which differs
+from the mesh order on meshes built from a permuted rank tensor, on sub-meshes
+in another dimension order and for compound groups; :meth:`Mesh.order` gives,
+per group, the group rank of each block (``None`` when they agree), and the
+collectives translate through it.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class Mesh:
         "coordinate",
         "allow_compound",
         "_groups",
+        "_orders",
         "_dims_cache",
         "_rank_grid",
         "_submeshes",
@@ -75,6 +85,7 @@ class Mesh:
         self.coordinate = tuple(int(c) for c in coordinate)
         self.allow_compound = allow_compound
         self._groups: dict[tuple[str, ...], object] = {}
+        self._orders: dict[tuple[str, ...], tuple[int, ...] | None] = {}
         self._dims_cache: dict[str, tuple[str, ...]] = {}
         self._rank_grid = rank_grid
         self._submeshes: dict = {}
@@ -183,6 +194,49 @@ class Mesh:
         comm_stats.register_group_label(group, self.label(dims))
         self._groups[dims] = group
         return group
+
+    def order(self, name: str | Sequence[str]) -> tuple[int, ...] | None:
+        """The group rank holding each block of ``name``'s group; ``None`` where block ``k`` is on group rank ``k``.
+
+        Blocks are numbered as :meth:`index` numbers the members (mesh-order
+        flattening, or the order of a tuple of dimensions). A process group
+        numbers its ranks in ascending global-rank order, so the two differ on
+        meshes built from a permuted rank tensor, on sub-meshes in another
+        dimension order and for compound groups. Computed once per group.
+
+        >>> mesh = es.wrap_mesh(DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+        >>> mesh.order("dp-tp"), mesh.order("tp")  # doctest: +SKIP
+        ((0, 2, 1, 3), None)
+        """
+        dims = self.dims(name) if isinstance(name, str) else tuple(name)
+        try:
+            return self._orders[dims]
+        except KeyError:
+            pass
+        order = None
+        if self._has_groups():
+            ranks = dist.get_process_group_ranks(self.group(dims))
+            members = self._member_ranks(dims)
+            if sorted(members) != sorted(ranks):
+                raise EinshardError(
+                    f"the process group of mesh dimension(s) {list(dims)} holds ranks {sorted(ranks)}, "
+                    f"but the mesh puts {sorted(members)} there"
+                )
+            position = {r: j for j, r in enumerate(ranks)}
+            found = tuple(position[r] for r in members)
+            order = None if found == tuple(range(len(found))) else found
+        self._orders[dims] = order
+        return order
+
+    def _has_groups(self) -> bool:
+        return self.device_mesh is not None
+
+    def _member_ranks(self, dims: Sequence[str]) -> list[int]:
+        """The global ranks of this rank's group over ``dims``, in block order."""
+        index = tuple(slice(None) if n in dims else c for n, c in zip(self.names, self.coordinate))
+        kept = [n for n in self.names if n in dims]  # the axes left after indexing, in mesh order
+        grid = np.asarray(self._rank_grid)[index]
+        return grid.transpose([kept.index(d) for d in dims]).reshape(-1).tolist()
 
     def _new_compound_group(self, dims: tuple[str, ...]):
         index = []
@@ -319,6 +373,9 @@ class SubMesh(Mesh):
     @device_mesh.setter
     def device_mesh(self, value) -> None:
         pass  # set by Mesh.__init__; built lazily instead
+
+    def _has_groups(self) -> bool:
+        return self.parent._has_groups()
 
     @property
     def device_type(self) -> str:

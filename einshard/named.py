@@ -5,7 +5,9 @@ compound name (``"dp-tp"``) or a tuple of names (``("dp", "tp")``). Several
 dimensions act as one group whose ranks are ordered by the mesh's own
 dimension order (as in the notation: ``a/dp-tp``), whatever order the names
 are given in. The mesh is the ambient one (``shard_map`` or ``es.use_mesh``)
-unless ``mesh=`` is passed.
+unless ``mesh=`` is passed. Indices (``axis_index``, ``ppermute``'s pairs, the
+blocks of ``all_gather``, ``psum_scatter`` and ``all_to_all``) follow mesh
+coordinates, whatever order the process group numbers its ranks in.
 
 All are autograd-correct. With variance tracking on
 (``shard_map(check_vma=True)``) they also follow JAX's typing: an input
@@ -75,6 +77,11 @@ class _Axes:
     @property
     def size(self) -> int:
         return self.mesh.size(self.dims)
+
+    @property
+    def order(self):
+        """The group rank holding each block (``None``: block ``k`` on group rank ``k``)."""
+        return self.mesh.order(self.dims)
 
 
 def _agreeing(fn):
@@ -274,15 +281,15 @@ def all_gather(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, m
     ax = _Axes(dim_name, mesh, "all_gather")
     if tiled:
         a = _norm_axis(axis, x.dim(), "all_gather")
-        fn, args = M.allgather_forward_split_backward, (x, ax.group, a, _shapes(shapes, ax, "all_gather"))
+        fn, args = M.allgather_forward_split_backward, (x, ax.group, a, _shapes(shapes, ax, "all_gather"), ax.order)
     else:
         a = _norm_axis(axis, x.dim() + 1, "all_gather")
-        fn, args = _gather_stacked, (x, ax.group, a)
+        fn, args = _gather_stacked, (x, ax.group, a, ax.order)
     return _run(ax, "all_gather", fn, *args)
 
 
-def _gather_stacked(x, group, axis):
-    return M.allgather_forward_split_backward(x.unsqueeze(axis), group, axis, None)
+def _gather_stacked(x, group, axis, order):
+    return M.allgather_forward_split_backward(x.unsqueeze(axis), group, axis, None, order)
 
 
 def _shapes(shapes, ax, what):
@@ -308,19 +315,20 @@ def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None,
     ax = _Axes(dim_name, mesh, "psum_scatter")
     a = _norm_axis(axis, x.dim(), "psum_scatter")
     if tiled:
-        fn, args = M.reducescatter_forward_allgather_backward, (x, ax.group, a, _shapes(shapes, ax, "psum_scatter"))
+        shapes = _shapes(shapes, ax, "psum_scatter")
+        fn, args = M.reducescatter_forward_allgather_backward, (x, ax.group, a, shapes, ax.order)
     else:
         if x.shape[a] != ax.size:
             raise EinshardError(
                 f"psum_scatter: tiled=False needs x.shape[{axis}] == {ax.size} (the size of "
                 f"{'-'.join(ax.dims)!r}), got {x.shape[a]}"
             )
-        fn, args = _scatter_squeezed, (x, ax.group, a)
+        fn, args = _scatter_squeezed, (x, ax.group, a, ax.order)
     return _run(ax, "reduce_scatter", fn, *args)
 
 
-def _scatter_squeezed(x, group, axis):
-    return M.reducescatter_forward_allgather_backward(x, group, axis, None).squeeze(axis)
+def _scatter_squeezed(x, group, axis, order):
+    return M.reducescatter_forward_allgather_backward(x, group, axis, None, order).squeeze(axis)
 
 
 @_agreeing
@@ -343,20 +351,20 @@ def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = 
     c = _norm_axis(concat_axis, x.dim(), "all_to_all")
     if tiled:
         if s == c:
-            fn, args = _same_axis_a2a, (x, ax.group, s)
+            fn, args = _same_axis_a2a, (x, ax.group, s, ax.order)
         else:
-            fn, args = M.alltoall_repartition, (x, ax.group, c, s, None, None)
+            fn, args = M.alltoall_repartition, (x, ax.group, c, s, None, None, ax.order)
     else:
         if x.shape[s] != ax.size:
             raise EinshardError(
                 f"all_to_all: tiled=False needs x.shape[{split_axis}] == {ax.size} (the size of "
                 f"{'-'.join(ax.dims)!r}), got {x.shape[s]}"
             )
-        fn, args = _a2a_untiled, (x, ax.group, s, c)
+        fn, args = _a2a_untiled, (x, ax.group, s, c, ax.order)
     return _run(ax, "all_to_all", fn, *args)
 
 
-def _same_axis_a2a(x, group, axis):
+def _same_axis_a2a(x, group, axis, order):
     # split and concatenate along the same axis: blocks move, the shape stays
     n = C.group_size(group)
     size = x.shape[axis]
@@ -364,13 +372,13 @@ def _same_axis_a2a(x, group, axis):
         raise EinshardError(f"all_to_all: split_axis == concat_axis needs a size divisible by {n}, got {size}")
     shape = list(x.shape)
     y = x.reshape(shape[:axis] + [n, size // n] + shape[axis + 1 :])
-    y = M.alltoall_repartition(y.unsqueeze(axis + 1), group, axis + 1, axis, None, None)
+    y = M.alltoall_repartition(y.unsqueeze(axis + 1), group, axis + 1, axis, None, None, order)
     return y.reshape(shape)
 
 
-def _a2a_untiled(x, group, split_axis, concat_axis):
+def _a2a_untiled(x, group, split_axis, concat_axis, order):
     y = x.movedim(split_axis, 0).unsqueeze(1)  # (n, 1, rest): block j goes to rank j
-    y = M.alltoall_repartition(y, group, 1, 0, None, None)  # (1, n, rest): block r came from rank r
+    y = M.alltoall_repartition(y, group, 1, 0, None, None, order)  # (1, n, rest): block r came from rank r
     return y.squeeze(0).movedim(0, concat_axis)
 
 
@@ -387,7 +395,10 @@ def ppermute(x, dim_name, perm, *, mesh=None):
     _check_tensor(x, "ppermute")
     ax = _Axes(dim_name, mesh, "ppermute")
     perm = [tuple(p) for p in perm]
-    return _run(ax, "ppermute", M.ppermute, x, ax.group, perm)
+    order = ax.order
+    if order is None:
+        return _run(ax, "ppermute", M.ppermute, x, ax.group, perm)
+    return _run(ax, "ppermute", functools.partial(M.ppermute, order=order), x, ax.group, perm)
 
 
 def pvary(x, dims, *, mesh=None):

@@ -87,8 +87,12 @@ class Site:
     def group(self, dims):
         return self.mesh.group(dims)
 
+    def order(self, dims):
+        """The group rank holding each block over ``dims`` (``None``: block ``k`` on group rank ``k``)."""
+        return self.mesh.order(dims)
+
     def sizes(self, layout: Layout, i: int, dims) -> list[int]:
-        """Axis ``i``'s block lengths of ``layout`` on the group's members, in group-rank order."""
+        """Axis ``i``'s block lengths of ``layout`` on the group's members, in block order (mesh order)."""
         members = self.shape.group_coords(dims, self.coord)
         return [b - a for a, b in (layout.interval(i, m, self.shape) for m in members)]
 
@@ -178,8 +182,9 @@ def _run_embed_adjoint(step, site):
     rel = site.rel(step.dst, step.src)
     if not step.dims:
         return lambda g: narrow(g, rel).contiguous()
-    group, C = site.group(step.dims), site.C
-    return lambda g: C.broadcast(narrow(g, rel).contiguous(), group, 0)
+    group, C, order = site.group(step.dims), site.C, site.order(step.dims)
+    root = 0 if order is None else order[0]  # the group rank holding block 0
+    return lambda g: C.broadcast(narrow(g, rel).contiguous(), group, root)
 
 
 _define(name="slice", what=lambda s: "local slice", run=_run_slice)
@@ -207,9 +212,11 @@ def _padded(name: str, text: str, side: str, vary) -> None:
     """A collective of blocks padded to the group's largest: ``side``'s blocks along ``step.axis``."""
 
     def run(step, site):
-        group, fn, i = site.group(step.dims), getattr(site.C, name), step.axis
+        group, fn, i, order = site.group(step.dims), getattr(site.C, name), step.axis, site.order(step.dims)
         sizes = site.sizes(getattr(step, side), i, step.dims)
-        return lambda x: fn(x, group, i, sizes)
+        if order is None:
+            return lambda x: fn(x, group, i, sizes)
+        return lambda x: fn(x, group, i, sizes, order)
 
     _define(
         name=name,
@@ -224,7 +231,10 @@ def _padded(name: str, text: str, side: str, vary) -> None:
 def _run_all_to_all(step, site):
     group, C, i, j = site.group(step.dims), site.C, step.axis, step.to_axis
     src_sizes, dst_sizes = site.sizes(step.src, i, step.dims), site.sizes(step.dst, j, step.dims)
-    return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
+    order = site.order(step.dims)
+    if order is None:
+        return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
+    return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes, order)
 
 
 def _run_exchange(step, site):  # the executor supplies the exchange (it builds on all_to_all_v)
