@@ -109,6 +109,7 @@ def trace_error(message: str) -> EinshardError:
             def __str__(self) -> str:
                 return self.msg
 
+        EinshardCompileError.__module__, EinshardCompileError.__qualname__ = "einshard", "EinshardCompileError"
         _TRACE_ERROR.append(EinshardCompileError)
     return _TRACE_ERROR[0](message)
 

@@ -906,8 +906,7 @@ class TracedTracker(_Rules):
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        refuse("shard_map under torch.compile: an in-place op writes varying data into an invariant tensor that "
-               "requires grad; use an out-of-place op (or es.pvary the tensor first)")
+        _TracedPVaryInPlace.apply(t, self.info.group(missing))
 
     def forget(self, t) -> None:
         """Drop the memoised pvary-s of ``t`` (it is written in place: its old value's alias is stale)."""
@@ -991,6 +990,20 @@ class _TracedPVary(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _TracedPVaryInPlace(torch.autograd.Function):
+    """:class:`_PVaryInPlace` in traced code (the gradient summed with a functional all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):

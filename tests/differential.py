@@ -450,3 +450,14 @@ def _roll_body(x, w):
 
 _body_scenario("shard_map_einroll", TP2, {"x": "a h/tp", "w": "h/tp"}, "a h/tp", lambda x, w: (x * w).roll(3, 1),
                _roll_body)
+
+
+def _inplace_grad_body(x, w1, w2, g):
+    acc = g * 1.0  # invariant and requires grad: the in-place sum makes it vary, its old value is pvary-ed
+    acc += F.gelu(x @ w1.T) @ w2.T
+    return es.psum(acc, "tp")
+
+
+scenario("shard_map_inplace_requires_grad", TP2, {**_MLP_IN, "g": "b c"}, "b c",
+         lambda x, w1, w2, g: 2 * g + _mlp(x, w1, w2), EVEN_UNEVEN)(
+    _body(_inplace_grad_body, ("b c", "f/tp c", "c f/tp", "b c"), "b c"))
