@@ -138,6 +138,13 @@ def check(name: str, variant: str, mode: str) -> None:
         es.set_checks(checks)
 
 
+def check_in(sc: Scenario, variant: str, mode: str, fullgraph: bool | None = None) -> None:
+    """:func:`check` of a scenario object as it is (no change of checks); ``fullgraph`` overrides its own."""
+    if fullgraph is not None:
+        sc = dataclasses.replace(sc, fullgraph=fullgraph)
+    _check(sc, variant, mode)
+
+
 def _check(sc: Scenario, variant: str, mode: str) -> None:
     name = sc.name
     mesh = es.wrap_mesh(make_mesh(*sc.mesh))
