@@ -180,17 +180,18 @@ def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class _PVaryInPlace(torch.autograd.Function):
-    """``pvary`` applied in place (``t`` keeps its identity): identity forward, gradient summed backward."""
+    """``pvary`` applied in place (``t`` keeps its identity): identity forward, gradient summed backward
+    (``traced``: with a functional all-reduce, for code that ``torch.compile`` traces)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, traced=False):
+        ctx.group, ctx.traced = group, traced
         ctx.mark_dirty(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return psum_tensor(grad, ctx.group), None
+        return (all_reduce(grad, ctx.group) if ctx.traced else psum_tensor(grad, ctx.group)), None, None
 
 
 # -- the tracker -----------------------------------------------------------------------
@@ -906,7 +907,7 @@ class TracedTracker(_Rules):
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        _TracedPVaryInPlace.apply(t, self.info.group(missing))
+        _PVaryInPlace.apply(t, self.info.group(missing), True)
 
     def forget(self, t) -> None:
         """Drop the memoised pvary-s of ``t`` (it is written in place: its old value's alias is stale)."""
@@ -990,20 +991,6 @@ class _TracedPVary(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
-
-
-class _TracedPVaryInPlace(torch.autograd.Function):
-    """:class:`_PVaryInPlace` in traced code (the gradient summed with a functional all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        ctx.mark_dirty(x)
-        return x
 
     @staticmethod
     def backward(ctx, grad):
