@@ -19,7 +19,9 @@ versions are in :mod:`einshard.mappings`. Every function
 - records its calls and bytes in :mod:`einshard.comm_stats`, as its
   :mod:`einshard.primitives` entry prices them (the planner's numbers).
 
-Groups of one rank communicate nothing.
+Groups of one rank communicate nothing. In code that ``torch.compile``
+traces, each function checks (and agrees) as here, then communicates with
+its functional twin in :mod:`einshard._traced_collectives`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from . import _trace
+from . import _traced_collectives as _TC
 from . import checks as _checks
 from . import comm_stats as _stats
 from ._split import compute_split_shapes
@@ -228,6 +232,9 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         _agree(group, err, "all_reduce", x, extra=(("op", name),))
     size = _size(group)
     x = x.detach()
+    if _trace.traced():
+        y = _TC.all_reduce(x / size if name in ("avg", "mean") else x, group, "sum" if name in ("avg", "mean") else name)
+        return (y, _CompletedWork()) if async_op else y
     if name in ("avg", "mean"):
         y = (x / size).contiguous() if size > 1 else _contiguous_clone(x)
         reduce_op = dist.ReduceOp.SUM
@@ -278,6 +285,8 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     if _checks.agreement_needed():
         _agree(group, None, "broadcast", x, extra=(("src", src),))
     x = x.detach()
+    if _trace.traced():
+        return _TC.broadcast(x, group, src)
     if size == 1:
         return _contiguous_clone(x)
     rank = _rank(group)
@@ -331,6 +340,8 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
         _agree(group, err, "all_gather", x, _masked(x.shape, d if shapes is not None and err is None else None),
                (("dim", d), ("shapes", shapes)))
     x = x.detach()
+    if _trace.traced():
+        return _TC.all_gather(x, group, d, [x.shape[d]] * size if shapes is None else shapes)
     if size == 1:
         return _contiguous_clone(x)
     local = x.shape[d]
@@ -369,6 +380,8 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | Non
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "reduce_scatter", x, extra=(("dim", d), ("shapes", shapes)))
     x = x.detach()
+    if _trace.traced():
+        return _TC.reduce_scatter(x, group, d, shapes)
     if size == 1:
         return _contiguous_clone(x)
     rank = _rank(group)
@@ -440,6 +453,8 @@ def all_to_all(
         _agree(group, err, "all_to_all", x, _masked(x.shape, sd if uneven else None),
                (("dims", (sd, dd)), ("src_shapes", src_shapes), ("dst_shapes", dst_shapes)))
     x = x.detach()
+    if _trace.traced():
+        return _TC.all_to_all(x, group, sd, dd, src_shapes, dst_shapes)
     if size == 1:
         return _contiguous_clone(x)
     # Pack the blocks for the destination ranks one after the other, each in x's own dimension order, so
@@ -517,6 +532,8 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
         )
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "all_to_all_v", extra=(("dtype", dtype), ("device", chunks[rank].device)))
+    if _trace.traced():
+        return _TC.all_to_all_v([c.detach() for c in chunks], recv_numels, group)
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
@@ -610,6 +627,8 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
         _agree(group, err, "ppermute", extra=(("dtype", x.dtype), ("device", x.device), ("perm", pairs)),
                sent=x.numel() if dst is not None else -1, received=math.prod(recv_shape) if src is not None else -1,
                pairs=pairs)
+    if _trace.traced():
+        return _TC.ppermute(x, group, pairs, recv_shape)
     if src is None:
         out = x.new_zeros(recv_shape)
     elif src == rank:
