@@ -69,7 +69,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         return x.clone()
     m = max(shapes)
     if all(s == m for s in shapes):
-        buf = x.unflatten(dim, (size, m)).movedim(dim, 0)
+        buf = x.reshape(x.shape[:dim] + (size, m) + x.shape[dim + 1 :]).movedim(dim, 0)  # (unflatten: a super() call)
     else:
         offsets = [sum(shapes[:j]) for j in range(size)]
         buf = torch.stack([_pad(x.narrow(dim, o, s), dim, m) for o, s in zip(offsets, shapes)])

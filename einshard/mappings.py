@@ -53,6 +53,7 @@ def _shapes(x: torch.Tensor, group, dim: int, shapes, even: bool) -> tuple[int, 
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 _transforms_active = torch._C._are_functorch_transforms_active
+_traced = _trace.traced  # (hot paths: one global read)
 
 
 def make_mapping(name: str, forward, adjoint):
@@ -84,7 +85,7 @@ def make_mapping(name: str, forward, adjoint):
     raw, slow = _C_APPLY.__get__(None, Mapping), Mapping.apply
 
     def apply(*args):
-        if _trace.traced():  # Function.apply; without a gradient to track, the forward (dynamo would pass it a ctx)
+        if _traced():  # Function.apply; without a gradient to track, the forward (dynamo would pass it a ctx)
             return slow(*args) if args[0].requires_grad and torch.is_grad_enabled() else forward(*args)
         return slow(*args) if _transforms_active() else raw(*args)
 

@@ -245,10 +245,11 @@ def traced_plan(build, *args):
     holds only what traced code then does with the result (an op's replay).
     """
     ambient = _context.current()
-    return _trace.lookup(_built_at_trace_time(build, ambient.mesh, ambient.shapes, args))
+    # checks.ENABLED read here, in traced code: the graph is traced again when checks are turned on or off
+    return _trace.lookup(_built_at_trace_time(build, ambient.mesh, ambient.shapes, checks.ENABLED, *args))
 
 
 @_trace.constant_result
-def _built_at_trace_time(build, mesh, shapes, args) -> str:
+def _built_at_trace_time(build, mesh, shapes, checks_on, *args) -> str:  # (one argument each: a mesh may be one)
     with _context.at_trace_time(mesh, shapes):
         return _trace.register(build(*args))

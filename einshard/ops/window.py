@@ -87,7 +87,7 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     ``left+right+1``). Positions outside the domain follow ``boundary`` as
     in :func:`einhalo`. The output holds every input axis with its sharding
     plus the window axes (unsharded), in the output's order; it is a view of
-    the halo-extended block.
+    the halo-extended block (under ``torch.compile``, a copy).
 
     >>> import torch
     >>> from einshard.ops.window import einwindow
@@ -125,6 +125,10 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     order = [current.index(a.name) for a in out.axes]
     if order != list(range(len(order))):
         y = y.permute(order)
+    if _trace.traced() and wmap:
+        # a copy: AOTAutograd (torch 2.13) gets the gradient of a graph output whose elements overlap (the
+        # windows of an unfold) wrong; inside a graph the copy feeds the next op
+        y = y.contiguous()
     return y
 
 
