@@ -174,6 +174,8 @@ ROWS = {
     "einfft": Row(1, [((4, 6), "a/tp b")],
                   _on_mesh(lambda x: es.einfft("a/tp b -> ka kb/tp", x, {"a": "ka", "b": "kb"})),
                   "ka kb/tp", lambda x: torch.fft.fftn(x)),
+    "einfft four-step": Row(1, [((8,), "x/tp")], _on_mesh(lambda x: es.einfft("x/tp -> kx/tp", x, {"x": "kx"})),
+                            "kx/tp", lambda x: torch.fft.fft(x)),
     "einfft uneven": Row(1, [((5, 5), "a/tp b")],
                          _on_mesh(lambda x: es.einfft("a/tp b -> ka kb/tp", x, {"a": "ka", "b": "kb"}, shapes=TP2)),
                          "ka kb/tp", lambda x: torch.fft.fftn(x), TP2),
