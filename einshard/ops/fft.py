@@ -455,7 +455,7 @@ class _Bound:
     def prepare_traced(self) -> "_Bound":
         """This plan ready for traced code (the functional steps of its transitions built)."""
         for step in self.steps:
-            for s in getattr(step, "steps", (step,)):
+            for s in (step,) if isinstance(step, Transition) else getattr(step, "steps", ()):  # (a four-step's)
                 if isinstance(s, Transition):
                     s.prepare_traced()
         return self
@@ -666,7 +666,8 @@ def einfft(
     if not explain and in_vma_scope():  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
             raise EinshardError.named(_axes_form(formula, axes), formula)
-        proxy = _parse_cached(formula, axes_key, fam_key).proxy
+        proxy = _traced_proxy(formula, axes, families) if _trace.traced() else _parse_cached(formula, axes_key,
+                                                                                                 fam_key).proxy
 
         def untracked(_proxy, t, mesh=None):
             return einfft(formula, t, axes, inverse=inverse, norm=norm, mesh=mesh, shapes=shapes, families=families,
@@ -722,6 +723,12 @@ def _agree(bound, formula, dtype, device) -> None:
         )
     if bound.warning is not None:
         warnings.warn(bound.warning, RuntimeWarning, stacklevel=3)
+
+
+@_trace.constant_result
+def _traced_proxy(formula, axes, families) -> str:
+    """The formula variance tracking reads for ``einfft`` (at trace time: dynamo would trace the parser)."""
+    return _parse_cached(formula, freeze(axes), freeze_families(families)).proxy
 
 
 def _traced_bound(formula, shape, dtype, device, axes, inverse, norm, mesh, shapes, families, real, signal_sizes):
