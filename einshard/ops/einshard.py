@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _context, _trace
+from .. import _context, _trace, checks
 from .. import vma as _vma
 from .._cache import BoundedCache
 from ..distributed import run_distributed, traced_run
@@ -140,6 +140,8 @@ def _tracked(ambient, formula, tensors, kwargs):
 
 
 def _vma_recorder(formula, families):
+    if _trace.traced():  # looked up at trace time: dynamo would trace the parser, and guard on the cache
+        return _trace.lookup(_vma_recorder_at_trace_time(formula, families))
     frozen = None if families is None else freeze_families(families)
     key = formula if frozen is None else (formula, frozen)  # (a plain string: no families)
     found = _VMA_RECORDERS.get(key, _MISSING)
@@ -150,6 +152,11 @@ def _vma_recorder(formula, families):
             found = None  # the op reports a bad formula itself
         _VMA_RECORDERS.put(key, found)
     return found
+
+
+@_trace.constant_result
+def _vma_recorder_at_trace_time(formula, families) -> str:
+    return _trace.register(_vma_recorder(formula, families))
 
 
 def _known_distributed(key, recorder) -> None:
@@ -251,12 +258,14 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
         policy,
         ambient.mesh,
         ambient.shapes,
+        checks.ENABLED,  # read in traced code: turning checks on or off traces again (they agree at trace time)
     )
     return _trace.lookup(name)(tensors)
 
 
 @_trace.constant_result
-def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes):
+def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes,
+                    checks_on):
     with _context.at_trace_time(amb_mesh, amb_shapes) as ambient:
         return _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy,
                                    ambient)
