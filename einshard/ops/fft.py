@@ -680,8 +680,8 @@ def einfft(
     if not explain and _trace.traced():  # torch.compile: planned (and agreed) at trace time
         return traced_plan(_traced_bound, formula, _trace.static_shape(x), dtype, x.device, axes, inverse, norm, mesh,
                            shapes, families, real, signal_sizes)(x)
-    bound = _bound(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes,
-                   explain)
+    bound = _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm, real, signal_sizes, mesh,
+                   shapes, explain)
     if explain:
         if bound.local_error is not None:
             raise EinshardError.named(bound.local_error, formula)
@@ -691,8 +691,10 @@ def einfft(
     return bound(x)
 
 
-def _bound(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes, mesh, shapes, explain):
-    """The cached plan of one call, bound to this rank (built on a miss; the ranks agree on a build error)."""
+def _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm, real, signal_sizes, mesh, shapes,
+           explain):
+    """The cached plan of one call for an input on ``device``, bound to this rank (built on a miss; the ranks
+    agree on a build error)."""
     ambient = _context.current()
     mesh_key = mesh if mesh is not None else ambient.mesh
     key = (formula, axes_key, bool(inverse), norm, bool(real), freeze(signal_sizes), fam_key, shape, dtype, device,
@@ -736,7 +738,7 @@ def _traced_proxy(formula, axes, families) -> str:
 
 def _traced_bound(formula, shape, dtype, device, axes, inverse, norm, mesh, shapes, families, real, signal_sizes):
     """:func:`_bound` and :func:`_agree` at trace time (the warning, too, is given once per compile)."""
-    bound = _bound(formula, axes, freeze(axes), freeze_families(families), shape, dtype, inverse, norm, real,
+    bound = _bound(formula, axes, freeze(axes), freeze_families(families), shape, dtype, device, inverse, norm, real,
                    signal_sizes, mesh, shapes, False)
     _agree(bound, formula, dtype, device)
     return bound.prepare_traced()
