@@ -50,13 +50,15 @@ from .errors import EinshardError
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import expand
-from .ops.einshard import einshard
+from .ops.einshard import duties_satisfied, einshard
+from .params.summed import body_duty_error, native_duty, watch_body
 
 __all__ = ["shard_map", "ShardMap"]
 
 _compiling = torch.compiler.is_compiling
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _UNSET = object()
 
 
@@ -159,17 +161,21 @@ class ShardMap:
         if mesh is None:
             mesh = wrap_mesh(resolve_mesh(None))
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+        duty_errors, params = _body_parameters(args, leaves) if self.check_vma else ((), ())
         key = (treedef, mesh, *[_leaf_key(x) for x in leaves])
         plan = self._in_plans.get(key)
         if plan is None:
-            plan = self._plan_inputs(key, args, leaves, mesh)
-        elif checks.ENABLED:  # ranks may miss the cache on different calls: agree on every call
-            _raise_agreed(mesh, ())
+            plan = self._plan_inputs(key, args, leaves, mesh, duty_errors)
+        elif checks.ENABLED or duty_errors:  # ranks may miss the cache on different calls: agree on every call
+            _raise_agreed(mesh, duty_errors)
         group = mesh.group(tuple(mesh.names)) if checks.ENABLED and mesh.device_mesh is not None else None
         body_args = args
         body_leaves = leaves
         token = None
+        satisfied = None
         try:
+            if self.check_vma:  # the body sums every gradient: formulas (entry and exit conversions too) plan no duty
+                satisfied = duties_satisfied().__enter__()
             body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, treedef)
             tracker = _vma.Tracker(mesh, plan.info) if self.check_vma else None
             # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
@@ -183,7 +189,7 @@ class ShardMap:
                 body_leaves[i].__dict__[attr] = serial | mask
             try:
                 out = _vma.run_tracked(tracker, self.f, body_args, kwargs)
-                return self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
+                result = self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
             finally:
                 for i, _mask in plan.masks:
                     body_leaves[i].__dict__.pop(attr, None)
@@ -192,11 +198,16 @@ class ShardMap:
                         if isinstance(x, _Tensor):
                             x.__dict__.pop(_vma.ATTR, None)
                 tracker.memo.clear()
+            if params or tracker.params:
+                _watch_gradients(result, params, tracker.params)
+            return result
         except BaseException as exc:
             if group is not None:  # raised here only: the peers raise at their next agreement
                 checks.report_failure(group, exc)
             raise
         finally:
+            if satisfied is not None:
+                satisfied.__exit__(None, None, None)
             if token is not None:
                 _context.pop(token)
 
@@ -236,6 +247,8 @@ class ShardMap:
             raise EinshardError(f"shard_map: {self!r} is called inside the body of another shard_map")
         mesh = self.mesh if self.mesh is not None else _context.current().mesh
         leaves, spec = _pytree.tree_flatten(args)
+        if self.check_vma:
+            _refuse_traced_duties(leaves)
         struct = spec.unflatten(list(range(len(leaves))))  # the structure, as constants
         plan = _trace.lookup(_in_plan_for_trace(self, struct, _trace_leaves(leaves), mesh))
         mesh = plan.mesh
@@ -266,14 +279,14 @@ class ShardMap:
         return dict(shapes=shapes_subset(parsed_formula, self.shapes),
                     sizes=sizes_subset(parsed_formula, self.sizes, self.families), families=self.families)
 
-    def _plan_inputs(self, key, args, leaves, mesh) -> _InPlan:
+    def _plan_inputs(self, key, args, leaves, mesh, duty_errors=()) -> _InPlan:
         per_leaf = _matched(mesh, self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)
         info = _vma.mesh_info(mesh)
         actions, masks = [], []
         table: dict = {}
         ambiguous: set = set()
         dtensor = False
-        errors = []
+        errors = list(duty_errors)
         for i, (x, spec) in enumerate(zip(leaves, per_leaf)):
             if spec is None or not isinstance(x, _Tensor):
                 continue
@@ -389,6 +402,49 @@ def _raise_agreed(mesh, errors) -> None:
         checks.agree(mesh.group(tuple(mesh.names)), error, point="shard_map")
     elif error is not None:
         raise error
+
+
+def _body_parameters(args, leaves):
+    """``(errors, parameters)``: why a tracked body may not take a Parameter argument (another mechanism
+    sums its gradient), and the arguments with a native gradient duty, whose gradients the body sums."""
+    errors, params = [], []
+    for i, x in enumerate(leaves):
+        if isinstance(x, _Parameter):
+            why = body_duty_error(x)
+            if why is not None:
+                errors.append(f"shard_map: argument args{leaf_path(args, i)} {why}")
+            elif native_duty(x):
+                params.append(x)
+    return errors, params
+
+
+def _watch_gradients(result, params, used) -> None:
+    """After a tracked body: the parameters it used that another mechanism would sum are refused (those
+    it took as arguments were checked on entry); the gradients of those with a native duty get tagged
+    when backward brings the body's contributions (:func:`einshard.params.summed.watch_body`)."""
+    watched = {id(p): p for p in params}
+    for key, p in used.items():
+        if key in watched:
+            continue
+        why = body_duty_error(p)
+        if why is not None:  # every rank uses the same parameters: all raise here
+            raise EinshardError(f"shard_map: a parameter of shape {tuple(p.shape)} used in the body {why}")
+        if native_duty(p):
+            watched[key] = p
+    if watched:
+        watch_body(optree.tree_leaves(result, none_is_leaf=True), list(watched.values()))
+
+
+def _refuse_traced_duties(leaves) -> None:
+    """Under torch.compile: a Parameter argument with a gradient duty is refused (the compiled body sums its
+    gradient, and cannot tag it for the duty's executors, which would sum it again)."""
+    for i, x in enumerate(leaves):
+        if isinstance(x, _Parameter) and (native_duty(x) or body_duty_error(x) is not None):
+            raise EinshardError(
+                f"shard_map under torch.compile: argument leaf {i} (shape {tuple(x.shape)}) carries a gradient "
+                "duty; the compiled body (check_vma=True) sums its gradient itself, and reduce_grad_ or the hooks "
+                "would sum it again. Register it without a duty (grad='none'), or call the shard_map eagerly"
+            )
 
 
 def _convert_inputs(actions, args, leaves, treedef):

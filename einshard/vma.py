@@ -256,6 +256,7 @@ class Tracker(_Rules, TorchFunctionMode):
         self.suspended = 0
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
         self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
+        self.params: dict = {}  # id -> the Parameters whose gradient the body sums (pvary-ed, formula operands)
 
     # tags ---------------------------------------------------------------
     def mask_of(self, t) -> int:
@@ -286,6 +287,8 @@ class Tracker(_Rules, TorchFunctionMode):
                 return hit[2]
             if missing & ~self.info.trivial:
                 y = pvary_tensor(t, self.info.group(missing))
+                if isinstance(t, torch.nn.Parameter):
+                    self.params[id(t)] = t
             else:  # over dimensions of size 1: an alias (the gradient sum is over one rank)
                 y = t.view_as(t)
         y.__dict__[ATTR] = self.serial | mask | missing

@@ -16,7 +16,7 @@ from ..params.state import ParameterState
 from ..pipeline import check_tensors
 from ..policy import resolve_policy
 
-__all__ = ["einshard"]
+__all__ = ["einshard", "duties_satisfied"]
 
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
 _LOCAL_PLANS = BoundedCache(65536)
@@ -25,7 +25,7 @@ _DISTRIBUTED = BoundedCache()
 _MAX_DISTRIBUTED = 4096
 _MISSING = object()
 _VMA_RECORDERS = BoundedCache()
-_SATISFIED: list = []  # non-empty while a [param] formula runs inside shard_map(check_vma=True)
+_SATISFIED: list = []  # non-empty inside shard_map(check_vma=True): the body sums every gradient, no duty applies
 
 
 def einshard(
@@ -123,8 +123,28 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     return plan.run(tensors)
 
 
+class duties_satisfied:
+    """Within the block formulas plan no gradient duty: every gradient is whole (a tracked ``shard_map``
+    body, which sums them itself)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _SATISFIED.append(True)
+        return self
+
+    def __exit__(self, *exc):
+        _SATISFIED.pop()
+        return False
+
+
 def _tracked(ambient, formula, tensors, kwargs):
     """``einshard`` in a body that tracks variance: the variance rules around the untracked call."""
+    tracker = ambient.shard_map.tracker
+    if tracker.serial:  # eager: the body's parameters, whose gradients it sums (see einshard.params.summed)
+        for t in tensors:
+            if isinstance(t, torch.nn.Parameter):
+                tracker.params[id(t)] = t
     recorder = _vma_recorder(formula, kwargs["families"])
     if recorder is None:
         return _vma.formula_op_in(ambient, einshard, formula, tensors, kwargs)
@@ -175,6 +195,8 @@ def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
 
 def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula without [param]: the operands' attached states may carry gradient duties."""
+    if _SATISFIED:  # inside shard_map(check_vma=True): the formula reduces every gradient
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     duties = state_duties(tensors)
     if ANY not in duties:
         return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties)
