@@ -44,13 +44,16 @@ from ._specs import (
     shapes_subset,
     sizes_subset,
     spec_tree,
+    strip_spec,
 )
+from ._split import compute_split_shapes
 from .dtensor import apply_from_dtensor, plan_from_dtensor, to_dtensor
 from .errors import EinshardError
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import expand
 from .ops.einshard import duties_satisfied, einshard
+from .params.metadata import named_sizes, recorded_global_shape
 from .params.summed import body_duty_error, native_duty, watch_body
 
 __all__ = ["shard_map", "ShardMap"]
@@ -100,6 +103,8 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
             return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
+        if isinstance(x, _Parameter):  # a recorded global shape is checked when planning
+            return (x.shape, recorded_global_shape(x))
         return x.shape
     return None
 
@@ -275,9 +280,10 @@ class ShardMap:
                 _context.pop(token)
 
     # -- planning (once per argument structure and local shapes) ---------------------
-    def _opts(self, parsed_formula):
+    def _opts(self, parsed_formula, sizes=_UNSET):
+        sizes = self.sizes if sizes is _UNSET else sizes
         return dict(shapes=shapes_subset(parsed_formula, self.shapes),
-                    sizes=sizes_subset(parsed_formula, self.sizes, self.families), families=self.families)
+                    sizes=sizes_subset(parsed_formula, sizes, self.families), families=self.families)
 
     def _plan_inputs(self, key, args, leaves, mesh, duty_errors=()) -> _InPlan:
         per_leaf = _matched(mesh, self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)
@@ -303,15 +309,23 @@ class ShardMap:
             else:
                 formula = spec.text if spec.conversion else f"{spec.inner} -> {spec.inner}"
                 try:
-                    resolved = resolve_spec(formula, x.shape, mesh, self.shapes, self.sizes, self.families)
+                    sizes, whole = _recorded_sizes(spec, x, self.sizes)
+                    if whole is not None:
+                        why = _block_error(spec, tuple(x.shape), whole, mesh)
+                        if why is not None:  # seen by some ranks only, maybe (uneven blocks): agreed below
+                            errors.append(f"{where}: {why}")
+                            continue
+                    resolved = resolve_spec(formula, x.shape, mesh, self.shapes, sizes, self.families)
                 except ValueError as err:  # may be seen by some ranks only (local sizes): agreed below
                     errors.append(f"{where}: {err}")
                     continue
                 if resolved.local_error is not None:
                     errors.append(f"{where}: {resolved.local_error}")
                 if spec.conversion:
-                    opts = self._opts(expand(spec.text, self.families))
+                    opts = self._opts(expand(spec.text, self.families), sizes)
                     actions.append((i, functools.partial(_convert, einshard, spec.text, mesh, opts)))
+                    _merge(table, layout_entries(resolved.output), ambiguous)
+                elif whole is not None:  # the recorded global shape fixes the split of every sharded axis
                     _merge(table, layout_entries(resolved.output), ambiguous)
                 else:
                     _merge(table, explicit_entries(resolved.output, self.shapes, mesh), ambiguous)
@@ -433,6 +447,46 @@ def _watch_gradients(result, params, used) -> None:
             watched[key] = p
     if watched:
         watch_body(optree.tree_leaves(result, none_is_leaf=True), list(watched.values()))
+
+
+def _recorded_sizes(spec, x, sizes):
+    """``(sizes= for this leaf, the global shape recorded for it or None)``: a recorded global shape (the
+    spec's, from ``es.param_specs``, else the Parameter's own) names the sizes of the layout it arrives in."""
+    whole = getattr(spec.text, "global_shape", None)
+    own = recorded_global_shape(x)
+    if whole is None:
+        whole = own
+    elif own is not None and own != whole:
+        raise EinshardError(f"the parameter's recorded global shape {own} differs from its spec's {whole}")
+    if whole is None:
+        return sizes, None
+    named = named_sizes(spec.outer_spec, whole)
+    if named is None:  # a layout with '( )' or '...': its global shape does not name the axes
+        return sizes, None
+    merged = dict(sizes or {})
+    for axis, n in named.items():
+        if merged.setdefault(axis, n) != n:
+            raise EinshardError(f"sizes= gives axis {axis!r} the size {merged[axis]}, but the recorded global "
+                                f"shape {whole} gives {n}")
+    return merged, whole
+
+
+def _block_error(spec, shape, whole, mesh) -> str | None:
+    """Why a tensor of local ``shape`` is not this rank's block of a ``whole``-shaped tensor laid out as the
+    spec's outer layout (``None`` when it is)."""
+    want = []
+    for axis, n in zip(spec.outer_spec.items, whole):
+        if axis.mesh:
+            dims = mesh.dims(axis.mesh)
+            n = compute_split_shapes(n, mesh.size(dims))[mesh.index(dims)]
+        want.append(n)
+    if tuple(want) == shape:
+        return None
+    hint = ""
+    if shape == tuple(whole):
+        hint = f" It is the whole tensor: pass this rank's block, or convert on entry with '{strip_spec(spec.outer_spec)} -> {spec.outer}'."
+    return (f"the recorded global shape is {tuple(whole)}, so this rank's block of '{spec.outer}' has shape "
+            f"{tuple(want)}, but the argument has shape {shape}.{hint}")
 
 
 def _refuse_traced_duties(leaves) -> None:

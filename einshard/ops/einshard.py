@@ -11,7 +11,8 @@ from ..distributed import run_distributed, traced_run
 from ..errors import EinshardError
 from ..local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
-from ..params.formula import ANY, duty_of, formula_names, recorder_for, resolve_pending, state_duties
+from ..params.formula import ANY, duty_of, formula_names, recorded_shapes, recorder_for, resolve_pending, state_duties
+from ..params.metadata import named_sizes
 from ..params.state import ParameterState
 from ..pipeline import check_tensors
 from ..policy import resolve_policy
@@ -25,6 +26,7 @@ _DISTRIBUTED = BoundedCache()
 _MAX_DISTRIBUTED = 4096
 _MISSING = object()
 _VMA_RECORDERS = BoundedCache()
+_SIZED_KEYS = BoundedCache(4096)  # (key, recorded global shapes) -> the key with their sizes
 _SATISFIED: list = []  # non-empty inside shard_map(check_vma=True): the body sums every gradient, no duty applies
 
 
@@ -178,8 +180,36 @@ def _known_distributed(key, recorder) -> None:
     _DISTRIBUTED.put(key, recorder)
 
 
+def _with_recorded_sizes(key, tensors):
+    """``key`` with the sizes the operands' recorded global shapes give (``sizes=`` for their axes), so the
+    formula checks their blocks and knows their split shapes; ``key`` itself when none records one."""
+    found = recorded_shapes(tensors)
+    if not found:
+        return key
+    memo = (key, found)
+    sized = _SIZED_KEYS.get(memo)
+    if sized is None:
+        sized = _SIZED_KEYS.put(memo, _sized_key(key, found))
+    return sized
+
+
+def _sized_key(key, found):
+    parsed = expand(key[0], key[2])
+    sizes = dict(key[1])
+    for k, whole in enumerate(found):
+        if whole is None or k >= len(parsed.inputs):
+            continue
+        named = named_sizes(parsed.inputs[k], whole)
+        for axis, n in (named or {}).items():
+            if sizes.setdefault(axis, n) != n:
+                raise EinshardError(f"{key[0]!r}: operand {k}'s recorded global shape {whole} gives axis {axis!r} "
+                                    f"the size {n}, but {sizes[axis]} is known for it (sizes= or another operand)")
+    return (key[0], freeze_sizes(sizes), *key[2:])
+
+
 def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula with [param] operands: states prepared first, attached after success."""
+    key = _with_recorded_sizes(key, tensors)
     if _SATISFIED:  # inside shard_map(check_vma=True): recorded by the caller, the formula reduces
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     names = formula_names(mesh)
@@ -195,6 +225,7 @@ def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
 
 def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula without [param]: the operands' attached states may carry gradient duties."""
+    key = _with_recorded_sizes(key, tensors)
     if _SATISFIED:  # inside shard_map(check_vma=True): the formula reduces every gradient
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     duties = state_duties(tensors)
