@@ -54,6 +54,7 @@ from .mesh import resolve_mesh, wrap_mesh
 from .notation import expand
 from .ops.einshard import duties_satisfied, einshard
 from .params.metadata import named_sizes, recorded_global_shape
+from .params.store import PARAM_STATE_ATTR
 from .params.summed import body_duty_error, native_duty, watch_body
 
 __all__ = ["shard_map", "ShardMap"]
@@ -103,9 +104,8 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
             return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
-        if isinstance(x, _Parameter):  # a recorded global shape is checked when planning
-            return (x.shape, recorded_global_shape(x))
-        return x.shape
+        state = x.__dict__.get(PARAM_STATE_ATTR)  # a Parameter's recorded global shape is checked when planning
+        return x.shape if state is None or state.global_shape is None else (x.shape, state.global_shape)
     return None
 
 
@@ -423,7 +423,8 @@ def _body_parameters(args, leaves):
     sums its gradient), and the arguments with a native gradient duty, whose gradients the body sums."""
     errors, params = [], []
     for i, x in enumerate(leaves):
-        if isinstance(x, _Parameter):
+        state = getattr(x, PARAM_STATE_ATTR, None)
+        if state is not None and state.grad_comm.mode != "none" and isinstance(x, _Parameter):
             why = body_duty_error(x)
             if why is not None:
                 errors.append(f"shard_map: argument args{leaf_path(args, i)} {why}")
@@ -484,7 +485,8 @@ def _block_error(spec, shape, whole, mesh) -> str | None:
         return None
     hint = ""
     if shape == tuple(whole):
-        hint = f" It is the whole tensor: pass this rank's block, or convert on entry with '{strip_spec(spec.outer_spec)} -> {spec.outer}'."
+        arrow = f"{strip_spec(spec.outer_spec)} -> {spec.outer}"
+        hint = f" It is the whole tensor: pass this rank's block, or convert on entry with '{arrow}'."
     return (f"the recorded global shape is {tuple(whole)}, so this rank's block of '{spec.outer}' has shape "
             f"{tuple(want)}, but the argument has shape {shape}.{hint}")
 

@@ -140,6 +140,13 @@ class duties_satisfied:
         return False
 
 
+def _in_tracked_body() -> bool:
+    """Whether a ``shard_map(check_vma=True)`` body runs here (read from the ambient context, so a
+    recompute that restores the body's context plans as its forward did)."""
+    body = _context.current().shard_map
+    return body is not None and body.tracker is not None
+
+
 def _tracked(ambient, formula, tensors, kwargs):
     """``einshard`` in a body that tracks variance: the variance rules around the untracked call."""
     tracker = ambient.shard_map.tracker
@@ -200,8 +207,9 @@ def _sized_key(key, found):
         if whole is None or k >= len(parsed.inputs):
             continue
         named = named_sizes(parsed.inputs[k], whole)
+        sharded = {a.name for a in parsed.inputs[k].axes if a.mesh}  # (unsharded sizes are the local ones)
         for axis, n in (named or {}).items():
-            if sizes.setdefault(axis, n) != n:
+            if axis in sharded and sizes.setdefault(axis, n) != n:
                 raise EinshardError(f"{key[0]!r}: operand {k}'s recorded global shape {whole} gives axis {axis!r} "
                                     f"the size {n}, but {sizes[axis]} is known for it (sizes= or another operand)")
     return (key[0], freeze_sizes(sizes), *key[2:])
@@ -210,7 +218,7 @@ def _sized_key(key, found):
 def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula with [param] operands: states prepared first, attached after success."""
     key = _with_recorded_sizes(key, tensors)
-    if _SATISFIED:  # inside shard_map(check_vma=True): recorded by the caller, the formula reduces
+    if _SATISFIED or _in_tracked_body():  # in shard_map(check_vma=True): recorded by the caller; the formula reduces
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     names = formula_names(mesh)
     prepared = recorder.prepare(tensors, names)
@@ -226,7 +234,7 @@ def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
 def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula without [param]: the operands' attached states may carry gradient duties."""
     key = _with_recorded_sizes(key, tensors)
-    if _SATISFIED:  # inside shard_map(check_vma=True): the formula reduces every gradient
+    if _SATISFIED or _in_tracked_body():  # inside shard_map(check_vma=True): the formula reduces every gradient
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     duties = state_duties(tensors)
     if ANY not in duties:
