@@ -19,13 +19,22 @@ import torch.distributed as dist
 
 import einshard as es
 from einshard.params.buckets import hooked_by
+from einshard.helpers import compute_split_shapes
 from einshard.testing import MeshSpec, local_block
 
 DT = torch.float64
-B, C, F = 5, 3, 5  # uneven over 2 and 4 ranks
+B, C, F = 5, 3, 5  # uneven over 2 and 4 ranks (the default); _use("even") sets even sizes for one test
 SIZES = {"b": B, "f": F}
 MESHES = pytest.mark.parametrize("mesh", [MeshSpec((4,), ("dp",)), MeshSpec((2, 2), ("dp", "tp"))], ids=["4", "2x2"])
 DUTIES = pytest.mark.parametrize("grad", ["dp", "dp:async"])
+EVEN_AND_UNEVEN = pytest.mark.parametrize("size", ["uneven", "even"])
+
+
+def _use(size: str) -> None:
+    """Set the whole sizes for the test running on this rank: uneven (5 over 2 and 4 ranks) or even (4)."""
+    global B, F, SIZES
+    B, F = (5, 5) if size == "uneven" else (4, 4)
+    SIZES = {"b": B, "f": F}
 
 
 def _whole(seed=0):
@@ -95,7 +104,7 @@ def _formula_loss(model, mesh, x="x"):
 def _shard_map_loss(model, mesh, check_vma=True):
     """Inside shard_map: the batch arrives whole ('b c -> b/dp c'), the parameters as their blocks."""
     f = _f(mesh)
-    shapes = {"tp": {"f": [3, 2]}} if "tp" in mesh.names else None
+    shapes = {"tp": {"f": compute_split_shapes(F, 2)}} if "tp" in mesh.names else None
 
     @es.shard_map((es.param_specs(model), "b c -> b/dp c"), "", mesh=mesh, check_vma=check_vma, shapes=shapes)
     def body(params, x):
@@ -125,8 +134,10 @@ def _reduces(stats) -> int:
 @pytest.mark.ranks(4)
 @MESHES
 @DUTIES
-def test_a_duty_inside_shard_map_is_summed_once_by_the_body(mesh, grad):
+@EVEN_AND_UNEVEN
+def test_a_duty_inside_shard_map_is_summed_once_by_the_body(mesh, grad, size):
     """grad=dp(:async) parameters trained inside shard_map(check_vma=True) get the one-process gradient."""
+    _use(size)
     m = es.wrap_mesh(mesh)
     ref = _reference()
     model = Model(m, grad)
@@ -150,7 +161,40 @@ def test_a_duty_inside_shard_map_is_summed_once_by_the_body(mesh, grad):
 @pytest.mark.ranks(4)
 @MESHES
 @DUTIES
+def test_shard_map_micro_batches_with_unused_and_frozen_parameters(mesh, grad):
+    """Rows 2 and 4 in the shard_map style: z unused, s frozen; two micro-batches; an AdamW step."""
+    _use("uneven")
+    m = es.wrap_mesh(mesh)
+    names = ("g", "w", "b", "s", "z")
+    model = Model(m, grad, names)
+    model.s.requires_grad_(False)
+    f = _f(m)
+    shapes = {"tp": {"f": compute_split_shapes(F, 2)}} if "tp" in m.names else None
+
+    @es.shard_map((es.param_specs(model), "b c -> b/dp c"), "", mesh=m, shapes=shapes)
+    def body(params, x):
+        y = es.einshard(f"b/dp c, {f} c -> b/dp {f}", x * params["g"] * params["s"], params["w"]) + params["b"]
+        return es.einshard(f"b/dp {f} -> ", y * y)
+
+    for x in ("x", "x2"):
+        body(dict(model.named_parameters()), _whole()[x]).backward()
+    ref = _reference(("x", "x2"), names, frozen=("s", "z"))
+    _check_grads(model, m, ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    ref_opt = torch.optim.AdamW(ref.values(), lr=0.1, weight_decay=0.5)
+    opt.step()
+    ref_opt.step()
+    for k in names:
+        want = local_block(ref[k].detach(), _layouts(m, (k,))[k], m, sizes=SIZES)
+        torch.testing.assert_close(getattr(model, k).detach(), want, rtol=1e-12, atol=1e-12, msg=k)
+    dist.barrier()
+
+
+@pytest.mark.ranks(4)
+@MESHES
+@DUTIES
 def test_reducing_a_gradient_a_shard_map_body_summed_raises(mesh, grad):
+    _use("uneven")
     m = es.wrap_mesh(mesh)
     model = Model(m, grad)
     _shard_map_loss(model, m)().backward()
@@ -175,6 +219,7 @@ def test_reducing_a_gradient_a_shard_map_body_summed_raises(mesh, grad):
 @MESHES
 @DUTIES
 def test_shard_map_refuses_parameters_that_hooks_sum(mesh, grad):
+    _use("uneven")
     m = es.wrap_mesh(mesh)
     model = Model(m, grad)
     handle = es.register_native_grad_reduction_hooks_(model, m)
@@ -202,6 +247,7 @@ def test_shard_map_refuses_parameters_that_hooks_sum(mesh, grad):
 @pytest.mark.ranks(4)
 @pytest.mark.parametrize("grad, who", [("dp:ddp", "DistributedDataParallel"), ("dp:external", "an external system")])
 def test_shard_map_refuses_ddp_and_external_duties(grad, who):
+    _use("uneven")
     m = es.wrap_mesh(MeshSpec((4,), ("dp",)).build())
     model = Model(m)
     es.register_parameter_layout(model.b, "f", mesh=m, grad=grad)
@@ -213,6 +259,7 @@ def test_shard_map_refuses_ddp_and_external_duties(grad, who):
 @pytest.mark.ranks(4)
 def test_a_captured_parameter_with_hooks_is_refused():
     """A parameter the body reaches without an argument (captured) is found where the body uses it."""
+    _use("uneven")
     m = es.wrap_mesh(MeshSpec((4,), ("dp",)).build())
     model = Model(m, "dp")
     handle = es.register_native_grad_reduction_hooks_(model, m)
@@ -238,8 +285,10 @@ def test_a_captured_parameter_with_hooks_is_refused():
 @pytest.mark.ranks(4)
 @MESHES
 @DUTIES
-def test_hooks_micro_batches_with_unused_and_frozen_parameters(mesh, grad):
+@EVEN_AND_UNEVEN
+def test_hooks_micro_batches_with_unused_and_frozen_parameters(mesh, grad, size):
     """Two micro-batches, one wait(): a parameter unused (z) or frozen after the hooks (s) keeps .grad None."""
+    _use(size)
     m = es.wrap_mesh(mesh)
     names = ("g", "w", "b", "s", "z")
     model = Model(m, grad, names)
@@ -266,7 +315,9 @@ def test_hooks_micro_batches_with_unused_and_frozen_parameters(mesh, grad):
 @pytest.mark.ranks(4)
 @MESHES
 @DUTIES
-def test_hooks_sum_what_torch_autograd_grad_returns(mesh, grad):
+@EVEN_AND_UNEVEN
+def test_hooks_sum_what_torch_autograd_grad_returns(mesh, grad, size):
+    _use(size)
     m = es.wrap_mesh(mesh)
     model = Model(m, grad)
     handle = es.register_native_grad_reduction_hooks_(model, m)
@@ -292,6 +343,7 @@ def test_hooks_sum_what_torch_autograd_grad_returns(mesh, grad):
 @MESHES
 @DUTIES
 def test_hooks_take_parameters_frozen_at_registration_once_unfrozen(mesh, grad):
+    _use("uneven")
     m = es.wrap_mesh(mesh)
     names = ("g", "w", "b", "t")
     model = Model(m, grad, names)
@@ -315,6 +367,7 @@ def test_hooks_take_parameters_frozen_at_registration_once_unfrozen(mesh, grad):
 @MESHES
 @DUTIES
 def test_no_sync_accumulates_without_communicating(mesh, grad):
+    _use("uneven")
     m = es.wrap_mesh(mesh)
     model = Model(m, grad)
     handle = es.register_native_grad_reduction_hooks_(model, m, bucket_bytes=2**20)
@@ -345,6 +398,7 @@ def test_no_sync_accumulates_without_communicating(mesh, grad):
 
 @pytest.mark.ranks(4)
 def test_hooks_and_reduce_helpers_do_not_both_sum():
+    _use("uneven")
     m = es.wrap_mesh(MeshSpec((4,), ("dp",)).build())
     model = Model(m, "dp:async")
     handle = es.register_native_grad_reduction_hooks_(model, m)
@@ -374,7 +428,9 @@ def _whole_model(mesh):
 
 @pytest.mark.ranks(4)
 @MESHES
-def test_tree_shard_records_global_shapes_and_a_whole_tensor_raises(mesh):
+@EVEN_AND_UNEVEN
+def test_tree_shard_records_global_shapes_and_a_whole_tensor_raises(mesh, size):
+    _use(size)
     m = es.wrap_mesh(mesh)
     f = _f(m)
     model = _whole_model(m)
@@ -390,7 +446,7 @@ def test_tree_shard_records_global_shapes_and_a_whole_tensor_raises(mesh):
         with es.count_communication() as stats, pytest.raises(ValueError, match=r"It is the whole tensor"):
             loss_fn(dict(model.named_parameters()), x)
         assert _reduces(stats) == 0
-        with pytest.raises(ValueError, match="operand 1 holds 5 elements of axis 'f'"):
+        with pytest.raises(ValueError, match=f"operand 1 holds {F} elements of axis 'f'"):
             es.einshard(f"b/dp c, {f} c -> b/dp {f}", local_block(x, "b/dp c", m, sizes=SIZES), model.w,
                         mesh=m, sizes={"b": B})
     assert es.get_parameter_state(model.w).global_shape == (F, C)
@@ -408,13 +464,14 @@ def test_tree_shard_records_global_shapes_and_a_whole_tensor_raises(mesh):
         with pytest.raises(ValueError, match=r"It is the whole tensor: pass this rank's block, or convert on entry"):
             loss_fn({**dict(model.named_parameters()), "w": _whole()["w"]}, x)
         with pytest.raises(ValueError, match="recorded global shape"):
-            es.tree_shard({"w": _whole()["w"][:4]}, {"w": es.param_specs(model)["w"]}, mesh=m)
+            es.tree_shard({"w": _whole()["w"][:F - 1]}, {"w": es.param_specs(model)["w"]}, mesh=m)
     dist.barrier()
 
 
 @pytest.mark.ranks(4)
 @MESHES
 def test_registered_sizes_record_the_global_shape(mesh):
+    _use("uneven")
     m = es.wrap_mesh(mesh)
     f = _f(m)
     model = _whole_model(m)  # whole parameters registered as blocks, with the whole sizes given
@@ -441,6 +498,7 @@ def test_registered_sizes_record_the_global_shape(mesh):
 
 @pytest.mark.ranks(4)
 def test_a_whole_batch_where_a_block_is_expected_raises_where_its_size_is_known():
+    _use("uneven")
     m = es.wrap_mesh(MeshSpec((4,), ("dp",)).build())
     x, w = _whole()["x"], _whole()["w"]
 
@@ -460,6 +518,7 @@ def test_a_whole_batch_where_a_block_is_expected_raises_where_its_size_is_known(
 
 @pytest.mark.ranks(2)
 def test_compiled_shard_map_refuses_parameters_with_duties():
+    _use("uneven")
     m = es.wrap_mesh(MeshSpec((2,), ("dp",)).build())
 
     def step_of(model):
