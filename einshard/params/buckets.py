@@ -41,7 +41,8 @@ __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-# id(Parameter) -> (weak reference to it, the live GradBucketer whose hooks sum its gradient)
+# id(Parameter) -> (weak references to it and to the GradBucketer whose hooks sum its gradient); weak, so a
+# model dropped with its hooks still registered is freed
 _HOOKED: dict = {}
 _engine = torch.autograd.Variable._execution_engine
 _graph_task = torch._C._current_graph_task_id
@@ -54,12 +55,15 @@ def hooked_by(p) -> "GradBucketer | None":
     True
     """
     entry = _HOOKED.get(id(p))
-    return None if entry is None or entry[0]() is not p else entry[1]
+    if entry is None or entry[0]() is not p:
+        return None
+    owner = entry[1]()
+    return None if owner is None or owner._removed else owner
 
 
 def _hook_owner(p, bucketer) -> None:
     key = id(p)
-    _HOOKED[key] = (weakref.ref(p, lambda _r: _HOOKED.pop(key, None)), bucketer)
+    _HOOKED[key] = (weakref.ref(p, lambda _r: _HOOKED.pop(key, None)), weakref.ref(bucketer))
 
 
 def _release(p, bucketer) -> None:
