@@ -123,6 +123,6 @@ __all__ += ["params", "PARAM_STATE_ATTR"] + [n for n in params.__all__ if n not 
 # -- one source of truth for parameter layouts: spec pytrees, DTensors, checkpoints, bucketed reduction --
 from .params.buckets import GradBucketer
 from .params.checkpoint import from_dtensor, load_from_dtensor_, to_dtensor
-from .params.specs import param_specs
+from .params.specs import ParamSpec, param_specs
 
-__all__ += ["param_specs", "to_dtensor", "from_dtensor", "load_from_dtensor_", "GradBucketer"]
+__all__ += ["param_specs", "ParamSpec", "to_dtensor", "from_dtensor", "load_from_dtensor_", "GradBucketer"]

@@ -6,6 +6,11 @@ They register the plan here and return its name; traced code fetches it with
 :func:`lookup`, an attribute of a module-level object, which is a source
 dynamo knows how to guard on.
 
+:func:`traced` tells the two apart: it is true in code that dynamo traces
+and false in such trace-time Python (``torch.compiler.is_compiling`` is true
+in both). Process groups reach trace-time functions by name
+(:func:`group_name`, :func:`resolve_group`): dynamo hands them a stand-in.
+
 Code that must see the graph dynamo is building runs in :func:`at_trace_time`
 (``torch._dynamo.comptime``): it gets the graph and the traced frames' local
 variables, and hands a result back under a :func:`fresh_name` with
@@ -20,11 +25,15 @@ import operator
 import sys
 
 import torch
+import torch.distributed.distributed_c10d as _c10d
 
 from .errors import EinshardError
 
-__all__ = ["register", "lookup", "static_shape", "constant_result", "fresh_name", "publish", "at_trace_time",
-           "trace_error"]
+__all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error"]
+
+#: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
+traced = torch.compiler.is_dynamo_compiling
 
 
 def constant_result(fn):
@@ -117,3 +126,18 @@ def trace_error(message: str) -> EinshardError:
 def static_shape(t) -> tuple:
     """``t.shape`` as ints: plans depend on shapes, so dynamic ones are specialised (guarded)."""
     return tuple(operator.index(s) for s in t.shape)
+
+
+def group_name(group):
+    """A process group as a constant for a trace-time function (``None``: the default group)."""
+    return None if group is None else group.group_name
+
+
+def resolve_group(name):
+    """The process group named by :func:`group_name` (at trace time)."""
+    return None if name is None else _c10d._resolve_process_group(name)
+
+
+def stand_in(shape, dtype, device) -> torch.Tensor:
+    """A tensor of ``shape``, ``dtype`` and ``device`` holding one element (for planners that read only those)."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)

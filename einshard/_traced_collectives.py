@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed._functional_collectives as fc
 
-__all__ = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v"]
+__all__ = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "ppermute"]
 
 
 def _real(x: torch.Tensor) -> torch.Tensor:
@@ -29,11 +29,11 @@ def _back(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(y) if like.is_complex() else y
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum of ``x`` over ``group``."""
+def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """The sum (``op``: or ``"max"``, ``"min"``) of ``x`` over ``group``."""
     if group.size() == 1:
         return x.clone()
-    return _back(fc.all_reduce(_real(x), "sum", group), x)
+    return _back(fc.all_reduce(_real(x), op, group), x)
 
 
 def broadcast(x: torch.Tensor, group, src: int = 0) -> torch.Tensor:
@@ -73,7 +73,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int, shapes, order=None) -> torc
         return x.clone()
     m = max(shapes)
     if all(s == m for s in shapes):
-        buf = x.unflatten(dim, (size, m)).movedim(dim, 0)
+        buf = x.reshape(x.shape[:dim] + (size, m) + x.shape[dim + 1 :]).movedim(dim, 0)  # (unflatten: a super() call)
     else:
         offsets = [sum(shapes[:j]) for j in range(size)]
         buf = torch.stack([_pad(x.narrow(dim, o, s), dim, m) for o, s in zip(offsets, shapes)])
@@ -93,7 +93,7 @@ def all_to_all(x: torch.Tensor, group, src_dim: int, dst_dim: int, src_shapes, d
         return _all_to_all_ordered(x, group, src_dim, dst_dim, src_shapes, dst_shapes, order)
     sd, dd = src_dim, dst_dim
     rank = group.rank()
-    other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
+    other = math.prod([x.shape[k] for k in range(x.dim()) if k not in (sd, dd)])  # (dynamo: no generator)
     mine = dst_shapes[rank]
     factor = 2 if x.is_complex() else 1
     in_splits = [s * other * x.shape[sd] * factor for s in dst_shapes]
@@ -142,3 +142,28 @@ def all_to_all_v(chunks, recv_numels, group) -> list:
     result = list(out.split(out_splits))
     result[rank] = own
     return result
+
+
+def ppermute(x: torch.Tensor, group, pairs, recv_shape) -> torch.Tensor:
+    """``x`` sent along the ``(src, dst)`` group-rank ``pairs``; zeros of ``recv_shape`` where nothing arrives.
+
+    One ``all_to_all_single`` that every rank of the group joins (with nothing to move where a rank has no
+    pair).
+    """
+    size = group.size()
+    rank = group.rank() if size > 1 else 0
+    src = next((s for s, d in pairs if d == rank), None)
+    if size > 1:
+        dst = next((d for s, d in pairs if s == rank), None)
+        chunks = [x.new_empty(0)] * size
+        if dst is not None and dst != rank:
+            chunks[dst] = x
+        recv = [0] * size
+        if src is not None and src != rank:
+            recv[src] = math.prod(recv_shape)
+        got = all_to_all_v(chunks, recv, group)
+        if src is not None and src != rank:
+            return got[src].view(recv_shape)
+    if src is None:
+        return x.new_zeros(recv_shape)
+    return x.clone().view(recv_shape)

@@ -17,6 +17,11 @@ raised can join whatever agreement its peers reach next
 ``shard_map`` body every agreement runs on the body's whole mesh, for that
 reason. Checks are off by default: :func:`agree` then only raises the local
 error and costs nothing. See ``docs/reliability.md``.
+
+Under ``torch.compile`` an agreement in traced code runs at trace time, as
+plain Python (:func:`_agree_at_trace_time`): what it compares (shapes,
+dtypes, devices, split shapes) is static in the graph, so the ranks agree
+once, when they all trace, and the compiled graph runs no check.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _context, comm_stats
+from . import _context, _trace, comm_stats
 from .errors import EinshardError
 
 __all__ = ["set_checks", "checks_enabled", "agree", "report_failure", "RankFailedError"]
@@ -293,7 +298,25 @@ def agree(
         if error is not None:
             raise error
         return
-    outer = _body_group()
+    if _trace.traced():  # code that dynamo traces: agree now, at trace time (``describe`` is not carried)
+        _agree_at_trace_time(_trace.group_name(group), _trace.group_name(_body_group()),
+                             None if error is None else (type(error), error.args), fingerprint, what, tuple(facts),
+                             point, sent, received, pairs)
+        return
+    _agree(group, _body_group(), error, fingerprint, what, facts, point, sent, received, pairs, describe)
+
+
+@_trace.constant_result
+def _agree_at_trace_time(group, outer, error, fingerprint, what, facts, point, sent, received, pairs) -> None:
+    """:func:`agree` run as plain Python while dynamo traces: the facts are constants of the graph (shapes are
+    static in traced code), so agreeing once, when every rank traces, covers every call of the graph."""
+    if error is not None:
+        error = error[0](*error[1])
+    _agree(_trace.resolve_group(group), _trace.resolve_group(outer), error, fingerprint, what, facts, point, sent,
+           received, pairs, None)
+
+
+def _agree(group, outer, error, fingerprint, what, facts, point, sent, received, pairs, describe) -> None:
     agreed = True  # whether the error raised below reaches every rank that must hear of it
     if outer is not None and group is not outer and not set(_group_ranks(group)) <= set(_group_ranks(outer)):
         # a group reaching outside the body's mesh (an explicit mesh= in the body): agree on it alone; an

@@ -26,7 +26,9 @@ collectives (:func:`split`, :func:`all_gather`, :func:`reduce_scatter`,
 coordinates) is not the group's rank order (``es.Mesh.order``); ``shapes``
 are then in block order too.
 
-Groups of one rank communicate nothing.
+Groups of one rank communicate nothing. In code that ``torch.compile``
+traces, each function checks (and agrees) as here, then communicates with
+its functional twin in :mod:`einshard._traced_collectives`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from . import _trace
+from . import _traced_collectives as _TC
 from . import checks as _checks
 from . import comm_stats as _stats
 from ._split import compute_split_shapes
@@ -250,6 +254,9 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         _agree(group, err, "all_reduce", x, extra=(("op", name),))
     size = _size(group)
     x = x.detach()
+    if _trace.traced():
+        y = _TC.all_reduce(x / size if name in ("avg", "mean") else x, group, "sum" if name in ("avg", "mean") else name)
+        return (y, _CompletedWork()) if async_op else y
     if name in ("avg", "mean"):
         y = (x / size).contiguous() if size > 1 else _contiguous_clone(x)
         reduce_op = dist.ReduceOp.SUM
@@ -300,6 +307,8 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     if _checks.agreement_needed():
         _agree(group, None, "broadcast", x, extra=(("src", src),))
     x = x.detach()
+    if _trace.traced():
+        return _TC.broadcast(x, group, src)
     if size == 1:
         return _contiguous_clone(x)
     rank = _rank(group)
@@ -361,6 +370,8 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
         _agree(group, err, "all_gather", x, _masked(x.shape, d if shapes is not None and err is None else None),
                (("dim", d), ("shapes", shapes)))
     x = x.detach()
+    if _trace.traced():
+        return _TC.all_gather(x, group, d, [x.shape[d]] * size if shapes is None else shapes, order)
     if size == 1:
         return _contiguous_clone(x)
     local = x.shape[d]
@@ -407,6 +418,8 @@ def reduce_scatter(
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "reduce_scatter", x, extra=(("dim", d), ("shapes", shapes)))
     x = x.detach()
+    if _trace.traced():
+        return _TC.reduce_scatter(x, group, d, shapes, order)
     if size == 1:
         return _contiguous_clone(x)
     rank = _rank(group)
@@ -488,6 +501,8 @@ def all_to_all(
         _agree(group, err, "all_to_all", x, _masked(x.shape, sd if uneven else None),
                (("dims", (sd, dd)), ("src_shapes", src_shapes), ("dst_shapes", dst_shapes)))
     x = x.detach()
+    if _trace.traced():
+        return _TC.all_to_all(x, group, sd, dd, src_shapes, dst_shapes, order)
     if size == 1:
         return _contiguous_clone(x)
     # blocks[j]: the block group rank j holds (its dst block goes there, its src block comes from there)
@@ -570,6 +585,8 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
         )
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "all_to_all_v", extra=(("dtype", dtype), ("device", chunks[rank].device)))
+    if _trace.traced():
+        return _TC.all_to_all_v([c.detach() for c in chunks], recv_numels, group)
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
         return [own]
@@ -663,6 +680,8 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
         _agree(group, err, "ppermute", extra=(("dtype", x.dtype), ("device", x.device), ("perm", pairs)),
                sent=x.numel() if dst is not None else -1, received=math.prod(recv_shape) if src is not None else -1,
                pairs=pairs)
+    if _trace.traced():
+        return _TC.ppermute(x, group, pairs, recv_shape)
     if src is None:
         out = x.new_zeros(recv_shape)
     elif src == rank:

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from . import _trace
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
@@ -105,6 +106,11 @@ class Exchange:
                 self.recv_from.append((j, direct, [(_cuts(outs, d), _cuts(shape, p)) for _, d, p in boxes], shape))
         self.keep = not add and not blank and ins == outs and self.local == [((), ())]
 
+    def prepare_traced(self) -> "Exchange":
+        """This exchange with its adjoint built (traced code reads it, and must not build it)."""
+        self.adjoint()
+        return self
+
     def adjoint(self) -> "Exchange":
         """The same pieces moved back, summed into the sources (the exact adjoint)."""
         if self._adjoint is None:
@@ -156,7 +162,7 @@ class Exchange:
         chunks = [x.new_empty(0)] * len(self.recvs)
         for j, boxes, shape in self.send_to:
             chunks[j] = self._pack(x, boxes, shape)
-        got = TC.all_to_all_v(chunks, self.recv_numels, self.group)
+        got = TC.all_to_all_v(chunks, self.recv_numels, self.group) if self.group is not None else chunks
         if self.keep:
             return x
         if self.whole is not None:
@@ -170,7 +176,15 @@ class Exchange:
         return out
 
     def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
-        """The exchange as an autograd Function (backward: :meth:`adjoint`) when a backward may run."""
+        """The exchange as an autograd Function (backward: :meth:`adjoint`) when a backward may run.
+
+        In code that dynamo traces: :meth:`run_traced`, backward the adjoint's (build it at trace time first,
+        :meth:`prepare_traced`).
+        """
+        if _trace.traced():
+            if self.group is not None and _checks.agreement_needed():
+                _checks.agree(self.group, None, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
+            return _TracedExchange.apply(x, self, fill)
         if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
             return self.run(x, fill)
         return _exchange(x, self, fill)
@@ -183,6 +197,20 @@ def _forward(x, ex, fill):
 
 # each direction's backward is the other one
 _exchange = make_mapping("Exchange", _forward, lambda g, ex, fill: _exchange(g, ex.adjoint(), 0))
+
+
+class _TracedExchange(torch.autograd.Function):
+    """An exchange under ``torch.compile``: one functional all-to-all forward, the adjoint's backward."""
+
+    @staticmethod
+    def forward(ctx, x, ex, fill):
+        ctx.ex = ex
+        y = ex.run_traced(x, fill)
+        return x.view_as(x) if y is x else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.ex.adjoint().run_traced(grad, 0), None, None
 
 
 def _intersect(i, owner, dest):

@@ -12,6 +12,7 @@ import copy
 
 import torch
 
+from . import _trace
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
@@ -24,6 +25,7 @@ from .plan.transition import Step, plan_gradient, plan_transition
 from .primitives import PRIMITIVES, Site
 
 _transforms_active = torch._C._are_functorch_transforms_active
+_traced = _trace.traced  # (hot paths: one global read)
 
 __all__ = ["Transition", "compile_step", "transition"]
 
@@ -122,6 +124,8 @@ class Transition:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.trivial:
             return x
+        if _traced():  # dynamo traces this call: the functional steps (prepared at trace time)
+            return _TracedTransition.apply(x, self)
         if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
             return self.run_raw(x)  # no backward will run: skip the autograd Function
         return _apply_transition(x, self)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _trace
 from . import collectives as C
 from ._split import compute_split_shapes
 
@@ -57,6 +58,7 @@ def _shapes(x: torch.Tensor, group, dim: int, shapes, even: bool) -> tuple[int, 
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 _transforms_active = torch._C._are_functorch_transforms_active
+_traced = _trace.traced  # (hot paths: one global read)
 
 
 def make_mapping(name: str, forward, adjoint):
@@ -66,7 +68,9 @@ def make_mapping(name: str, forward, adjoint):
     fast ``apply`` (every argument positional): ``Function.apply`` binds
     default arguments with ``inspect.signature`` on every call when
     ``setup_context`` is defined (about 15 µs); outside ``torch.func``
-    transforms, which need that path, the C implementation is called directly.
+    transforms and code that dynamo traces, which need that path, the C
+    implementation is called directly (and in traced code that needs no
+    gradient, the forward alone).
     """
 
     class Mapping(torch.autograd.Function):
@@ -86,6 +90,8 @@ def make_mapping(name: str, forward, adjoint):
     raw, slow = _C_APPLY.__get__(None, Mapping), Mapping.apply
 
     def apply(*args):
+        if _traced():  # Function.apply; without a gradient to track, the forward (dynamo would pass it a ctx)
+            return slow(*args) if args[0].requires_grad and torch.is_grad_enabled() else forward(*args)
         return slow(*args) if _transforms_active() else raw(*args)
 
     return apply

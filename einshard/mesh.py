@@ -153,7 +153,7 @@ class Mesh:
         if isinstance(name, int):
             return self.shape[name]
         dims = self.dims(name) if isinstance(name, str) else name
-        return math.prod(self.shape[self.names.index(d)] for d in dims)
+        return math.prod([self.shape[self.names.index(d)] for d in dims])  # (a list: dynamo traces this)
 
     def index(self, name: str | Sequence[str], coordinate: Sequence[int] | None = None) -> int:
         """This rank's index in the group of ``name`` (mesh-order flattening)."""

@@ -27,10 +27,12 @@ import functools
 import optree
 import torch
 
+from . import _context, _trace
 from . import checks as _checks
 from . import collectives as C
 from . import mappings as M
 from . import vma as _vma
+from ._cache import BoundedCache
 from .errors import EinshardError
 from .mesh import SubMesh, resolve_mesh
 from .primitives import PRIMITIVES
@@ -55,14 +57,19 @@ _Tensor = torch.Tensor
 class _Axes:
     """Resolved mesh dimensions of one call."""
 
-    __slots__ = ("mesh", "dims", "tracker", "mask")
+    __slots__ = ("mesh", "dims", "tracker", "mask", "_group", "_order")
 
     def __init__(self, names, mesh, what):
         tracker = _vma.current()
-        m = resolve_mesh(mesh)  # None: the ambient mesh (the body's, or a nested es.use_mesh's)
+        if _trace.traced():  # resolved at trace time: dynamo would trace the mesh's caches and guard on them
+            m, dims, self._group, self._order = _trace.lookup(
+                _resolved_at_trace_time(mesh, _context.current().mesh, names, what))
+        else:
+            m = resolve_mesh(mesh)  # None: the ambient mesh (the body's, or a nested es.use_mesh's)
+            dims = _atomic(m, names, what)
+            self._group = self._order = None
         if tracker is not None and not _vma.same_mesh(tracker.info, m):
             tracker = None  # another mesh: not tracked
-        dims = _atomic(m, names, what)
         self.mesh = m
         self.dims = dims
         self.tracker = tracker
@@ -70,6 +77,8 @@ class _Axes:
 
     @property
     def group(self):
+        if self._group is not None:
+            return self._group
         if self.tracker is not None:
             return self.tracker.info.group(self.mask)
         return self.mesh.group(self.dims)
@@ -81,7 +90,27 @@ class _Axes:
     @property
     def order(self):
         """The group rank holding each block (``None``: block ``k`` on group rank ``k``)."""
+        if self._group is not None:  # (traced code: resolved at trace time)
+            return self._order
         return self.mesh.order(self.dims)
+
+
+_RESOLVED = BoundedCache(4096)
+
+
+@_trace.constant_result
+def _resolved_at_trace_time(mesh, ambient, names, what) -> str:
+    """``(mesh, atomic dimensions, their group, its block order)`` of a call in traced code (registered once per
+    mesh and names)."""
+    with _context.at_trace_time(ambient, {}):
+        m = resolve_mesh(mesh)
+    key = (m, names if isinstance(names, str) else tuple(names))
+    found = _RESOLVED.get(key)
+    if found is None or found[0] is not m:
+        dims = _atomic(m, names, what)
+        grouped = m.device_mesh is not None
+        found = _RESOLVED.put(key, (m, dims, m.group(dims) if grouped else None, m.order(dims) if grouped else None))
+    return _trace.register(found)
 
 
 def _agreeing(fn):

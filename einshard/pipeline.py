@@ -2,7 +2,8 @@
 
 ``einshard``, ``einfft`` and the stencil ops parse and check their specs, freeze their arguments into cache
 keys, build a plan once (the ranks agree on a build error), agree on a rank-local error before communicating,
-and go through :mod:`einshard.vma` first inside ``shard_map(check_vma=True)`` (:func:`in_vma_scope`).
+and go through :mod:`einshard.vma` first inside ``shard_map(check_vma=True)`` (:func:`in_vma_scope`). Under
+``torch.compile`` they plan at trace time (:func:`traced_plan`) and dynamo traces only the plan's replay.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import _context, checks
+from . import _context, _trace, checks
 from . import vma as _vma
 from ._cache import BoundedCache
 from ._split import is_size
@@ -24,7 +25,7 @@ from .resolve import resolve
 
 __all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_sharding", "parse_spec", "per_axis",
            "width_pair", "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout",
-           "agree", "agree_before_communicating", "build_plan"]
+           "agree", "agree_before_communicating", "build_plan", "traced_plan"]
 
 
 def in_vma_scope() -> bool:
@@ -234,3 +235,21 @@ def build_plan(cache: BoundedCache, key, mesh, build, context=None, **agreement)
             agree(mesh, err, **agreement)
         raise
     return cache.put(key, plan)
+
+
+def traced_plan(build, *args):
+    """In code that dynamo traces: what ``build(*args)`` returns, built as plain Python at trace time.
+
+    ``build`` is a module-level function of constants (shapes, dtypes, devices, specs, meshes; no tensors),
+    run under the traced ambient context; its errors (agreed with checks on) are raised while tracing. The graph
+    holds only what traced code then does with the result (an op's replay).
+    """
+    ambient = _context.current()
+    # checks.ENABLED read here, in traced code: the graph is traced again when checks are turned on or off
+    return _trace.lookup(_built_at_trace_time(build, ambient.mesh, ambient.shapes, checks.ENABLED, *args))
+
+
+@_trace.constant_result
+def _built_at_trace_time(build, mesh, shapes, checks_on, *args) -> str:  # (one argument each: a mesh may be one)
+    with _context.at_trace_time(mesh, shapes):
+        return _trace.register(build(*args))

@@ -344,7 +344,8 @@ def resolve(
                 local_error = (
                     f"{text!r}: operand {occ.operand} holds {occ.local} elements of axis {occ.axis!r} on this rank, "
                     f"but the split shapes over {mesh.label(occ.dims)!r} are {list(found)} "
-                    f"(this rank's block: {mine}); pass shapes= with the real split"
+                    f"(this rank's block: {mine}); pass shapes= with the real split (or this rank's block, if a whole "
+                    f"tensor was given)"
                 )
 
     # operand layouts

@@ -44,19 +44,25 @@ from ._specs import (
     shapes_subset,
     sizes_subset,
     spec_tree,
+    strip_spec,
 )
+from ._split import compute_split_shapes
 from .dtensor import apply_from_dtensor, plan_from_dtensor, to_dtensor
 from .errors import EinshardError
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import expand
-from .ops.einshard import einshard
+from .ops.einshard import duties_satisfied, einshard
+from .params.metadata import named_sizes, recorded_global_shape
+from .params.store import PARAM_STATE_ATTR
+from .params.summed import body_duty_error, native_duty, watch_body
 
 __all__ = ["shard_map", "ShardMap"]
 
 _compiling = torch.compiler.is_compiling
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _UNSET = object()
 
 
@@ -102,7 +108,8 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
             return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
-        return x.shape
+        state = x.__dict__.get(PARAM_STATE_ATTR)  # a Parameter's recorded global shape is checked when planning
+        return x.shape if state is None or state.global_shape is None else (x.shape, state.global_shape)
     return None
 
 
@@ -163,17 +170,21 @@ class ShardMap:
         if mesh is None:
             mesh = wrap_mesh(resolve_mesh(None))
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+        duty_errors, params = _body_parameters(args, leaves) if self.check_vma else ((), ())
         key = (treedef, mesh, *[_leaf_key(x) for x in leaves])
         plan = self._in_plans.get(key)
         if plan is None:
-            plan = self._plan_inputs(key, args, leaves, mesh)
-        elif checks.ENABLED:  # ranks may miss the cache on different calls: agree on every call
-            _raise_agreed(mesh, ())
+            plan = self._plan_inputs(key, args, leaves, mesh, duty_errors)
+        elif checks.ENABLED or duty_errors:  # ranks may miss the cache on different calls: agree on every call
+            _raise_agreed(mesh, duty_errors)
         group = mesh.group(tuple(mesh.names)) if checks.ENABLED and mesh.device_mesh is not None else None
         body_args = args
         body_leaves = leaves
         token = None
+        satisfied = None
         try:
+            if self.check_vma:  # the body sums every gradient: formulas (entry and exit conversions too) plan no duty
+                satisfied = duties_satisfied().__enter__()
             body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, treedef)
             tracker = _vma.Tracker(mesh, plan.info) if self.check_vma else None
             # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
@@ -187,7 +198,7 @@ class ShardMap:
                 body_leaves[i].__dict__[attr] = serial | mask
             try:
                 out = _vma.run_tracked(tracker, self.f, body_args, kwargs)
-                return self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
+                result = self._finish(out, mesh, plan, tracker)  # after the mode: exit conversions are untracked
             finally:
                 if tracker.kept is not None:  # a region was checkpointed: its recompute puts the tags back
                     tracker.keep(body_leaves)
@@ -198,11 +209,16 @@ class ShardMap:
                         if isinstance(x, _Tensor):
                             x.__dict__.pop(_vma.ATTR, None)
                 tracker.memo.clear()
+            if params or tracker.params:
+                _watch_gradients(result, params, tracker.params)
+            return result
         except BaseException as exc:
             if group is not None:  # raised here only: the peers raise at their next agreement
                 checks.report_failure(group, exc)
             raise
         finally:
+            if satisfied is not None:
+                satisfied.__exit__(None, None, None)
             if token is not None:
                 _context.pop(token)
 
@@ -244,6 +260,8 @@ class ShardMap:
             raise EinshardError(f"shard_map: {self!r} is called inside the body of another shard_map")
         mesh = self.mesh if self.mesh is not None else _context.current().mesh
         leaves, spec = _pytree.tree_flatten(args)
+        if self.check_vma:
+            _refuse_traced_duties(leaves)
         struct = spec.unflatten(list(range(len(leaves))))  # the structure, as constants
         plan = _trace.lookup(_in_plan_for_trace(self, struct, _trace_leaves(leaves), mesh))
         mesh = plan.mesh
@@ -275,18 +293,19 @@ class ShardMap:
                 _context.pop(token)
 
     # -- planning (once per argument structure and local shapes) ---------------------
-    def _opts(self, parsed_formula):
+    def _opts(self, parsed_formula, sizes=_UNSET):
+        sizes = self.sizes if sizes is _UNSET else sizes
         return dict(shapes=shapes_subset(parsed_formula, self.shapes),
-                    sizes=sizes_subset(parsed_formula, self.sizes, self.families), families=self.families)
+                    sizes=sizes_subset(parsed_formula, sizes, self.families), families=self.families)
 
-    def _plan_inputs(self, key, args, leaves, mesh) -> _InPlan:
+    def _plan_inputs(self, key, args, leaves, mesh, duty_errors=()) -> _InPlan:
         per_leaf = _matched(mesh, self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)
         info = _vma.mesh_info(mesh)
         actions, masks = [], []
         table: dict = {}
         ambiguous: set = set()
         dtensor = False
-        errors = []
+        errors = list(duty_errors)
         for i, (x, spec) in enumerate(zip(leaves, per_leaf)):
             if spec is None or not isinstance(x, _Tensor):
                 continue
@@ -303,15 +322,23 @@ class ShardMap:
             else:
                 formula = spec.text if spec.conversion else f"{spec.inner} -> {spec.inner}"
                 try:
-                    resolved = resolve_spec(formula, x.shape, mesh, self.shapes, self.sizes, self.families)
+                    sizes, whole = _recorded_sizes(spec, x, self.sizes)
+                    if whole is not None:
+                        why = _block_error(spec, tuple(x.shape), whole, mesh)
+                        if why is not None:  # seen by some ranks only, maybe (uneven blocks): agreed below
+                            errors.append(f"{where}: {why}")
+                            continue
+                    resolved = resolve_spec(formula, x.shape, mesh, self.shapes, sizes, self.families)
                 except ValueError as err:  # may be seen by some ranks only (local sizes): agreed below
                     errors.append(f"{where}: {err}")
                     continue
                 if resolved.local_error is not None:
                     errors.append(f"{where}: {resolved.local_error}")
                 if spec.conversion:
-                    opts = self._opts(expand(spec.text, self.families))
+                    opts = self._opts(expand(spec.text, self.families), sizes)
                     actions.append((i, functools.partial(_convert, einshard, spec.text, mesh, opts)))
+                    _merge(table, layout_entries(resolved.output), ambiguous)
+                elif whole is not None:  # the recorded global shape fixes the split of every sharded axis
                     _merge(table, layout_entries(resolved.output), ambiguous)
                 else:
                     _merge(table, explicit_entries(resolved.output, self.shapes, mesh), ambiguous)
@@ -402,6 +429,91 @@ def _raise_agreed(mesh, errors) -> None:
         checks.agree(mesh.group(tuple(mesh.names)), error, point="shard_map")
     elif error is not None:
         raise error
+
+
+def _body_parameters(args, leaves):
+    """``(errors, parameters)``: why a tracked body may not take a Parameter argument (another mechanism
+    sums its gradient), and the arguments with a native gradient duty, whose gradients the body sums."""
+    errors, params = [], []
+    for i, x in enumerate(leaves):
+        state = getattr(x, PARAM_STATE_ATTR, None)
+        if state is not None and state.grad_comm.mode != "none" and isinstance(x, _Parameter):
+            why = body_duty_error(x)
+            if why is not None:
+                errors.append(f"shard_map: argument args{leaf_path(args, i)} {why}")
+            elif native_duty(x):
+                params.append(x)
+    return errors, params
+
+
+def _watch_gradients(result, params, used) -> None:
+    """After a tracked body: the parameters it used that another mechanism would sum are refused (those
+    it took as arguments were checked on entry); the gradients of those with a native duty get tagged
+    when backward brings the body's contributions (:func:`einshard.params.summed.watch_body`)."""
+    watched = {id(p): p for p in params}
+    for key, p in used.items():
+        if key in watched:
+            continue
+        why = body_duty_error(p)
+        if why is not None:  # every rank uses the same parameters: all raise here
+            raise EinshardError(f"shard_map: a parameter of shape {tuple(p.shape)} used in the body {why}")
+        if native_duty(p):
+            watched[key] = p
+    if watched:
+        watch_body(optree.tree_leaves(result, none_is_leaf=True), list(watched.values()))
+
+
+def _recorded_sizes(spec, x, sizes):
+    """``(sizes= for this leaf, the global shape recorded for it or None)``: a recorded global shape (the
+    spec's, from ``es.param_specs``, else the Parameter's own) names the sizes of the layout it arrives in."""
+    whole = getattr(spec.text, "global_shape", None)
+    own = recorded_global_shape(x)
+    if whole is None:
+        whole = own
+    elif own is not None and own != whole:
+        raise EinshardError(f"the parameter's recorded global shape {own} differs from its spec's {whole}")
+    if whole is None:
+        return sizes, None
+    named = named_sizes(spec.outer_spec, whole)
+    if named is None:  # a layout with '( )' or '...': its global shape does not name the axes
+        return sizes, None
+    merged = dict(sizes or {})
+    for axis, n in named.items():
+        if merged.setdefault(axis, n) != n:
+            raise EinshardError(f"sizes= gives axis {axis!r} the size {merged[axis]}, but the recorded global "
+                                f"shape {whole} gives {n}")
+    return merged, whole
+
+
+def _block_error(spec, shape, whole, mesh) -> str | None:
+    """Why a tensor of local ``shape`` is not this rank's block of a ``whole``-shaped tensor laid out as the
+    spec's outer layout (``None`` when it is)."""
+    want = []
+    for axis, n in zip(spec.outer_spec.items, whole):
+        if axis.mesh:
+            dims = mesh.dims(axis.mesh)
+            n = compute_split_shapes(n, mesh.size(dims))[mesh.index(dims)]
+        want.append(n)
+    if tuple(want) == shape:
+        return None
+    hint = ""
+    if shape == tuple(whole):
+        arrow = f"{strip_spec(spec.outer_spec)} -> {spec.outer}"
+        hint = f" It is the whole tensor: pass this rank's block, or convert on entry with '{arrow}'."
+    return (f"the recorded global shape is {tuple(whole)}, so this rank's block of '{spec.outer}' has shape "
+            f"{tuple(want)}, but the argument has shape {shape}.{hint}")
+
+
+def _refuse_traced_duties(leaves) -> None:
+    """Under torch.compile: a Parameter argument with a gradient duty is refused (the compiled body sums its
+    gradient, and cannot tag it for the duty's executors, which would sum it again)."""
+    for i, x in enumerate(leaves):
+        if isinstance(x, _Parameter) and (native_duty(x) or body_duty_error(x) is not None):
+            raise EinshardError(
+                f"shard_map under torch.compile: argument leaf {i} (shape {tuple(x.shape)}) carries a gradient "
+                "duty; the compiled body (check_vma=True) sums its gradient itself, and reduce_grad_ or the hooks "
+                "would sum it again. Register it without a duty (grad='none'), or call the shard_map eagerly"
+            )
 
 
 def _convert_inputs(actions, args, leaves, treedef):

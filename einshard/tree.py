@@ -38,6 +38,7 @@ from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import EllipsisItem, Group, expand
 from .ops.einshard import einshard
+from .params.metadata import record_global_shape_, recorded_global_shape
 from .params.specs import as_param_tree, specs_or_registered
 
 __all__ = ["tree_shard", "tree_gather", "prepare_tree", "map_leaves", "discover_splits"]
@@ -82,7 +83,8 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
     >>> local = es.tree_shard(torch.load("ckpt.pt"), specs, mesh=mesh)        # doctest: +SKIP
     >>> local = es.tree_shard(torch.load("ckpt.pt"), es.param_specs(model), mesh=mesh)  # doctest: +SKIP
     """
-    mesh, leaves, treedef, per_leaf, _ = prepare_tree(tree, specs, mesh, families, "tree_shard")
+    mesh, leaves, treedef, per_leaf, names = prepare_tree(tree, specs, mesh, families, "tree_shard")
+    records = _whole_shapes(leaves, per_leaf, names)  # checked before anything runs, recorded after
 
     def shard(k, x, spec):
         parsed = spec.inner_spec
@@ -100,7 +102,32 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
                      sizes=sizes_subset(parsed_formula, sizes, families), families=families)
         return (torch.zeros_like(y) if zero else y).clone(memory_format=torch.contiguous_format)
 
-    return map_leaves(treedef, leaves, per_leaf, shard)
+    out = map_leaves(treedef, leaves, per_leaf, shard)
+    for p, shape in records:
+        record_global_shape_(p, shape)
+    return out
+
+
+def _whole_shapes(leaves, per_leaf, names) -> list:
+    """``(parameter, whole shape)`` to record: the parameters the specs come from (``es.param_specs``) and
+    the Parameter leaves with a layout; a whole value whose shape differs from a recorded one is an error."""
+    records = []
+    for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
+        if spec is None or not isinstance(x, torch.Tensor):
+            continue
+        shape = tuple(x.shape)
+        owners = [getattr(spec.text, "param", None), x if isinstance(x, torch.nn.Parameter) else None]
+        known = getattr(spec.text, "global_shape", None)
+        for p in owners:
+            if p is not None and recorded_global_shape(p) is not None:
+                known = known or recorded_global_shape(p)
+        if known is not None and tuple(known) != shape:
+            raise EinshardError(
+                f"tree_shard: {names[k]!r} is a whole value of shape {shape}, but its parameter's recorded global "
+                f"shape is {tuple(known)}; tree_shard takes whole tensors (this rank's blocks come out)"
+            )
+        records.extend((p, shape) for p in owners if p is not None)
+    return records
 
 
 def _sorted(mesh, dims):

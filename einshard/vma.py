@@ -86,7 +86,7 @@ _Tensor = torch.Tensor
 _SEQ = (list, tuple)
 _DisableTorchFunction = torch._C.DisableTorchFunction
 _grad_enabled = torch.is_grad_enabled
-_compiling = torch.compiler.is_compiling
+_compiling = _trace.traced  # code that dynamo traces (not the Python it runs at trace time)
 
 
 # -- per-mesh static data ------------------------------------------------------------
@@ -270,6 +270,7 @@ class Tracker(_Rules, TorchFunctionMode):
         self.suspended = 0
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
         self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
+        self.params: dict = {}  # id -> the Parameters whose gradient the body sums (pvary-ed, formula operands)
         # a region of this body is checkpointed (einshard.recompute): the tags shard_map removes on exit,
         # as (weak reference, tag), for the recompute to put back
         self.kept: list | None = None
@@ -279,7 +280,7 @@ class Tracker(_Rules, TorchFunctionMode):
         """A tracker for a recompute of part of this call: the same serial (so it reads this call's tags),
         its own memo and suspension count (and this call's kept tags)."""
         replica = Tracker(self.info.mesh, self.info, self.serial)
-        replica.kept = self.kept
+        replica.kept, replica.params = self.kept, self.params
         return replica
 
     def keep(self, tensors) -> None:
@@ -326,6 +327,8 @@ class Tracker(_Rules, TorchFunctionMode):
                 return hit[2]
             if missing & ~self.info.trivial:
                 y = pvary_tensor(t, self.info.group(missing))
+                if isinstance(t, torch.nn.Parameter):
+                    self.params[id(t)] = t
             else:  # over dimensions of size 1: an alias (the gradient sum is over one rank)
                 y = t.view_as(t)
         y.__dict__[ATTR] = self.serial | mask | missing

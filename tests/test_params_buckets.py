@@ -86,5 +86,9 @@ def test_bucketer_rejects_bad_input():
     with pytest.raises(TypeError, match="Parameter"):
         GradBucketer([(torch.ones(2), ("dp",))], mesh)
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
-    with pytest.raises(ValueError, match="does not require gradients"):
-        GradBucketer([(frozen, ("dp",))], mesh)
+    owner = GradBucketer([(frozen, ("dp",))], mesh)  # frozen: hooked once it requires gradients
+    assert not frozen._backward_hooks
+    with pytest.raises(ValueError, match="already has gradient hooks"):
+        GradBucketer([(frozen, ("dp",))], mesh)  # its gradient would be summed twice
+    owner.remove()
+    GradBucketer([(frozen, ("dp",))], mesh).remove()

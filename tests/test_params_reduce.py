@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import einshard as es
 from einshard.params import ParameterGradComm, ParameterState
+from einshard.params.buckets import hooked_by
 from einshard.testing import local_block
 
 DT = torch.float64
@@ -298,12 +299,12 @@ def test_module_checks_come_first():
 def test_hook_registration_errors_add_nothing():
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.ones(2))
-    m.b = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    m.b = torch.nn.Parameter(torch.ones(2), requires_grad=False)  # frozen: accepted, hooked when unfrozen
     es.register_parameter_layout(m.a, "c", grad="dp")
     es.register_parameter_layout(m.b, "c", grad="dp")
-    with pytest.raises(ValueError, match="does not require gradients"):
+    with pytest.raises(ValueError, match="virtual mesh has no process groups"):
         es.register_native_grad_reduction_hooks_(m, VMESH)
-    assert not _hooks_of(m.a)
+    assert not _hooks_of(m.a) and hooked_by(m.a) is None and hooked_by(m.b) is None
     n = torch.nn.Module()
     n.a = torch.nn.Parameter(torch.ones(2))
     es.register_parameter_layout(n.a, "c", grad="sp")

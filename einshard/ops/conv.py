@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .. import mappings
+from .. import _trace, mappings
 from .. import vma as _vma
 from .._cache import BoundedCache
 from ..errors import EinshardError
@@ -55,6 +55,7 @@ from ..pipeline import (
     in_vma_scope,
     per_axis,
     pick_mesh,
+    traced_plan,
     width_pair,
 )
 from .halo import halo_plan
@@ -311,26 +312,18 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
             padding=padding, stride=stride, dilation=dilation, groups=groups, boundary=boundary, fill=fill,
             mesh=mesh, shapes=shapes, families=families, checkpoint=checkpoint, use_reentrant=use_reentrant,
         )
-    try:
-        check_boundary(boundary)
-        _check_stride(stride)
-        if checkpoint not in _CHECKPOINT_MODES:
-            raise EinshardError(f"checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
-        spec = _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families)
-        m = pick_mesh(spec.x_spec, mesh)
-        plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
-                         freeze_families(families))
-    except EinshardError as err:
-        raise err.within(formula, "einconv")
+    args = (windows, padding, stride, dilation, groups, boundary, mesh, shapes, families, checkpoint)
+    if _trace.traced():  # torch.compile: planned at trace time
+        spec, plan, group = traced_plan(_traced_plan, formula, *[None if t is None else _trace.static_shape(t)
+                                                                   for t in (x, weight, bias)],
+                                        x.dtype, x.device, *args)
+    else:
+        spec, plan, group = _plan(formula, x, weight, bias, *args)
     # the replicated weight and bias feed every rank's block: sum their gradients over the input's dims
-    if m is not None:
-        shape = MeshShape.of(m)
-        dims = shape.sort(d for ds in plan.layout.shard for d in ds)
-        if shape.size(dims) > 1:
-            group = m.group(dims)
-            weight = mappings.identity_forward_allreduce_backward(weight, group)
-            if bias is not None:
-                bias = mappings.identity_forward_allreduce_backward(bias, group)
+    if group is not None:
+        weight = mappings.identity_forward_allreduce_backward(weight, group)
+        if bias is not None:
+            bias = mappings.identity_forward_allreduce_backward(bias, group)
 
     def conv(xh, w, b):
         return _conv_core(spec, xh, w, b)
@@ -346,6 +339,37 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     if checkpoint == "conv" and grad_needed:
         return _checkpoint(conv, xh, weight, bias, use_reentrant=use_reentrant)
     return conv(xh, weight, bias)
+
+
+def _plan(formula, x, weight, bias, windows, padding, stride, dilation, groups, boundary, mesh, shapes, families,
+          checkpoint):
+    """``(conv spec, halo plan, group)`` of one call: the group (or ``None``) sums the gradients of the weight
+    and bias, which feed every rank's block."""
+    try:
+        check_boundary(boundary)
+        _check_stride(stride)
+        if checkpoint not in _CHECKPOINT_MODES:
+            raise EinshardError(f"checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
+        spec = _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families)
+        m = pick_mesh(spec.x_spec, mesh)
+        plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
+                         freeze_families(families))
+    except EinshardError as err:
+        raise err.within(formula, "einconv")
+    group = None
+    if m is not None:
+        shape = MeshShape.of(m)
+        dims = shape.sort(d for ds in plan.layout.shard for d in ds)
+        if shape.size(dims) > 1:
+            group = m.group(dims)
+    return spec, plan, group
+
+
+def _traced_plan(formula, x_shape, w_shape, b_shape, dtype, device, *args):
+    x, w = _trace.stand_in(x_shape, dtype, device), _trace.stand_in(w_shape, dtype, device)
+    b = None if b_shape is None else _trace.stand_in(b_shape, dtype, device)
+    spec, plan, group = _plan(formula, x, w, b, *args)
+    return spec, plan.prepare_traced(), group
 
 
 def _conv_core(spec: _ConvSpec, xh: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import _context, _trace
+from .. import _context, _trace, checks
 from .. import vma as _vma
 from .._cache import BoundedCache
 from ..distributed import run_distributed, traced_run
 from ..errors import EinshardError
 from ..local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
-from ..params.formula import ANY, duty_of, formula_names, recorder_for, resolve_pending, state_duties
+from ..params.formula import ANY, duty_of, formula_names, recorded_shapes, recorder_for, resolve_pending, state_duties
+from ..params.metadata import named_sizes
 from ..params.state import ParameterState
 from ..pipeline import check_tensors
 from ..policy import resolve_policy
 
-__all__ = ["einshard"]
+__all__ = ["einshard", "duties_satisfied"]
 
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
 _LOCAL_PLANS = BoundedCache(65536)
@@ -25,7 +26,8 @@ _DISTRIBUTED = BoundedCache()
 _MAX_DISTRIBUTED = 4096
 _MISSING = object()
 _VMA_RECORDERS = BoundedCache()
-_SATISFIED: list = []  # non-empty while a [param] formula runs inside shard_map(check_vma=True)
+_SIZED_KEYS = BoundedCache(4096)  # (key, recorded global shapes) -> the key with their sizes
+_SATISFIED: list = []  # non-empty inside shard_map(check_vma=True): the body sums every gradient, no duty applies
 
 
 def einshard(
@@ -123,8 +125,35 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
     return plan.run(tensors)
 
 
+class duties_satisfied:
+    """Within the block formulas plan no gradient duty: every gradient is whole (a tracked ``shard_map``
+    body, which sums them itself)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _SATISFIED.append(True)
+        return self
+
+    def __exit__(self, *exc):
+        _SATISFIED.pop()
+        return False
+
+
+def _in_tracked_body() -> bool:
+    """Whether a ``shard_map(check_vma=True)`` body runs here (read from the ambient context, so a
+    recompute that restores the body's context plans as its forward did)."""
+    body = _context.current().shard_map
+    return body is not None and body.tracker is not None
+
+
 def _tracked(ambient, formula, tensors, kwargs):
     """``einshard`` in a body that tracks variance: the variance rules around the untracked call."""
+    tracker = ambient.shard_map.tracker
+    if tracker.serial:  # eager: the body's parameters, whose gradients it sums (see einshard.params.summed)
+        for t in tensors:
+            if isinstance(t, torch.nn.Parameter):
+                tracker.params[id(t)] = t
     recorder = _vma_recorder(formula, kwargs["families"])
     if recorder is None:
         return _vma.formula_op_in(ambient, einshard, formula, tensors, kwargs)
@@ -140,6 +169,8 @@ def _tracked(ambient, formula, tensors, kwargs):
 
 
 def _vma_recorder(formula, families):
+    if _trace.traced():  # looked up at trace time: dynamo would trace the parser, and guard on the cache
+        return _trace.lookup(_vma_recorder_at_trace_time(formula, families))
     frozen = None if families is None else freeze_families(families)
     key = formula if frozen is None else (formula, frozen)  # (a plain string: no families)
     found = _VMA_RECORDERS.get(key, _MISSING)
@@ -152,15 +183,49 @@ def _vma_recorder(formula, families):
     return found
 
 
+@_trace.constant_result
+def _vma_recorder_at_trace_time(formula, families) -> str:
+    return _trace.register(_vma_recorder(formula, families))
+
+
 def _known_distributed(key, recorder) -> None:
     """Remember that ``(formula, families key)`` is distributed, with its recorder (at most ``_MAX_DISTRIBUTED``)."""
     _DISTRIBUTED.limit = _MAX_DISTRIBUTED
     _DISTRIBUTED.put(key, recorder)
 
 
+def _with_recorded_sizes(key, tensors):
+    """``key`` with the sizes the operands' recorded global shapes give (``sizes=`` for their axes), so the
+    formula checks their blocks and knows their split shapes; ``key`` itself when none records one."""
+    found = recorded_shapes(tensors)
+    if not found:
+        return key
+    memo = (key, found)
+    sized = _SIZED_KEYS.get(memo)
+    if sized is None:
+        sized = _SIZED_KEYS.put(memo, _sized_key(key, found))
+    return sized
+
+
+def _sized_key(key, found):
+    parsed = expand(key[0], key[2])
+    sizes = dict(key[1])
+    for k, whole in enumerate(found):
+        if whole is None or k >= len(parsed.inputs):
+            continue
+        named = named_sizes(parsed.inputs[k], whole)
+        sharded = {a.name for a in parsed.inputs[k].axes if a.mesh}  # (unsharded sizes are the local ones)
+        for axis, n in (named or {}).items():
+            if axis in sharded and sizes.setdefault(axis, n) != n:
+                raise EinshardError(f"{key[0]!r}: operand {k}'s recorded global shape {whole} gives axis {axis!r} "
+                                    f"the size {n}, but {sizes[axis]} is known for it (sizes= or another operand)")
+    return (key[0], freeze_sizes(sizes), *key[2:])
+
+
 def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula with [param] operands: states prepared first, attached after success."""
-    if _SATISFIED:  # inside shard_map(check_vma=True): recorded by the caller, the formula reduces
+    key = _with_recorded_sizes(key, tensors)
+    if _SATISFIED or _in_tracked_body():  # in shard_map(check_vma=True): recorded by the caller; the formula reduces
         return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     names = formula_names(mesh)
     prepared = recorder.prepare(tensors, names)
@@ -175,6 +240,9 @@ def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
 
 def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula without [param]: the operands' attached states may carry gradient duties."""
+    key = _with_recorded_sizes(key, tensors)
+    if _SATISFIED or _in_tracked_body():  # inside shard_map(check_vma=True): the formula reduces every gradient
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
     duties = state_duties(tensors)
     if ANY not in duties:
         return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties)
@@ -251,12 +319,14 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
         policy,
         ambient.mesh,
         ambient.shapes,
+        checks.ENABLED,  # read in traced code: turning checks on or off traces again (they agree at trace time)
     )
     return _trace.lookup(name)(tensors)
 
 
 @_trace.constant_result
-def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes):
+def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes,
+                    checks_on):
     with _context.at_trace_time(amb_mesh, amb_shapes) as ambient:
         return _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy,
                                    ambient)

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _context, checks
+from .. import _context, _trace, checks
 from .. import vma as _vma
 from .._cache import BoundedCache
 from .._split import compute_split_shapes
 from .._table import text_table
 from ..errors import EinshardError, naming
-from ..execute import transition
+from ..execute import Transition, transition
 from ..layout import Layout, MeshShape
 from ..mesh import resolve_mesh
 from ..notation import (
@@ -41,7 +41,7 @@ from ..notation import (
     invalid,
 )
 from ..notation.grammar import parse_text
-from ..pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis
+from ..pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
 from ..resolve import Splits, resolve
@@ -422,6 +422,7 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
             x = s(x)
         return x
 
+    run.steps = steps  # (for _Bound.prepare_traced)
     return run
 
 
@@ -452,6 +453,14 @@ class _Bound:
         if order != tuple(range(len(order))):
             steps.append(lambda x: x.permute(order))
         self.steps = tuple(steps)
+
+    def prepare_traced(self) -> "_Bound":
+        """This plan ready for traced code (the functional steps of its transitions built)."""
+        for step in self.steps:
+            for s in (step,) if isinstance(step, Transition) else getattr(step, "steps", ()):  # (a four-step's)
+                if isinstance(s, Transition):
+                    s.prepare_traced()
+        return self
 
     def __call__(self, x):
         for step in self.steps:
@@ -660,13 +669,32 @@ def einfft(
     if not explain and in_vma_scope():  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
             raise EinshardError.named(_axes_form(formula, axes), formula)
-        proxy = _parse_cached(formula, axes_key, fam_key).proxy
+        proxy = _traced_proxy(formula, axes, families) if _trace.traced() else _parse_cached(formula, axes_key,
+                                                                                                 fam_key).proxy
 
         def untracked(_proxy, t, mesh=None):
             return einfft(formula, t, axes, inverse=inverse, norm=norm, mesh=mesh, shapes=shapes, families=families,
                           real=real, signal_sizes=signal_sizes)
 
         return _vma.formula_op(untracked, proxy, (x,), mesh=mesh)
+    if not explain and _trace.traced():  # torch.compile: planned (and agreed) at trace time
+        return traced_plan(_traced_bound, formula, _trace.static_shape(x), dtype, x.device, axes, inverse, norm, mesh,
+                           shapes, families, real, signal_sizes)(x)
+    bound = _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm, real, signal_sizes, mesh,
+                   shapes, explain)
+    if explain:
+        if bound.local_error is not None:
+            raise EinshardError.named(bound.local_error, formula)
+        spec = _parse_cached(formula, axes_key, fam_key)
+        return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
+    _agree(bound, formula, x.dtype, x.device)
+    return bound(x)
+
+
+def _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm, real, signal_sizes, mesh, shapes,
+           explain):
+    """The cached plan of one call for an input on ``device``, bound to this rank (built on a miss; the ranks
+    agree on a build error)."""
     ambient = _context.current()
     mesh_key = mesh if mesh is not None else ambient.mesh
     key = (formula, axes_key, bool(inverse), norm, bool(real), freeze(signal_sizes), fam_key, shape, dtype, device,
@@ -684,23 +712,36 @@ def einfft(
             if bound.mesh is None and bound.plan.problem.mesh.names:
                 raise EinshardError("a virtual mesh has no process groups; use it with explain=True").within(formula)
             _PLANS.put(key, bound)
-    if explain:
-        if bound.local_error is not None:
-            raise EinshardError.named(bound.local_error, formula)
-        spec = _parse_cached(formula, axes_key, fam_key)
-        return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
+    return bound
+
+
+def _agree(bound, formula, dtype, device) -> None:
+    """Before communicating: the ranks agree (checks on, or a rank-local error); the plan's warning."""
     if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
         agree(
             bound.mesh,
             None if bound.local_error is None else EinshardError.named(bound.local_error, formula),
             fingerprint=bound.fingerprint,
             what=f"the layouts of {formula!r}",
-            facts=(("dtype", x.dtype), ("device", x.device)),
+            facts=(("dtype", dtype), ("device", device)),
             point="einfft",
         )
     if bound.warning is not None:
-        warnings.warn(bound.warning, RuntimeWarning, stacklevel=2)
-    return bound(x)
+        warnings.warn(bound.warning, RuntimeWarning, stacklevel=3)
+
+
+@_trace.constant_result
+def _traced_proxy(formula, axes, families) -> str:
+    """The formula variance tracking reads for ``einfft`` (at trace time: dynamo would trace the parser)."""
+    return _parse_cached(formula, freeze(axes), freeze_families(families)).proxy
+
+
+def _traced_bound(formula, shape, dtype, device, axes, inverse, norm, mesh, shapes, families, real, signal_sizes):
+    """:func:`_bound` and :func:`_agree` at trace time (the warning, too, is given once per compile)."""
+    bound = _bound(formula, axes, freeze(axes), freeze_families(families), shape, dtype, device, inverse, norm, real,
+                   signal_sizes, mesh, shapes, False)
+    _agree(bound, formula, dtype, device)
+    return bound.prepare_traced()
 
 
 def _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh) -> None:

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from .. import _context
+from .. import _context, _trace
 from .. import vma as _vma
 from .._cache import BoundedCache
 from ..errors import EinshardError
@@ -49,6 +49,7 @@ from ..pipeline import (
     per_axis,
     pick_mesh,
     spec_layout,
+    traced_plan,
     width_pair,
 )
 from ..plan.halo import halo_axis, halo_runs
@@ -94,6 +95,12 @@ class HaloPlan:
             layout, layout, dims if ex_axes else (), mesh, runs, axes, sizes, blank)
         self.indices = [(i, torch.tensor(h.index, dtype=torch.long, device=device))
                         for i, h in mine.items() if h.index is not None]
+
+    def prepare_traced(self) -> "HaloPlan":
+        """This plan ready for traced code (its exchange's adjoint built)."""
+        if self.exchange is not None:
+            self.exchange.prepare_traced()
+        return self
 
     def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         agree_before_communicating(self.mesh, self.local_error, x)
@@ -152,6 +159,9 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
     if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda s, t, **kw: einhalo(s, t, halos, **kw), spec, (x,), boundary=boundary,
                                fill=fill, mesh=mesh, shapes=shapes, families=families)
+    if _trace.traced():  # torch.compile: planned at trace time
+        return traced_plan(_traced_plan, spec, _trace.static_shape(x), x.dtype, x.device, halos, boundary, mesh,
+                           shapes, families)(x, fill)
     try:
         fast = (spec, freeze(halos), boundary, freeze(families), freeze_shapes(shapes), mesh,
                 _context.current().mesh, ambient_key(), x.shape, x.dtype, x.device)
@@ -159,15 +169,23 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
     except TypeError:  # unhashable arguments: take the checked path (it reports them)
         fast, plan = None, None
     if plan is None:
-        try:
-            check_boundary(boundary)
-            tspec = parse_spec(spec, families, "einhalo")
-            names = [a.name for a in tspec.axes]
-            widths = {k: width_pair(v, k, "halos") for k, v in per_axis(halos, names, families, "halos").items()}
-            m = pick_mesh(tspec, mesh)
-            plan = halo_plan(tspec, spec, x, widths, boundary, m, shapes, "einhalo", freeze_families(families))
-        except EinshardError as err:
-            raise err.within(spec, "einhalo")
+        plan = _plan(spec, x, halos, boundary, mesh, shapes, families)
         if fast is not None:
             _FAST.put(fast, plan)
     return plan(x, fill)
+
+
+def _plan(spec, x, halos, boundary, mesh, shapes, families) -> HaloPlan:
+    try:
+        check_boundary(boundary)
+        tspec = parse_spec(spec, families, "einhalo")
+        names = [a.name for a in tspec.axes]
+        widths = {k: width_pair(v, k, "halos") for k, v in per_axis(halos, names, families, "halos").items()}
+        m = pick_mesh(tspec, mesh)
+        return halo_plan(tspec, spec, x, widths, boundary, m, shapes, "einhalo", freeze_families(families))
+    except EinshardError as err:
+        raise err.within(spec, "einhalo")
+
+
+def _traced_plan(spec, shape, dtype, device, halos, boundary, mesh, shapes, families) -> HaloPlan:
+    return _plan(spec, _trace.stand_in(shape, dtype, device), halos, boundary, mesh, shapes, families).prepare_traced()

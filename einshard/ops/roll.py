@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from .. import _context
+from .. import _context, _trace
 from .. import vma as _vma
 from .._cache import BoundedCache
 from ..errors import EinshardError
@@ -35,6 +35,7 @@ from ..pipeline import (
     per_axis,
     pick_mesh,
     spec_layout,
+    traced_plan,
 )
 from ..plan.halo import roll_runs
 from ..resolve import freeze_shapes
@@ -58,6 +59,12 @@ class RollPlan:
             self.exchange = runs_exchange(layout, layout, dims, mesh,
                                           lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
                                           self.dims)
+
+    def prepare_traced(self) -> "RollPlan":
+        """This plan ready for traced code (its exchange's adjoint built)."""
+        if self.exchange is not None:
+            self.exchange.prepare_traced()
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         agree_before_communicating(self.mesh, self.local_error, x)
@@ -100,6 +107,9 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
     if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda s, t, **kw: einroll(s, t, shifts, **kw), spec, (x,), mesh=mesh,
                                shapes=shapes, families=families)
+    if _trace.traced():  # torch.compile: planned at trace time
+        return traced_plan(_traced_plan, spec, _trace.static_shape(x), x.dtype, x.device, shifts, mesh, shapes,
+                           families)(x)
     try:
         fast = (spec, freeze(shifts), freeze(families), freeze_shapes(shapes), mesh, _context.current().mesh,
                 ambient_key(), x.shape, x.dtype, x.device)
@@ -129,3 +139,11 @@ def _plan(spec, x, shifts, mesh, shapes, families) -> RollPlan:
         return RollPlan(layout, {names.index(k): v for k, v in by_name.items()}, m, local_error)
 
     return build_plan(_PLANS, key, m, build, (spec, "einroll"))
+
+
+def _traced_plan(spec, shape, dtype, device, shifts, mesh, shapes, families) -> RollPlan:
+    try:
+        plan = _plan(spec, _trace.stand_in(shape, dtype, device), shifts, mesh, shapes, families)
+    except EinshardError as err:
+        raise err.within(spec, "einroll")
+    return plan.prepare_traced()

@@ -10,6 +10,7 @@ a permutation to the output order.
 
 from __future__ import annotations
 
+from .. import _trace
 from .. import vma as _vma
 from ..errors import EinshardError
 from ..notation import expand, freeze_families
@@ -21,6 +22,7 @@ from ..pipeline import (
     in_vma_scope,
     per_axis,
     pick_mesh,
+    traced_plan,
     width_pair,
 )
 from .halo import halo_plan
@@ -85,7 +87,7 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     ``left+right+1``). Positions outside the domain follow ``boundary`` as
     in :func:`einhalo`. The output holds every input axis with its sharding
     plus the window axes (unsharded), in the output's order; it is a view of
-    the halo-extended block.
+    the halo-extended block (under ``torch.compile``, a copy).
 
     >>> import torch
     >>> from einshard.ops.window import einwindow
@@ -103,13 +105,11 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda f, t, **kw: einwindow(f, t, windows, radius, **kw), formula, (x,),
                                boundary=boundary, fill=fill, mesh=mesh, shapes=shapes, families=families)
-    try:
-        check_boundary(boundary)
-        ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families)
-        m = pick_mesh(ins, mesh)
-        plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, "einwindow", freeze_families(families))
-    except EinshardError as err:
-        raise err.within(formula, "einwindow")
+    if _trace.traced():  # torch.compile: planned at trace time
+        plan, ins, out, wmap, rad = traced_plan(_traced_plan, formula, _trace.static_shape(x), x.dtype, x.device,
+                                                windows, radius, boundary, mesh, shapes, families)
+    else:
+        plan, ins, out, wmap, rad = _plan(formula, x, windows, radius, boundary, mesh, shapes, families)
     y = plan(x, fill)
     names = [a.name for a in ins.axes]
     current = list(names)
@@ -125,4 +125,26 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     order = [current.index(a.name) for a in out.axes]
     if order != list(range(len(order))):
         y = y.permute(order)
+    if _trace.traced() and wmap:
+        # a copy: AOTAutograd (torch 2.13) gets the gradient of a graph output whose elements overlap (the
+        # windows of an unfold) wrong; inside a graph the copy feeds the next op
+        y = y.contiguous()
     return y
+
+
+def _plan(formula, x, windows, radius, boundary, mesh, shapes, families):
+    """``(halo plan, input spec, output spec, windows, radii)`` of one call."""
+    try:
+        check_boundary(boundary)
+        ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families)
+        m = pick_mesh(ins, mesh)
+        plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, "einwindow", freeze_families(families))
+    except EinshardError as err:
+        raise err.within(formula, "einwindow")
+    return plan, ins, out, wmap, rad
+
+
+def _traced_plan(formula, shape, dtype, device, windows, radius, boundary, mesh, shapes, families):
+    plan, ins, out, wmap, rad = _plan(formula, _trace.stand_in(shape, dtype, device), windows, radius, boundary,
+                                      mesh, shapes, families)
+    return plan.prepare_traced(), ins, out, wmap, rad

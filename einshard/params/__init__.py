@@ -9,7 +9,8 @@ broadcast its initial values, and which groups SUM its gradient. Modules:
 - ``register``: explicit registration (layouts, modules, linear/conv/norm);
 - ``validate``: finalising pending duties and validating modules;
 - ``sync``: initial broadcasts; ``reduce``: gradient reduction (helpers, hooks, DDP);
-- ``metadata``: local slices and shapes; ``operand``: formula operands (``[param]``);
+- ``buckets``: the hooks' engine; ``summed``: gradients a ``shard_map`` body sums;
+- ``metadata``: local slices and shapes, global shapes; ``operand``: formula operands (``[param]``);
 - ``like``: ``einshard_like`` (record a formula's states without running it).
 """
 

@@ -1,22 +1,34 @@
-"""Bucketed asynchronous gradient reduction, started during backward.
+"""Gradient sums over mesh groups, during backward: the one engine behind the native hooks.
 
-:class:`GradBucketer` is the engine behind ``grad=G:async`` and the native
-per-parameter hooks. Parameters are grouped by the mesh groups their gradients
-are summed over, in reverse registration order (the order backward usually
-produces their gradients, as in DDP), into buckets of about ``bucket_bytes``.
-A ``register_post_accumulate_grad_hook`` on every parameter marks it ready;
-when a bucket's last gradient arrives its gradients are flattened into one
-buffer and a SUM ``all_reduce`` over the union of its groups starts at once
-(``async_op=True``, counted by ``es.count_communication``) while backward goes on. :meth:`GradBucketer.wait` waits
-for what is in flight and writes the sums back into ``.grad``.
+:class:`GradBucketer` sums parameters' gradients over the mesh groups of their
+duties. Parameters are grouped by those groups, in reverse registration order
+(the order backward usually produces their gradients, as in DDP), into buckets
+of about ``bucket_bytes``. A tensor hook on every parameter sees each incoming
+contribution before it is accumulated; a ``register_post_accumulate_grad_hook``
+marks the parameter ready. When every parameter of a bucket is ready its
+contributions are flattened into one buffer and a SUM ``all_reduce`` over the
+union of its groups starts at once (``async_op=True``, counted by
+``es.count_communication``) while backward goes on. At the end of every
+backward the buckets that got only some of their gradients (parameters unused
+or frozen in this backward) start too. :meth:`GradBucketer.wait` waits for
+what is in flight and writes the sums into ``.grad``. With ``synchronous=True``
+each contribution is summed in its hook instead, before accumulation.
 
-Repeated ``backward()`` without zeroing is exact: when a parameter already
-holds a gradient, only the new contribution is reduced (it is held back from
-accumulation and added once summed).
+What is summed is exactly what arrived since the last sum: earlier (summed)
+contents of ``.grad`` are held apart, so repeated ``backward()`` without
+zeroing (micro-batches) is exact, and a parameter that got no gradient keeps
+``.grad is None``. Inside :meth:`GradBucketer.no_sync` contributions are only
+accumulated; the first backward after it (or ``wait()``) sums them all, once.
+``torch.autograd.grad`` never accumulates: the gradient it returns for a
+hooked parameter is summed at once, synchronously. A parameter frozen when the
+bucketer is made gets its hooks when it requires gradients again (at the end
+of a backward, or in ``wait()``), and what it accumulated meanwhile is summed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -25,20 +37,66 @@ from .. import collectives as C
 from ..errors import EinshardError
 from ..mesh import Mesh, resolve_mesh
 
-__all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
+# id(Parameter) -> (weak references to it and to the GradBucketer whose hooks sum its gradient); weak, so a
+# model dropped with its hooks still registered is freed
+_HOOKED: dict = {}
+_engine = torch.autograd.Variable._execution_engine
+_graph_task = torch._C._current_graph_task_id
+
+
+def hooked_by(p) -> "GradBucketer | None":
+    """The live :class:`GradBucketer` that sums ``p``'s gradient, or ``None``.
+
+    >>> hooked_by(torch.nn.Parameter(torch.ones(2))) is None
+    True
+    """
+    entry = _HOOKED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    owner = entry[1]()
+    return None if owner is None or owner._removed else owner
+
+
+def _hook_owner(p, bucketer) -> None:
+    key = id(p)
+    _HOOKED[key] = (weakref.ref(p, lambda _r: _HOOKED.pop(key, None)), weakref.ref(bucketer))
+
+
+def _release(p, bucketer) -> None:
+    if hooked_by(p) is bucketer:
+        del _HOOKED[id(p)]
+
+
+def _accumulates(node) -> bool:
+    """Whether the running backward accumulates into the leaf of AccumulateGrad ``node`` (``False``
+    inside ``torch.autograd.grad``, which returns the gradient instead)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError as err:  # torch refuses the question for leaves while autograd.grad runs
+        if "autograd.grad" in str(err):
+            return False
+        raise
+
 
 class _Bucket:
-    __slots__ = ("params", "group", "ready", "held", "had_grad")
+    __slots__ = ("params", "nodes", "group", "ready", "held", "in_grad")
 
     def __init__(self, params, group):
         self.params = params  # in the order gradients are expected
+        with torch.enable_grad():  # their AccumulateGrad nodes (kept: the same node in every graph)
+            self.nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         self.group = group
-        self.ready = 0
-        self.held = {}  # param index -> contribution held back from an existing .grad
-        self.had_grad = set()
+        self.ready: set = set()  # indices whose gradient was accumulated in the running backward
+        self.held: dict = {}  # index -> contributions not yet summed, kept out of .grad
+        self.in_grad: set = set()  # indices whose .grad is exactly their contributions not yet summed
+
+    def window(self) -> bool:
+        """Whether some contribution waits to be summed."""
+        return bool(self.held or self.in_grad)
 
 
 class GradBucketer:
@@ -47,9 +105,11 @@ class GradBucketer:
     ``params_and_groups``: ``(parameter, groups)`` pairs, ``groups`` a tuple of
     mesh-dimension names (atomic or compound ``dp-sp``); each gradient is summed
     (not averaged) over every group, as one all-reduce over their union.
-    ``mesh``: an ``es.Mesh`` or a ``DeviceMesh`` with those names. Every rank
-    must run backward over the same parameters; call :meth:`wait` before
-    reading the gradients (an optimizer step, the next forward).
+    ``mesh``: an ``es.Mesh`` or a ``DeviceMesh`` with those names.
+    ``synchronous=True``: each contribution is summed in its hook, before it is
+    accumulated (no buckets). Every rank must run backward over the same
+    parameters; call :meth:`wait` before reading the gradients (an optimizer
+    step). A parameter already summed by another live bucketer is refused.
 
     >>> import torch, einshard as es
     >>> mesh = es.Mesh.virtual((1,), ("dp",))  # doctest: +SKIP
@@ -58,11 +118,13 @@ class GradBucketer:
     >>> (w * 2).sum().backward(); b.wait().remove()  # doctest: +SKIP
     """
 
-    def __init__(self, params_and_groups: Iterable, mesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, params_and_groups: Iterable, mesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+                 synchronous: bool = False):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise EinshardError(f"GradBucketer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         mesh = mesh if isinstance(mesh, Mesh) else resolve_mesh(mesh)
         by_key: dict = {}
+        frozen = []
         seen: set = set()
         for p, groups in params_and_groups:
             if not isinstance(p, torch.nn.Parameter):
@@ -71,68 +133,166 @@ class GradBucketer:
                 continue
             seen.add(id(p))
             dims = _union_dims(mesh, tuple(groups))
-            if dims and not p.requires_grad:
-                raise EinshardError(f"GradBucketer: a parameter of shape {tuple(p.shape)} does not require gradients")
-            if mesh.size(dims) > 1:
+            if mesh.size(dims) <= 1:
+                continue
+            if hooked_by(p) is not None:
+                raise EinshardError(
+                    f"GradBucketer: a parameter of shape {tuple(p.shape)} already has gradient hooks that sum it "
+                    "(an earlier es.register_native_grad_reduction_hooks_ or GradBucketer); remove them first "
+                    "(handle.remove()), or its gradient would be summed twice"
+                )
+            if p.requires_grad:
                 by_key.setdefault((dims, p.dtype, p.device), []).append(p)
+            else:
+                frozen.append((p, dims))
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
+        self.synchronous = bool(synchronous)
         self.buckets: list[_Bucket] = []
-        for (dims, _dtype, _device), params in by_key.items():
-            group = mesh.group(dims)
-            current, size = [], 0
-            for p in reversed(params):  # backward produces the last-registered gradients first
-                nbytes = p.numel() * p.element_size()
-                if current and size + nbytes > bucket_bytes:
-                    self.buckets.append(_Bucket(current, group))
-                    current, size = [], 0
-                current.append(p)
-                size += nbytes
-            if current:
-                self.buckets.append(_Bucket(current, group))
-        self._works: list = []  # (work, flat buffer, bucket, had_grad, held)
-        self._handles = []
+        self._frozen = frozen  # (parameter, dims): hooked once it requires gradients
+        self._works: list = []  # (work, flat buffer, bucket, per-parameter write mode)
+        self._handles: list = []
+        self._no_sync = 0
+        self._armed = None  # the graph task whose end-of-backward callback is queued
+        self._removed = False
         try:
-            for bucket in self.buckets:
-                for i, p in enumerate(bucket.params):
-                    self._handles.append(p.register_hook(self._pre_hook(bucket, i, p)))
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook(bucket)))
+            for (dims, _dtype, _device), params in by_key.items():
+                self._add_buckets(dims, params)
+            for p, _ in frozen:
+                _hook_owner(p, self)
         except BaseException:
             self.remove()
             raise
 
+    def _add_buckets(self, dims, params) -> list:
+        group = self.mesh.group(dims)
+        chunks, current, size = [], [], 0
+        for p in reversed(params):  # backward produces the last-registered gradients first
+            nbytes = p.numel() * p.element_size()
+            if current and (self.synchronous or size + nbytes > self.bucket_bytes):
+                chunks.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            chunks.append(current)
+        added = []
+        for chunk in chunks:
+            bucket = _Bucket(chunk, group)
+            self.buckets.append(bucket)
+            added.append(bucket)
+            for i, p in enumerate(chunk):
+                _hook_owner(p, self)
+                self._handles.append(p.register_hook(self._pre_hook(bucket, i, p)))
+                if not self.synchronous:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._post_hook(bucket, i)))
+        return added
+
     # -- hooks ------------------------------------------------------------
     def _pre_hook(self, bucket: _Bucket, i: int, p):
+        node = bucket.nodes[i]
+
         def hook(grad):
-            if p.grad is None:
+            if not _accumulates(node):  # torch.autograd.grad returns it: summed now, .grad untouched
+                return C.all_reduce(grad, bucket.group)
+            self._arm()
+            if self.synchronous and not self._no_sync:
+                held = bucket.held.pop(i, None)
+                return C.all_reduce(grad if held is None else held + grad, bucket.group)
+            if not self.synchronous and p.grad is None and i not in bucket.in_grad and i not in bucket.held:
+                bucket.in_grad.add(i)  # the first contribution: accumulated as it is, summed in place later
                 return grad
-            # accumulation on an existing gradient: reduce only this contribution
-            bucket.held[i] = grad
-            bucket.had_grad.add(i)
-            return torch.zeros_like(grad)
+            held = bucket.held.get(i)
+            bucket.held[i] = grad if held is None else held + grad
+            return torch.zeros_like(grad)  # earlier (summed) contents of .grad stay apart
 
         return hook
 
-    def _post_hook(self, bucket: _Bucket):
+    def _post_hook(self, bucket: _Bucket, i: int):
         def hook(_p):
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
+            bucket.ready.add(i)
+            if len(bucket.ready) == len(bucket.params) and not self._no_sync:
                 self._launch(bucket)
 
         return hook
 
+    def _arm(self) -> None:
+        """Queue :meth:`_end_of_backward` once per backward (graph task)."""
+        task = _graph_task()
+        if self._armed != task:
+            self._armed = task
+            _engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._armed = None
+        self._adopt_unfrozen()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        if not self._no_sync:
+            self.flush()
+
+    def _adopt_unfrozen(self) -> None:
+        """Hook the parameters frozen at construction that require gradients now; what their ``.grad``
+        accumulated meanwhile (without hooks: not summed) is summed with the next flush."""
+        thawed = [(p, dims) for p, dims in self._frozen if p.requires_grad]
+        if not thawed:
+            return
+        self._frozen = [(p, dims) for p, dims in self._frozen if not p.requires_grad]
+        by_key: dict = {}
+        for p, dims in thawed:
+            by_key.setdefault((dims, p.dtype, p.device), []).append(p)
+        for (dims, _dtype, _device), params in by_key.items():
+            for bucket in self._add_buckets(dims, list(reversed(params))):
+                for i, p in enumerate(bucket.params):
+                    if p.grad is None:
+                        continue
+                    if self.synchronous:
+                        bucket.held[i] = p.grad.clone()
+                        p.grad.zero_()
+                    else:
+                        bucket.in_grad.add(i)
+
     def _launch(self, bucket: _Bucket) -> None:
-        parts = []
+        """Start the sum of the bucket's contributions (synchronous: add it to ``.grad`` now)."""
+        parts, modes = [], []
         for i, p in enumerate(bucket.params):
-            g = bucket.held.get(i)
-            if g is None:
-                g = p.grad
-            parts.append(torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None else g)
-        flat, work = C.all_reduce(torch.cat([g.reshape(-1) for g in parts]), bucket.group, async_op=True)
-        self._works.append((work, flat, bucket, frozenset(bucket.had_grad)))
-        bucket.ready = 0
+            held = bucket.held.get(i)
+            own = p.grad if i in bucket.in_grad else None
+            if own is not None:
+                parts.append(own if held is None else own + held)
+                modes.append("copy")
+            elif held is not None:
+                parts.append(held)
+                modes.append("add")
+            else:  # no contribution here (not used in this window): zeros, nothing written
+                parts.append(torch.zeros(p.shape, dtype=p.dtype, device=p.device))
+                modes.append(None)
+        bucket.ready.clear()
         bucket.held = {}
-        bucket.had_grad = set()
+        bucket.in_grad = set()
+        flat = torch.cat([g.reshape(-1) for g in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+        if self.synchronous:
+            self._write(C.all_reduce(flat, bucket.group), bucket, modes)
+            return
+        flat, work = C.all_reduce(flat, bucket.group, async_op=True)
+        self._works.append((work, flat, bucket, tuple(modes)))
+
+    @staticmethod
+    def _write(flat, bucket: _Bucket, modes) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p, mode in zip(bucket.params, modes):
+                n = p.numel()
+                summed = flat[offset : offset + n].view(p.shape)
+                offset += n
+                if mode is None:
+                    continue
+                if p.grad is None:
+                    p.grad = summed.clone()
+                elif mode == "copy":
+                    p.grad.copy_(summed)
+                else:
+                    p.grad.add_(summed)
 
     # -- public -----------------------------------------------------------
     @property
@@ -140,40 +300,48 @@ class GradBucketer:
         """The number of all-reduces started and not yet waited for."""
         return len(self._works)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate without communicating (like DDP's ``no_sync()``): the first backward after the block,
+        or :meth:`wait`, sums everything accumulated, once."""
+        self._no_sync += 1
+        try:
+            yield self
+        finally:
+            self._no_sync -= 1
+
     def flush(self) -> "GradBucketer":
-        """Start the buckets that got some but not all of their gradients (unused parameters)."""
+        """Start the sums of every bucket holding contributions not yet summed (unused parameters, ``no_sync``)."""
         for bucket in self.buckets:
-            if bucket.ready:
+            if bucket.window():
                 self._launch(bucket)
         return self
 
     def wait(self) -> "GradBucketer":
-        """Wait for every started all-reduce and write the sums into ``.grad``; returns ``self``."""
+        """Sum what is not summed yet, wait for every started all-reduce and write the sums into ``.grad``."""
+        self._adopt_unfrozen()
         self.flush()
         while self._works:
-            work, flat, bucket, had_grad = self._works[0]
+            work, flat, bucket, modes = self._works[0]
             work.wait()
             self._works.pop(0)
-            offset = 0
-            with torch.no_grad():
-                for i, p in enumerate(bucket.params):
-                    n = p.numel()
-                    summed = flat[offset : offset + n].view(p.shape)
-                    offset += n
-                    if p.grad is None:
-                        p.grad = summed.clone()
-                    elif i in had_grad:
-                        p.grad.add_(summed)
-                    else:
-                        p.grad.copy_(summed)
+            self._write(flat, bucket, modes)
         return self
 
     def remove(self) -> "GradBucketer":
         """Wait, then detach every hook (idempotent); returns ``self``."""
+        if self._removed:
+            return self
         self.wait()
         for h in self._handles:
             h.remove()
         self._handles = []
+        for bucket in self.buckets:
+            for p in bucket.params:
+                _release(p, self)
+        for p, _ in self._frozen:
+            _release(p, self)
+        self._removed = True
         return self
 
 

@@ -24,6 +24,7 @@ from ..errors import EinshardError
 from ..notation import expand
 from ..resolve import resolve
 from ..tree import discover_splits, map_leaves, prepare_tree
+from .metadata import record_global_shape_, recorded_global_shape
 from .specs import as_param_tree, param_specs, specs_or_registered
 
 __all__ = ["to_dtensor", "from_dtensor", "load_from_dtensor_"]
@@ -100,8 +101,17 @@ def load_from_dtensor_(module, state, *, mesh=None):
     unknown = [k for k in local if k not in targets]
     if unknown:
         raise EinshardError(f"load_from_dtensor_: entries {unknown} are not in the module's state_dict")
+    records = [(targets[name], tuple(x.shape)) for name, x in (state.items() if isinstance(state, dict) else ())
+               if is_dtensor(x) and isinstance(targets.get(name), torch.nn.Parameter)]  # the DTensors' global shapes
+    for p, shape in records:
+        known = recorded_global_shape(p)
+        if known is not None and known != shape:
+            raise EinshardError(f"load_from_dtensor_: a DTensor of global shape {shape} for a parameter whose "
+                                f"recorded global shape is {known}")
     with torch.no_grad():
         for name, value in local.items():
             if isinstance(value, torch.Tensor):
                 targets[name].copy_(value)
+    for p, shape in records:
+        record_global_shape_(p, shape)
     return module

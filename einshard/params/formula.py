@@ -35,7 +35,8 @@ from .operand import parameter_operand_state
 from .state import ParameterGradComm, ParameterState, check_state
 from .store import PARAM_STATE_ATTR, prepare_registration, set_parameter_state
 
-__all__ = ["duty_of", "state_duties", "explain_duties", "FormulaRecorder", "recorder_for", "formula_names"]
+__all__ = ["duty_of", "state_duties", "recorded_shapes", "explain_duties", "FormulaRecorder", "recorder_for",
+           "formula_names"]
 
 _TENSOR = torch.Tensor
 _NO_DUTY_BACKENDS = ("none", "vma")  # vma: satisfied inside shard_map only; outside, the formula reduces
@@ -69,6 +70,20 @@ def state_duties(tensors) -> tuple:
             if found is None:
                 found = [None] * len(tensors)
             found[k] = duty
+    return () if found is None else tuple(found)
+
+
+def recorded_shapes(tensors) -> tuple:
+    """Per operand, the global shape recorded on its state (``None``: unknown); ``()`` when none has one."""
+    found = None
+    for k, t in enumerate(tensors):
+        if type(t) is _TENSOR:
+            continue
+        state = getattr(t, PARAM_STATE_ATTR, None)
+        if state is not None and state.global_shape is not None:
+            if found is None:
+                found = [None] * len(tensors)
+            found[k] = state.global_shape
     return () if found is None else tuple(found)
 
 

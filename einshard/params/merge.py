@@ -100,6 +100,12 @@ def _merge_names(e: ParameterState, n: ParameterState):
     return e.mesh_dim_names or n.mesh_dim_names
 
 
+def _merge_global_shape(e: ParameterState, n: ParameterState):
+    if e.global_shape is not None and n.global_shape is not None and e.global_shape != n.global_shape:
+        raise _conflict("different global shape", e.global_shape, n.global_shape)
+    return e.global_shape if e.global_shape is not None else n.global_shape
+
+
 def merge_states(e: ParameterState | None, n: ParameterState) -> ParameterState:
     """Merge ``n`` into ``e`` (either may come from any registration path); ``e`` itself if unchanged.
 
@@ -128,6 +134,7 @@ def merge_states(e: ParameterState | None, n: ParameterState) -> ParameterState:
         source=e.source,
         explicit_init_sync_none=e.explicit_init_sync_none or n.explicit_init_sync_none,
         explicit_grad_comm_none=e.explicit_grad_comm_none or n.explicit_grad_comm_none,
+        global_shape=_merge_global_shape(e, n),
     )
     check_state(merged)
     return e if merged == e else merged

@@ -15,8 +15,9 @@ mesh coordinates over the components in mesh order, so ``dp-sp`` and ``sp-dp`` a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -25,10 +26,11 @@ from ..errors import EinshardError
 from ..mesh import Mesh
 from ..notation import Axis, EllipsisItem, Group
 from .names import components
-from .state import ParameterState
-from .store import get_parameter_state
+from .state import ParameterState, check_state
+from .store import get_parameter_state, set_parameter_state
 
-__all__ = ["ParamShardMetadata", "param_shard_dims", "param_local_slices", "param_local_shape", "param_shard_metadata"]
+__all__ = ["ParamShardMetadata", "param_shard_dims", "param_local_slices", "param_local_shape", "param_shard_metadata",
+           "named_sizes", "global_shape_from_sizes", "record_global_shape_", "recorded_global_shape"]
 
 
 @dataclass(frozen=True)
@@ -158,3 +160,82 @@ def param_shard_metadata(p_or_state, global_shape, mesh, factors=None) -> ParamS
         global_shape, slices, tuple(_length(s, n) for s, n in zip(slices, global_shape)), _state_of(p_or_state).layout_shard_dims
     )
 
+
+
+# -- global shapes -----------------------------------------------------------------------------------------
+# A state may record the whole tensor's shape (``global_shape``): registration with ``sizes=``, ``es.tree_shard``
+# of whole values and ``es.load_from_dtensor_`` record it. Wherever a global size is known, a tensor of
+# another size where a block is expected is an error (``shard_map``, the formulas), and the split shapes of
+# uneven layouts follow from it.
+
+
+def named_sizes(spec, shape) -> dict | None:
+    """``{axis: size}`` for a spec of plain axes (no ``( )``, no ``...``) and a shape of its rank, else ``None``.
+
+    >>> from einshard import parse_sharding
+    >>> named_sizes(parse_sharding("f/tp c").inputs[0], (6, 3))
+    {'f': 6, 'c': 3}
+    """
+    items = spec.items
+    if len(items) != len(shape) or not all(type(i) is Axis for i in items):
+        return None
+    return {a.name: int(n) for a, n in zip(items, shape)}
+
+
+def global_shape_from_sizes(state: ParameterState, local_shape, sizes) -> tuple[int, ...] | None:
+    """The global shape ``sizes=`` (``{axis: whole size}``) gives a parameter of ``local_shape``: unsharded
+    axes keep their local size, sharded ones need a size; ``None`` when one is missing.
+
+    >>> import einshard as es
+    >>> global_shape_from_sizes(es.ParameterState.from_layout("f/tp c"), (3, 4), {"f": 6})
+    (6, 4)
+    """
+    if not sizes or state.spec is None or len(state.spec.items) != len(local_shape):
+        return None
+    if not all(type(i) is Axis for i in state.spec.items):
+        return None
+    out = []
+    for axis, local in zip(state.spec.items, local_shape):
+        size = sizes.get(axis.name)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise EinshardError(f"sizes[{axis.name!r}] must be a non-negative int, got {size!r}")
+        if axis.mesh is None:
+            if size is not None and size != local:
+                raise EinshardError(
+                    f"sizes= gives axis {axis.name!r} the size {size}, but the parameter holds {local} of it and "
+                    f"its layout {state.layout!r} does not shard it"
+                )
+            out.append(int(local))
+        elif size is None:
+            return None
+        else:
+            out.append(size)
+    return tuple(out)
+
+
+def recorded_global_shape(p) -> tuple[int, ...] | None:
+    """The global shape recorded on ``p``'s state, or ``None``."""
+    state = get_parameter_state(p) if isinstance(p, torch.nn.Parameter) else None
+    return None if state is None else state.global_shape
+
+
+def record_global_shape_(p, global_shape):
+    """Record ``global_shape`` on ``p``'s state (a ValueError if another one is recorded); returns ``p``.
+
+    A Parameter without a state, or with a layout-free one, records nothing.
+    """
+    state = get_parameter_state(p)
+    if state is None or state.spec is None:
+        return p
+    shape = tuple(int(n) for n in global_shape)
+    if state.global_shape == shape:
+        return p
+    if state.global_shape is not None:
+        raise EinshardError(
+            f"the parameter's recorded global shape is {state.global_shape}, but a whole value of shape {shape} "
+            "was given for it"
+        )
+    new = replace(state, global_shape=shape)
+    check_state(new)
+    set_parameter_state(p, new)
+    return p

@@ -6,13 +6,19 @@ other and from the shards, so local shapes match and nothing is counted twice.
 ``ddp``, ``external``, ``vma`` and ``none`` duties are someone else's job.
 
 - :func:`reduce_grad_` / :func:`reduce_module_grads_`: after backward, synchronously.
-- :func:`register_native_grad_reduction_hooks_`: during backward. ``synchronous``
-  and ``backend_default`` duties SUM each incoming contribution before it is
+- :func:`register_native_grad_reduction_hooks_`: during backward, through the one
+  :class:`~einshard.params.buckets.GradBucketer`: ``synchronous`` and
+  ``backend_default`` duties SUM each incoming contribution before it is
   accumulated; ``async`` duties are bucketed and their all-reduces start as soon
-  as a bucket's gradients are accumulated (:class:`~einshard.params.buckets.GradBucketer`),
-  overlapping the rest of backward; :meth:`NativeGradReductionHandle.wait` waits for them.
+  as a bucket's gradients are accumulated, overlapping the rest of backward;
+  :meth:`NativeGradReductionHandle.wait` waits for them, and
+  :meth:`NativeGradReductionHandle.no_sync` accumulates micro-batches without
+  communicating.
 - :func:`register_grad_reduction_hook_`: a ``DistributedDataParallel`` comm hook that
   averages over ``ddp_group`` and SUMs the extra native/ddp groups of each parameter.
+
+One mechanism sums a gradient: the helpers refuse a gradient that live hooks
+sum, or that a ``shard_map(check_vma=True)`` body summed already.
 
 Every all-reduce goes through :func:`einshard.collectives.all_reduce`, so
 ``es.count_communication`` records it (calls and bytes, as ``backward`` inside backward).
@@ -20,15 +26,18 @@ Every all-reduce goes through :func:`einshard.collectives.all_reduce`, so
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from .. import collectives as C
 from ..errors import EinshardError
-from .buckets import DEFAULT_BUCKET_BYTES, GradBucketer
+from .buckets import DEFAULT_BUCKET_BYTES, GradBucketer, hooked_by
 from .names import check_group_syntax, components, resolve_dims, resolve_group, runtime_mesh
 from .state import ParameterState
 from .store import get_parameter_state, iter_parameter_states
+from .summed import duty_text, summed_by_body
 from .validate import check_not_pending
 
 __all__ = [
@@ -49,6 +58,25 @@ def _check_state(state, where: str) -> None:
     if not isinstance(state, ParameterState):
         raise TypeError(f"{where}: expected a ParameterState, got {type(state).__name__}")
     check_not_pending(state, where)
+
+
+def _summed_elsewhere(p, state, where: str) -> None:
+    """ValueError when another mechanism sums ``p``'s gradient over its native groups already."""
+    if not _native_groups(state):
+        return
+    if summed_by_body(p):
+        raise EinshardError(
+            f"{where}: this gradient was summed by the es.shard_map body that used the parameter (check_vma=True "
+            f"sums it over the dimensions it is replicated over); summing it over {state.grad_comm.mesh_dims!r} "
+            "again would count it twice. Gradients computed inside shard_map need no reduction; to mix styles, "
+            "start each step from .grad = None (zero_grad(set_to_none=True))"
+        )
+    if hooked_by(p) is not None:
+        raise EinshardError(
+            f"{where}: the parameter's duty {duty_text(state.grad_comm)!r} is summed by live gradient hooks "
+            "(es.register_native_grad_reduction_hooks_); reducing it here too would count it twice. Use one: "
+            "handle.wait(), or remove the hooks (handle.remove())"
+        )
 
 
 def _sum_(p, groups) -> None:
@@ -72,6 +100,7 @@ def reduce_grad_(p, state, mesh) -> torch.nn.Parameter:
     if p.grad is None:
         return p
     _check_state(state, "reduce_grad_")
+    _summed_elsewhere(p, state, "reduce_grad_")
     groups = _native_groups(state)
     if groups:
         rt = runtime_mesh(mesh)
@@ -90,6 +119,7 @@ def reduce_module_grads_(module, mesh):
         _check_state(state, f"reduce_module_grads_ ({name!r})")
         groups = _native_groups(state)
         if groups and p.grad is not None:
+            _summed_elsewhere(p, state, f"reduce_module_grads_ ({name!r})")
             rt = rt or runtime_mesh(mesh)
             for g in groups:
                 resolve_dims(rt, g, f"{name!r} grad")
@@ -103,32 +133,43 @@ class NativeGradReductionHandle:
     """What :func:`register_native_grad_reduction_hooks_` returns.
 
     ``pending``: all-reduces started during backward and not yet waited for
-    (only ``async`` duties start any). ``wait()`` waits for them and writes the
-    sums into ``.grad`` (unfinished works are kept on error); ``remove()`` waits,
-    detaches every hook, and is idempotent. Both return the handle.
+    (only ``async`` duties start any). ``wait()`` sums what is not summed yet,
+    waits and writes the sums into ``.grad`` (unfinished works are kept on
+    error); ``no_sync()`` accumulates without communicating (like DDP's); ``remove()``
+    waits, detaches every hook, and is idempotent. ``wait`` and ``remove`` return the handle.
+
+    >>> with handle.no_sync():                 # doctest: +SKIP
+    ...     loss_fn(micro_batch_1).backward()  # accumulated locally
+    >>> loss_fn(micro_batch_2).backward()      # doctest: +SKIP
+    >>> handle.wait()                          # doctest: +SKIP
     """
 
-    def __init__(self, hooks, bucketer: GradBucketer | None):
-        self._hooks = list(hooks)
-        self._bucketer = bucketer
+    def __init__(self, bucketers):
+        self._bucketers = [b for b in bucketers if b is not None]
 
     @property
     def pending(self) -> int:
-        return 0 if self._bucketer is None else self._bucketer.pending
+        return sum(b.pending for b in self._bucketers)
 
     def wait(self) -> "NativeGradReductionHandle":
-        if self._bucketer is not None:
-            self._bucketer.wait()
+        for b in self._bucketers:
+            b.wait()
         return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without communicating; the first backward after the block (or ``wait()``)
+        sums everything accumulated, once."""
+        with contextlib.ExitStack() as stack:
+            for b in self._bucketers:
+                stack.enter_context(b.no_sync())
+            yield self
 
     def remove(self) -> "NativeGradReductionHandle":
         self.wait()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._bucketer is not None:
-            self._bucketer.remove()
-            self._bucketer = None
+        for b in self._bucketers:
+            b.remove()
+        self._bucketers = []
         return self
 
     def __enter__(self) -> "NativeGradReductionHandle":
@@ -138,22 +179,19 @@ class NativeGradReductionHandle:
         self.remove()
 
 
-def _sum_hook(groups):
-    def hook(grad):
-        out = grad
-        for group, _size in groups:
-            out = C.all_reduce(out, group)  # a new tensor, counted by es.count_communication
-        return out
-
-    return hook
-
-
 def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Hooks that SUM each native-duty gradient over its groups during backward; returns a handle.
 
     ``async`` duties are bucketed (about ``bucket_bytes`` per all-reduce) and
-    start during backward; call ``handle.wait()`` before the optimizer step.
-    Every rank must run backward over the same parameters in the same order.
+    start during backward; call ``handle.wait()`` before the optimizer step
+    (with every schedule). Every rank must run backward over the same
+    parameters in the same order. A parameter that gets no gradient keeps
+    ``.grad is None``; one frozen now is hooked once it requires gradients;
+    ``torch.autograd.grad`` returns summed gradients. A parameter whose
+    gradient hooks sum already is refused.
+
+    >>> handle = es.register_native_grad_reduction_hooks_(model, mesh)   # doctest: +SKIP
+    >>> loss.backward(); handle.wait(); opt.step()                       # doctest: +SKIP
     """
     rt = None
     plan = []  # (p, state): every check passes before any group is created or hook added
@@ -169,24 +207,24 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
         rt = rt or runtime_mesh(mesh)
         for g in groups:
             resolve_dims(rt, g, f"{name!r} grad")
-        if not p.requires_grad:
-            raise EinshardError(f"{name!r} has gradient groups {groups!r} but does not require gradients")
+        if hooked_by(p) is not None:
+            raise EinshardError(
+                f"native gradient hooks ({name!r}): the parameter already has gradient hooks that sum it (an "
+                "earlier register_native_grad_reduction_hooks_); remove them first (handle.remove()), or its "
+                "gradient would be summed twice"
+            )
         plan.append((p, state))
-    plan = [(p, s, [resolve_group(rt, g, "grad") for g in _native_groups(s)]) for p, s in plan]
-    hooks = []
-    bucketer = None
+    bucketers = []
     try:
-        sync = [(p, r) for p, s, r in plan if s.grad_comm.schedule != "async" and any(n > 1 for _, n in r)]
-        for p, resolved in sync:
-            hooks.append(p.register_hook(_sum_hook([(g, n) for g, n in resolved if n > 1])))
-        asyn = [(p, s.grad_comm.mesh_dims) for p, s, _ in plan if s.grad_comm.schedule == "async"]
-        if asyn:
-            bucketer = GradBucketer(asyn, rt, bucket_bytes=bucket_bytes)
+        for synchronous in (True, False):
+            chosen = [(p, s.grad_comm.mesh_dims) for p, s in plan if (s.grad_comm.schedule != "async") == synchronous]
+            if chosen:
+                bucketers.append(GradBucketer(chosen, rt, bucket_bytes=bucket_bytes, synchronous=synchronous))
     except BaseException:
-        for h in hooks:
-            h.remove()
+        for b in bucketers:
+            b.remove()
         raise
-    return NativeGradReductionHandle(hooks, bucketer)
+    return NativeGradReductionHandle(bucketers)
 
 
 # -- DDP ---------------------------------------------------------------------------------------

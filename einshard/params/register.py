@@ -13,10 +13,12 @@ all are attached; any error leaves every parameter as it was.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
 from ..errors import EinshardError
+from .metadata import global_shape_from_sizes
 from .names import mesh_names
 from .state import ParameterState
 from .store import Registration, get_parameter_state, per_name
@@ -32,33 +34,64 @@ __all__ = [
 _UNSET = object()
 
 
-def _layout_state(layout, names, grad, init_sync, source) -> ParameterState:
-    return ParameterState.from_layout(layout, mesh_dim_names=names, grad=grad, init_sync=init_sync, source=source)
+def _layout_state(layout, names, grad, init_sync, source, p=None, sizes=None) -> ParameterState:
+    """The state of ``layout``; with ``sizes=`` (``{axis: whole size}``) it records ``p``'s global shape."""
+    state = ParameterState.from_layout(layout, mesh_dim_names=names, grad=grad, init_sync=init_sync, source=source)
+    if sizes and p is not None:
+        shape = global_shape_from_sizes(state, tuple(p.shape), sizes)
+        if shape is not None:
+            state = replace(state, global_shape=shape)
+    return state
+
+
+def _check_sizes(sizes, layouts=None) -> dict | None:
+    """``sizes=``: a Mapping from axis names to whole sizes; with ``layouts``, every axis must be one of theirs."""
+    if sizes is None:
+        return None
+    if not isinstance(sizes, Mapping):
+        raise TypeError(f"sizes= must be a Mapping from axis names to whole sizes, got {type(sizes).__name__}")
+    for axis, size in sizes.items():
+        if not isinstance(axis, str):
+            raise TypeError(f"sizes= keys are axis names, got {axis!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise EinshardError(f"sizes[{axis!r}] must be a non-negative int, got {size!r}")
+    if layouts is not None:
+        known = {a.name for text in layouts for a in ParameterState.from_layout(text).spec.axes}
+        unknown = sorted(set(sizes) - known)
+        if unknown:
+            raise EinshardError(f"sizes= names axes {unknown}, which no layout has (their axes: {sorted(known)})")
+    return dict(sizes)
 
 
 def register_parameter_layout(
-    p, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source="layout"
+    p, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, sizes=None, source="layout"
 ) -> torch.nn.Parameter:
     """Register ``layout`` (axes only, e.g. ``"out/tp in"``) on ``p``; returns ``p``.
 
-    >>> p = register_parameter_layout(torch.nn.Parameter(torch.zeros(4, 3)), "out/tp in", grad="dp")
-    >>> get_parameter_state(p).grad_comm.mesh_dims
-    ('dp',)
+    ``sizes=``: the whole sizes of sharded axes (``{"out": 8}``): the parameter's global shape is
+    recorded, and checked wherever its block is used.
+
+    >>> p = register_parameter_layout(torch.nn.Parameter(torch.zeros(4, 3)), "out/tp in", grad="dp", sizes={"out": 8})
+    >>> get_parameter_state(p).grad_comm.mesh_dims, get_parameter_state(p).global_shape
+    (('dp',), (8, 3))
     """
     reg = Registration()
     if not isinstance(p, torch.nn.Parameter):
         raise TypeError(f"p must be a torch.nn.Parameter, got {type(p).__name__}")
-    reg.add(p, _layout_state(layout, mesh_names(mesh, mesh_dim_names), grad, init_sync, source))
+    sizes = _check_sizes(sizes, [layout] if isinstance(layout, str) else None)
+    reg.add(p, _layout_state(layout, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, p, sizes))
     reg.attach()
     return p
 
 
 def register_module_parameter_layouts_(
-    module, layouts, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source="module"
+    module, layouts, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, sizes=None, source="module"
 ):
     """Register ``{parameter name: layout}`` (dotted names allowed) on ``module``; returns ``module``.
 
     ``grad``/``init_sync`` are one value for all, or mappings by name (absent names get the default).
+    ``sizes=``: ``{axis: whole size}`` for sharded axes; the global shapes of the parameters whose sharded
+    axes it names are recorded (and checked wherever their blocks are used).
 
     >>> m = torch.nn.Sequential(torch.nn.Linear(3, 4))
     >>> _ = register_module_parameter_layouts_(m, {"0.weight": "out/tp in", "0.bias": "out/tp"}, grad="dp")
@@ -77,6 +110,7 @@ def register_module_parameter_layouts_(
         if not name:
             raise EinshardError("an empty parameter name in layouts")
     names = list(layouts)
+    sizes = _check_sizes(sizes, list(layouts.values()))
     grads = per_name(grad, names, "grad")
     syncs = per_name(init_sync, names, "init_sync")
     mesh_dims = mesh_names(mesh, mesh_dim_names)
@@ -87,7 +121,7 @@ def register_module_parameter_layouts_(
         except AttributeError:
             raise EinshardError(f"unknown parameter names: {name!r} is not a parameter of the module") from None
         try:
-            reg.add(p, _layout_state(layouts[name], mesh_dims, grads[name], syncs[name], source), name)
+            reg.add(p, _layout_state(layouts[name], mesh_dims, grads[name], syncs[name], source, p, sizes), name)
         except ValueError as err:
             raise EinshardError(f"parameter {name!r}: {err}") from None
     reg.attach()
@@ -112,7 +146,8 @@ def _first_axis_layout(state: ParameterState) -> str:
 
 
 def _register_pair(
-    module, what, weight_layout, bias_layout, names, grads, syncs, source, *, bias_must_match_first_axis, check
+    module, what, weight_layout, bias_layout, names, grads, syncs, source, *, bias_must_match_first_axis, check,
+    sizes=None,
 ):
     """Shared body of the linear/conv/norm helpers (``grads``/``syncs``: (weight, bias) values)."""
     weight, bias = _weight_and_bias(module, what)
@@ -123,8 +158,9 @@ def _register_pair(
     if bias_layout is not None and not isinstance(bias_layout, str):
         raise TypeError(f"{what}: the bias layout must be a str, got {type(bias_layout).__name__}")
     check(weight, bias)
+    sizes = _check_sizes(sizes, [weight_layout])
     reg = Registration()
-    w_state = _layout_state(weight_layout, names, grads[0], syncs[0], source)
+    w_state = _layout_state(weight_layout, names, grads[0], syncs[0], source, weight, sizes)
     reg.add(weight, w_state, "weight")
     if bias is not None:
         if bias_must_match_first_axis:
@@ -134,7 +170,7 @@ def _register_pair(
             bias_layout = default
         elif bias_layout is None:
             bias_layout = w_state.layout
-        reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source), "bias")
+        reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source, bias, sizes), "bias")
     reg.attach()
     return module
 
@@ -155,6 +191,7 @@ def register_linear_parameters_(
     init_sync=None,
     weight_init_sync=None,
     bias_init_sync=None,
+    sizes=None,
     source="linear",
 ):
     """Register a linear layer's weight (rank 2) and bias (its first weight axis); returns ``module``.
@@ -175,7 +212,7 @@ def register_linear_parameters_(
     return _register_pair(
         module, "linear", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
         (weight_grad, bias_grad), (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
-        source, bias_must_match_first_axis=True, check=check,
+        source, bias_must_match_first_axis=True, check=check, sizes=sizes,
     )
 
 
@@ -195,6 +232,7 @@ def register_conv_parameters_(
     init_sync=None,
     weight_init_sync=None,
     bias_init_sync=None,
+    sizes=None,
     source="conv",
 ):
     """Register a convolution's weight (rank 3/4/5, default ``out in kh kw``...) and bias; returns ``module``.
@@ -223,7 +261,7 @@ def register_conv_parameters_(
         module, "conv", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
         (_pick(weight_grad, grad), _pick(bias_grad, grad)),
         (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
-        source, bias_must_match_first_axis=True, check=check,
+        source, bias_must_match_first_axis=True, check=check, sizes=sizes,
     )
 
 
@@ -241,6 +279,7 @@ def register_norm_parameters_(
     init_sync=None,
     weight_init_sync=None,
     bias_init_sync=None,
+    sizes=None,
     source="norm",
 ):
     """Register a norm layer's affine weight (default layout ``c``) and bias (same shape; same layout by default).
@@ -264,5 +303,5 @@ def register_norm_parameters_(
         module, "norm", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
         (_pick(weight_grad, grad), _pick(bias_grad, grad)),
         (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
-        source, bias_must_match_first_axis=False, check=check,
+        source, bias_must_match_first_axis=False, check=check, sizes=sizes,
     )

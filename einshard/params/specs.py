@@ -2,10 +2,15 @@
 
 The layouts registered on a module's parameters are what ``shard_map``,
 ``tree_shard``/``tree_gather``, the DTensor conversion and checkpoints read,
-so no spec is written twice.
+so no spec is written twice. Each layout is a :class:`ParamSpec`: a ``str``
+that also carries the parameter's recorded global shape (``shard_map`` checks
+the tensors given for it) and a weak reference to the parameter
+(``es.tree_shard`` of whole values records their shape on it).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import optree
 import torch
@@ -13,12 +18,40 @@ import torch
 from ..errors import EinshardError
 from .store import get_parameter_state
 
-__all__ = ["param_specs", "as_param_tree", "specs_or_registered"]
+__all__ = ["ParamSpec", "param_specs", "as_param_tree", "specs_or_registered"]
+
+
+class ParamSpec(str):
+    """A registered layout (``"f/tp c"``, equal to that string) with the parameter's recorded global shape.
+
+    ``global_shape``: the whole tensor's shape, or ``None`` (unknown); ``param``: the parameter, while it
+    lives. Pickled or copied, it keeps the layout and the global shape (not the parameter).
+
+    >>> s = ParamSpec("f/tp c", (6, 3))
+    >>> s == "f/tp c", s.global_shape
+    (True, (6, 3))
+    """
+
+    def __new__(cls, layout: str, global_shape=None, param=None):
+        self = super().__new__(cls, layout)
+        self.global_shape = None if global_shape is None else tuple(global_shape)
+        self._param = None if param is None else weakref.ref(param)
+        return self
+
+    @property
+    def param(self):
+        """The parameter whose layout this is (``None`` once it is gone, or when unknown)."""
+        return None if self._param is None else self._param()
+
+    def __reduce__(self):
+        return (ParamSpec, (str(self), self.global_shape))
 
 
 def _layout_of(x):
     state = get_parameter_state(x) if isinstance(x, torch.nn.Parameter) else None
-    return None if state is None else state.layout
+    if state is None or state.layout is None:
+        return None
+    return ParamSpec(state.layout, state.global_shape, x)
 
 
 def param_specs(module_or_tree):

@@ -194,6 +194,7 @@ class ParameterState:
     source: str = "inferred"
     explicit_init_sync_none: bool = False
     explicit_grad_comm_none: bool = False
+    global_shape: tuple[int, ...] | None = None  # the whole tensor's shape, when known (None: unknown)
 
     @property
     def axes(self) -> tuple:
@@ -379,10 +380,22 @@ def _check_fields(state) -> None:
             derived is not None and derived.placements != state.tensor_state.placements
         ):
             raise EinshardError(f"ParameterState.tensor_state does not match the spec {str(state.spec)!r}")
+    _check_global_shape(state)
     if state.explicit_init_sync_none and state.init_sync.mode != "none":
         raise EinshardError("ParameterState.explicit_init_sync_none is set but init_sync is not none")
     if state.explicit_grad_comm_none and state.grad_comm.mode != "none":
         raise EinshardError("ParameterState.explicit_grad_comm_none is set but grad_comm is not none")
+
+
+def _check_global_shape(state) -> None:
+    shape = state.global_shape
+    if shape is None:
+        return
+    if not isinstance(shape, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+        raise EinshardError(f"ParameterState.global_shape must be a tuple of non-negative ints or None, got {shape!r}")
+    if state.spec is None:
+        raise EinshardError("a layout-free ParameterState has no global shape")
+    check_rank(state, len(shape), "global shape")
 
 
 def check_state(state) -> None:
