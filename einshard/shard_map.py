@@ -59,7 +59,7 @@ from .params.summed import body_duty_error, native_duty, watch_body
 
 __all__ = ["shard_map", "ShardMap"]
 
-_compiling = torch.compiler.is_compiling
+_compiling = _trace.traced
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 import einshard as es
 from einshard._split import compute_split_shapes
-from einshard.checks import checks_enabled
 from einshard.testing import local_block, make_mesh
 
 DT = torch.float64
@@ -129,13 +128,7 @@ def _as_tuple(out):
 
 def check(name: str, variant: str, mode: str) -> None:
     """Run scenario ``name`` (``variant`` of its sizes) in ``mode`` on this rank and compare (see the module)."""
-    checks = checks_enabled()
-    if mode != "eager":
-        es.set_checks(False)  # cross-rank checks under compile: see test_compile_fullgraph
-    try:
-        _check(SCENARIOS[name], variant, mode)
-    finally:
-        es.set_checks(checks)
+    _check(SCENARIOS[name], variant, mode)
 
 
 def check_in(sc: Scenario, variant: str, mode: str, fullgraph: bool | None = None) -> None:
