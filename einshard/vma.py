@@ -945,7 +945,7 @@ class TracedTracker(_Rules):
         mixed = any(m != union for m in masks)
         if mixed and _grad_enabled():
             args, kwargs = self._widen_args(func, args, kwargs, union)
-        out = self.tag_tree(func(*args, **kwargs), union)
+        out = self.tag_tree(_call_traced(func, args, kwargs), union)
         if self.memo and self.is_inplace(func) and args and isinstance(args[0], _Tensor):
             self.forget(args[0])
         if mixed and self.is_inplace(func) and args and isinstance(args[0], _Tensor):
@@ -955,6 +955,25 @@ class TracedTracker(_Rules):
             if base is not None:
                 self.tag(base, union | self.mask_of(base))
         return out
+
+
+def _call_traced(func, args, kwargs):
+    """``func(*args, **kwargs)`` in traced code. A Tensor method written in Python (``Tensor.unflatten``,
+    ``Tensor.split``) is called as a method, which dynamo handles itself: tracing its Python body, it fails
+    at the ``super()`` call inside."""
+    if _compiling() and args and isinstance(args[0], _Tensor):
+        name = _python_tensor_method(func)
+        if name is not None:
+            return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
+@_trace.constant_result
+def _python_tensor_method(func) -> str | None:
+    name = getattr(func, "__name__", None)
+    if isinstance(name, str) and getattr(torch.Tensor, name, None) is func and hasattr(func, "__code__"):
+        return name
+    return None
 
 
 def _fake(args) -> bool:

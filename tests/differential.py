@@ -461,3 +461,7 @@ def _inplace_grad_body(x, w1, w2, g):
 scenario("shard_map_inplace_requires_grad", TP2, {**_MLP_IN, "g": "b c"}, "b c",
          lambda x, w1, w2, g: 2 * g + _mlp(x, w1, w2), EVEN_UNEVEN)(
     _body(_inplace_grad_body, ("b c", "f/tp c", "c f/tp", "b c"), "b c"))
+
+
+_body_scenario("shard_map_unflatten", TP2, _MLP_IN, "b c", _mlp,
+               lambda x, w1, w2: es.psum(F.gelu((x @ w1.T).unflatten(1, (1, -1)).flatten(1)) @ w2.T, "tp"))
