@@ -10,18 +10,27 @@ dynamo knows how to guard on.
 and false in such trace-time Python (``torch.compiler.is_compiling`` is true
 in both). Process groups reach trace-time functions by name
 (:func:`group_name`, :func:`resolve_group`): dynamo hands them a stand-in.
+
+Code that must see the graph dynamo is building runs in :func:`at_trace_time`
+(``torch._dynamo.comptime``): it gets the graph and the traced frames' local
+variables, and hands a result back under a :func:`fresh_name` with
+:func:`publish`. Errors found there are raised with :func:`trace_error`, an
+``EinshardError`` that dynamo passes to the caller as it is.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 
 import torch
 import torch.distributed.distributed_c10d as _c10d
 
+from .errors import EinshardError
+
 __all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
-           "stand_in"]
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error"]
 
 #: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
 traced = torch.compiler.is_dynamo_compiling
@@ -61,6 +70,57 @@ def register(obj) -> str:
 
 def lookup(name: str):
     return getattr(_OBJECTS, name)
+
+
+_FRESH = itertools.count()
+
+
+@constant_result
+def fresh_name() -> str:
+    """A name no object is registered under yet (a trace-time constant), for :func:`publish`."""
+    return f"fresh{next(_FRESH)}"
+
+
+def publish(name: str, value) -> None:
+    """Register ``value`` under ``name`` (at trace time; traced code reads it with :func:`lookup`)."""
+    setattr(_OBJECTS, name, value)
+
+
+def at_trace_time(fn) -> None:
+    """Run ``fn(ctx)`` while dynamo traces the caller (``torch._dynamo.comptime``).
+
+    ``ctx.get_local(name, stacklevel=1)`` reads the caller's local variables
+    (tensors as graph proxies), ``ctx.graph()`` is the graph being built. Only
+    for code that runs while compiling (dynamo is loaded then).
+    """
+    torch._dynamo.comptime.comptime(fn)
+
+
+_TRACE_ERROR: list = []
+
+
+def trace_error(message: str) -> EinshardError:
+    """An ``EinshardError`` to raise at trace time; dynamo passes it to the caller unwrapped.
+
+    Dynamo rewraps most exceptions raised while it traces; its ``UserError``
+    ("valid in eager, not supported by the compiler") reaches the caller as it
+    is, so the error is both.
+    """
+    if not _TRACE_ERROR:
+        exc = sys.modules["torch._dynamo.exc"]
+
+        class EinshardCompileError(EinshardError, exc.UserError):
+            """An einshard error found while ``torch.compile`` traces."""
+
+            def __init__(self, msg: str):
+                exc.UserError.__init__(self, exc.UserErrorType.INVALID_INPUT, msg)
+
+            def __str__(self) -> str:
+                return self.msg
+
+        EinshardCompileError.__module__, EinshardCompileError.__qualname__ = "einshard", "EinshardCompileError"
+        _TRACE_ERROR.append(EinshardCompileError)
+    return _TRACE_ERROR[0](message)
 
 
 def static_shape(t) -> tuple:

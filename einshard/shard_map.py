@@ -59,7 +59,7 @@ from .params.summed import body_duty_error, native_duty, watch_body
 
 __all__ = ["shard_map", "ShardMap"]
 
-_compiling = torch.compiler.is_compiling
+_compiling = _trace.traced
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -273,11 +273,16 @@ class ShardMap:
             if tracker is None:
                 out = self.f(*body_args, **kwargs)
             else:
-                for i, mask in plan.masks:
-                    tracker.tag(body_leaves[i], mask)
+                # every tensor argument is tagged (invariant ones too): a graph break in the body must not
+                # leave one untagged, as untagged tensors after a break are decided from the tensor alone
+                masks = dict(plan.masks)
+                tensors = [i for i, x in enumerate(body_leaves) if isinstance(x, _Tensor)]
+                for i in tensors:
+                    tracker.tag(body_leaves[i], masks.get(i, 0))
                 with _vma.tracking(tracker):
                     out = self.f(*body_args, **kwargs)
-                for i, _mask in plan.masks:
+                tracker.check_graph()
+                for i in tensors:
                     tracker.untag(body_leaves[i])
             out_leaves, out_spec = _pytree.tree_flatten(out)
             struct = out_spec.unflatten(list(range(len(out_leaves))))
@@ -556,10 +561,16 @@ def _vary_as_declared(tracker, leaves, checks_) -> bool:
 def _output_vma(tracker, out, i, x, declared, spec):
     """``(vma mask, declared dims it lacks)`` of output leaf ``i``; ``ValueError`` when it varies undeclared."""
     m = tracker.mask_of(x)
+    if m & _vma.UNKNOWN:
+        _vma.refuse(
+            f"shard_map under torch.compile: einshard cannot decide over which mesh dimensions output "
+            f"out{leaf_path(out, i)} varies: it depends on a tensor that crossed a graph break inside the body "
+            "without einshard's tag; avoid the graph break (fullgraph=True shows where it is)"
+        )
     bad = m & ~declared
     if bad:
         dim = tracker.info.dims(bad)[0]
-        raise EinshardError(
+        _vma.refuse(
             f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
             f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
             f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "

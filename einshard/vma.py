@@ -49,6 +49,7 @@ import itertools
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from . import _context, _trace
@@ -70,6 +71,9 @@ __all__ = [
     "run_tracked",
     "run_replayed",
     "tracking_ambient",
+    "TracedTracker",
+    "UNKNOWN",
+    "refuse",
 ]
 
 #: number of ``shard_map(check_vma=True)`` bodies running in this process (any thread)
@@ -77,11 +81,12 @@ ACTIVE = 0
 
 ATTR = "_es_vma"
 MASK = (1 << 32) - 1  # the mask bits of a tag (above them: the serial of the shard_map call)
-_SERIALS = itertools.count(1)
+_SERIALS = itertools.count(2)  # eager calls; 1 is every traced call's (TRACED_SERIAL)
 _Tensor = torch.Tensor
 _SEQ = (list, tuple)
 _DisableTorchFunction = torch._C.DisableTorchFunction
 _grad_enabled = torch.is_grad_enabled
+_compiling = _trace.traced  # code that dynamo traces (not the Python it runs at trace time)
 
 
 # -- per-mesh static data ------------------------------------------------------------
@@ -175,17 +180,18 @@ def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class _PVaryInPlace(torch.autograd.Function):
-    """``pvary`` applied in place (``t`` keeps its identity): identity forward, gradient summed backward."""
+    """``pvary`` applied in place (``t`` keeps its identity): identity forward, gradient summed backward
+    (``traced``: with a functional all-reduce, for code that ``torch.compile`` traces)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, traced=False):
+        ctx.group, ctx.traced = group, traced
         ctx.mark_dirty(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return psum_tensor(grad, ctx.group), None
+        return (all_reduce(grad, ctx.group) if ctx.traced else psum_tensor(grad, ctx.group)), None, None
 
 
 # -- the tracker -----------------------------------------------------------------------
@@ -213,7 +219,7 @@ class _Rules:
         return self.pvary(t, mask, missing) if missing & ~self.info.trivial else t
 
     def _widen_args(self, func, args, kwargs, union):
-        inplace = _is_inplace(func)
+        inplace = self.is_inplace(func)
 
         def fix(a):
             if isinstance(a, _Tensor):
@@ -251,6 +257,12 @@ class Tracker(_Rules, TorchFunctionMode):
     costs one Python call that reads the arguments' tags and returns at once
     when none is tracked.
     """
+
+    traced = False
+
+    @staticmethod
+    def is_inplace(func) -> bool:
+        return _is_inplace(func)
 
     def __init__(self, mesh, info: _MeshInfo | None = None, serial: int | None = None):
         self.info = mesh_info(mesh) if info is None else info  # shard_map passes the one its plan holds
@@ -547,7 +559,7 @@ class suspended:
 
     def __enter__(self):
         self.tracker.suspended += 1
-        if self.tracker.serial:
+        if not self.tracker.traced:
             self._disable = _DisableTorchFunction()
             self._disable.__enter__()
         # else a TracedTracker: its mode passes calls through while suspended (dynamo traces no
@@ -555,7 +567,7 @@ class suspended:
 
     def __exit__(self, *exc):
         try:
-            if self.tracker.serial:
+            if not self.tracker.traced:
                 self._disable.__exit__(*exc)
         finally:
             self.tracker.suspended -= 1
@@ -581,9 +593,16 @@ def get_vma(x) -> frozenset | None:
 
 
 def library_call(tracker: Tracker, fn, args, kwargs, out_mask: int):
-    """Run ``fn(*args, **kwargs)`` untracked and tag its tensor outputs with ``out_mask``."""
+    """Run ``fn(*args, **kwargs)`` untracked and tag its tensor outputs with ``out_mask``.
+
+    Traced, the graph nodes it makes are the op's internals (not checked as plain torch ops).
+    """
+    if tracker.traced:
+        tracker.check_graph()
     with suspended(tracker):
         out = fn(*args, **kwargs)
+    if tracker.traced:
+        tracker.region()
     return tracker.tag_tree(out, out_mask)
 
 
@@ -670,7 +689,7 @@ def tracking_ambient():
 def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
     """:func:`formula_op` where ``ambient`` (from :func:`tracking_ambient`) is known to track variance."""
     tracker = ambient.shard_map.tracker
-    if not tracker.serial:
+    if tracker.traced:
         return _traced_formula_op(tracker, ambient, fn, formula, tensors, kwargs)
     info = tracker.info
     mesh = kwargs.get("mesh")
@@ -759,13 +778,15 @@ def _traced_formula_op(tracker, ambient, fn, formula, tensors, kwargs):
     declared, mentioned, out_mask, texts = _traced_rule(info, formula, kwargs.get("families"))
     if len(declared) != len(tensors):
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+    masks = [tracker.mask_of(t) if isinstance(t, _Tensor) else 0 for t in tensors]
     with suspended(tracker):
-        masks = [tracker.mask_of(t) if isinstance(t, _Tensor) else 0 for t in tensors]
         passthrough = 0
         for k, m in enumerate(masks):
+            if m & UNKNOWN:
+                _refuse_unknown(fn, [tensors[k]], [m])
             bad = m & mentioned & ~declared[k]
             if bad:
-                raise _replicated_operand_error(info, formula, texts, k, bad)
+                refuse(str(_replicated_operand_error(info, formula, texts, k, bad)))
             passthrough |= m & ~mentioned
         xs = tensors
         if _grad_enabled():
@@ -775,8 +796,7 @@ def _traced_formula_op(tracker, ambient, fn, formula, tensors, kwargs):
                     if xs is tensors:
                         xs = list(tensors)
                     xs[k] = tracker.pvary_operand(t, masks[k], missing)
-        out = fn(formula, *xs, **kwargs)
-    return tracker.tag_tree(out, out_mask | passthrough)
+    return library_call(tracker, fn, (formula, *xs), kwargs, out_mask | passthrough)
 
 
 def _union_mask(tracker, tensors) -> int:
@@ -788,39 +808,74 @@ def _union_mask(tracker, tensors) -> int:
 
 
 # -- under torch.compile -------------------------------------------------------------------------
+#
+# Dynamo records some operations without calling torch function modes: tensor properties (``.T``,
+# ``.mT``, ``.H``, ``.real``), iteration and unpacking (``for row in w``, ``a, b = x``) and builtins
+# (``abs(x)``). A mode alone would see their results untagged and count them invariant, and the
+# gradient sums they need would be lost. So under torch.compile the graph dynamo builds is the
+# record: every operation is a node there. The traced tracker annotates the nodes it tags, and the
+# variance of any other tensor is decided on the graph (at trace time, ``einshard._trace.at_trace_time``):
+# a node the tracker did not see varies like the union of its tensor arguments (the rule of every
+# plain torch op), a node made before the body (a captured tensor) is invariant. Each such node is
+# checked on the way: one that mixes variance without the pvary its gradient needs, or writes
+# varying data in place into a tensor that varies less, raises an ``EinshardError`` naming it.
+#
+# A graph break inside the body (``torch.autograd.grad`` always breaks) ends one graph; tensors
+# crossing it keep their tags (tags are tensor attributes, which dynamo restores at the break). An
+# untagged tensor that crosses one is decided from the real tensor (a view varies like its base, a
+# leaf that requires grad is a parameter made outside the body); otherwise its variance is unknown,
+# and an operation whose result would depend on it raises.
+
+UNKNOWN = 1 << 31  # a mask bit: variance that cannot be decided (see above); never a mesh dimension's bit
+# The serial of every traced call's tags: a constant, as a per-call number would be a new guard (a recompile)
+# on every call, and dynamo makes an int that changes between calls dynamic. Every body re-tags its arguments,
+# and an earlier body's intermediate tensors keep the variance they had there.
+TRACED_SERIAL = 1 << 32
+_NODE_VMA = "einshard_vma"  # node.meta key: {body serial: mask}
+_NODE_PRE = "einshard_pre"  # node.meta key: serials of the bodies that began after this node was made
 
 
 class TracedTracker(_Rules):
     """The tracker of a ``shard_map`` body that dynamo traces: variance decided at trace time.
 
-    Same rules as :class:`Tracker`; tags are plain tensor attributes (which
-    dynamo tracks) holding the mask alone (serial 0, so eager trackers ignore
-    them), there is no memo (a repeated pvary is a free identity forward),
-    and pvary is the traced identity-forward, all-reduce-backward Function.
-    The pvary insertions become graph nodes; the compiled step runs no
-    tracking code at all.
-
-    Limit: tracking sees the calls dynamo routes through torch function
-    modes. Tensors dynamo makes without them (iterating or unpacking a
-    tensor, property views such as ``.T``) carry no tag and count as
-    invariant, like tensors captured from outside the body; see
-    ``docs/shard_map.md``.
+    Same rules and tags as :class:`Tracker` (the tag carries this call's
+    serial, a trace-time constant); tensors without a tag are decided on the
+    graph (see the comments above this class). The pvary insertions become
+    graph nodes; the compiled step runs no tracking code at all.
     """
 
-    __slots__ = ("info", "serial", "suspended", "inplace")
+    __slots__ = ("info", "serial", "suspended", "inplace", "memo")
+    traced = True
+
+    @staticmethod
+    def is_inplace(func) -> bool:
+        return _traced_is_inplace(func) if _compiling() else _is_inplace(func)
 
     def __init__(self, mesh):
         self.info = _trace.lookup(_traced_info(mesh))
-        self.serial = 0
+        self.serial = TRACED_SERIAL
         self.suspended = 0
         self.inplace = False
+        self.memo: list = []  # (tensor, missing mask, grad mode, pvaried): no id(), which dynamo guards on
+        if _compiling():
+            serial, trivial = self.serial, self.info.trivial  # (read by _open_body)
+            _trace.at_trace_time(_open_body)
 
     def mask_of(self, t) -> int:
-        tag = getattr(t, ATTR, 0)
-        return tag if tag <= MASK else 0
+        m = getattr(t, ATTR, 0) ^ self.serial
+        if m <= MASK:
+            return m
+        if not _compiling():  # the eager call at a graph break
+            return _real_mask(self.serial, t)
+        serial, trivial, name = self.serial, self.info.trivial, _trace.fresh_name()  # (read by _node_lookup)
+        _trace.at_trace_time(_node_lookup)
+        return _trace.lookup(name)
 
     def tag(self, t, mask: int) -> None:
-        setattr(t, ATTR, mask)
+        setattr(t, ATTR, self.serial | mask)
+        if _compiling():
+            serial, trivial = self.serial, self.info.trivial  # (read by _node_tag)
+            _trace.at_trace_time(_node_tag)
 
     def untag(self, t) -> None:
         setattr(t, ATTR, 0)
@@ -829,46 +884,126 @@ class TracedTracker(_Rules):
         """``out`` tagged; the pieces of a multi-output op (``unbind``, ``split``, ``chunk``) come back as
         fresh aliases, as dynamo refuses attributes on tensors it made outside this frame."""
         if isinstance(out, _Tensor):
-            setattr(out, ATTR, mask)
+            self.tag(out, mask)
         elif type(out) in _SEQ:
             out = type(out)([self._tagged_alias(o, mask) if isinstance(o, _Tensor) else o for o in out])
         return out
 
     def _tagged_alias(self, t, mask: int):
         y = t.view_as(t)
-        setattr(y, ATTR, mask)
+        self.tag(y, mask)
         return y
 
     def pvary(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
+        """As :meth:`Tracker.pvary`: memoised per call, so that every rank sums a tensor's gradient once,
+        however often its body uses it (a loop over a per-rank number of rows, say)."""
+        grad = _grad_enabled()
+        for hit in self.memo:
+            if hit[0] is t and hit[1] == missing and hit[2] == grad:
+                return hit[3]
         if missing & ~self.info.trivial:
             y = _TracedPVary.apply(t, self.info.group(missing))
         else:
             y = t.view_as(t)
-        setattr(y, ATTR, mask | missing)
+        self.tag(y, mask | missing)
+        self.memo.append((t, missing, grad, y))
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        raise EinshardError(
-            "shard_map under torch.compile: an in-place op writes varying data into an invariant tensor that "
-            "requires grad; use an out-of-place op (or es.pvary the tensor first)"
-        )
+        _PVaryInPlace.apply(t, self.info.group(missing), True)
+
+    def forget(self, t) -> None:
+        """Drop the memoised pvary-s of ``t`` (it is written in place: its old value's alias is stale)."""
+        self.memo = [hit for hit in self.memo if hit[0] is not t]
+
+    def region(self) -> None:
+        """The graph nodes made since the last check belong to a library op (its internals): not checked."""
+        if _compiling():
+            serial, trivial = self.serial, self.info.trivial  # (read by _skip_region)
+            _trace.at_trace_time(_skip_region)
+
+    def check_graph(self) -> None:
+        """Decide and check the variance of every graph node made since the last check (at the body's end)."""
+        if _compiling():
+            serial, trivial = self.serial, self.info.trivial  # (read by _sweep_here)
+            _trace.at_trace_time(_sweep_here)
 
     def dispatch(self, func, args, kwargs):
-        if self.suspended:
+        if self.suspended or not _compiling() and _fake(args):
+            # (fake tensors outside traced code: dynamo's own work while it compiles a frame of the body)
             return func(*args, **kwargs)
-        masks = [self.mask_of(a) for a in _tensor_args(args, kwargs)]
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(self, func, args, kwargs)
+        tensors = _tensor_args(args, kwargs)
+        masks = [self.mask_of(a) for a in tensors]
         union = 0
         for m in masks:
             union |= m
-        if not union:
-            return func(*args, **kwargs)
-        mixed = any(m != masks[0] for m in masks)
+        if union & UNKNOWN:
+            _refuse_unknown(func, tensors, masks)
+        mixed = any(m != union for m in masks)
         if mixed and _grad_enabled():
             args, kwargs = self._widen_args(func, args, kwargs, union)
-        out = self.tag_tree(func(*args, **kwargs), union)
-        if mixed and _is_inplace(func) and args and isinstance(args[0], _Tensor):
-            self.tag(args[0], union)
+        out = self.tag_tree(_call_traced(func, args, kwargs), union)
+        if self.memo and self.is_inplace(func) and args and isinstance(args[0], _Tensor):
+            self.forget(args[0])
+        if mixed and self.is_inplace(func) and args and isinstance(args[0], _Tensor):
+            target = args[0]
+            self.tag(target, union)
+            base = target._base
+            if base is not None:
+                self.tag(base, union | self.mask_of(base))
         return out
+
+
+def _call_traced(func, args, kwargs):
+    """``func(*args, **kwargs)`` in traced code. A Tensor method written in Python (``Tensor.unflatten``,
+    ``Tensor.split``) is called as a method, which dynamo handles itself: tracing its Python body, it fails
+    at the ``super()`` call inside."""
+    if _compiling() and args and isinstance(args[0], _Tensor):
+        name = _python_tensor_method(func)
+        if name is not None:
+            return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
+@_trace.constant_result
+def _python_tensor_method(func) -> str | None:
+    name = getattr(func, "__name__", None)
+    if isinstance(name, str) and getattr(torch.Tensor, name, None) is func and hasattr(func, "__code__"):
+        return name
+    return None
+
+
+def _fake(args) -> bool:
+    return any(isinstance(a, FakeTensor) for a in args)
+
+
+def refuse(message: str) -> None:
+    """Raise ``EinshardError(message)``: from trace-time Python while dynamo traces (so that it reaches the
+    caller as it is, also with ``fullgraph=True``), else directly."""
+    if _compiling():
+        _refuse_at_trace_time(message)
+    raise EinshardError(message)
+
+
+@_trace.constant_result
+def _refuse_at_trace_time(message: str) -> int:
+    raise _trace.trace_error(message)
+
+
+def _refuse_unknown(func, tensors, masks) -> None:
+    """An op meets a tensor of unknown variance: fine only when no gradient can depend on it."""
+    if not _grad_enabled() or not any(t.requires_grad for t in tensors):
+        return
+    name = getattr(func, "__name__", str(func))
+    refuse(
+        f"shard_map under torch.compile: {name!r} uses a tensor whose variance einshard cannot decide: it "
+        "crossed a graph break inside the body without einshard's tag (a tensor made before the body and "
+        "captured, or the result of an operation dynamo recorded before the break). Pass it to the body "
+        "as an argument with a spec, or avoid the graph break (fullgraph=True shows where it is)"
+    )
 
 
 class _TracedPVary(torch.autograd.Function):
@@ -890,7 +1025,200 @@ def _traced_info(mesh) -> str:
 
 
 @_trace.constant_result
+def _traced_is_inplace(func) -> bool:
+    return _is_inplace(func)
+
+
+@_trace.constant_result
 def _traced_rule(info: _MeshInfo, formula: str, families):
     """The variance rule of a formula as constants: (declared masks, mentioned, out mask, spec texts)."""
     rule = _formula_rule(info, formula, families)
     return rule.declared, rule.mentioned, rule.out, rule.texts
+
+
+# -- the graph's side (plain Python, run while dynamo traces) ---------------------------------------
+
+
+class _GraphBody:
+    """What the graph checks know of one traced body: its size-1 dimensions, the graph it began in (``None``
+    when it began outside one: in eager code between two graphs), where each graph was checked."""
+
+    __slots__ = ("serial", "trivial", "entry", "swept")
+
+    def __init__(self, serial: int, trivial: int, graph=None):
+        self.serial, self.trivial, self.entry = serial, trivial, graph
+        self.swept: dict = {}  # graph -> the last node checked (None: none yet)
+
+
+_GRAPH_BODIES = BoundedCache(256)
+
+
+def _local(ctx, name: str):
+    return ctx.get_local(name, stacklevel=1)
+
+
+def _int(ctx, name: str) -> int:
+    """The caller's local int ``name``; one that dynamo made dynamic (a frame of its own, called with other
+    values before) is specialised."""
+    var = _local(ctx, name)
+    try:
+        return var.as_python_constant()
+    except Exception:  # noqa: BLE001  (dynamo's AsPythonConstantNotImplementedError: a SymInt)
+        return int(var.as_fake())
+
+
+def _body_of(ctx) -> _GraphBody:
+    """The body of the caller's ``serial`` (and ``trivial``: its size-1 dimensions); made here when it began outside a graph
+    (dynamo split the frame that created the tracker, and ran that part eagerly)."""
+    serial, trivial = _int(ctx, "serial"), _int(ctx, "trivial")
+    body = _GRAPH_BODIES.get(serial)
+    if body is None:
+        body = _GRAPH_BODIES.put(serial, _GraphBody(serial, trivial))
+    return body
+
+
+def _open_body(ctx) -> None:
+    """The body starts: every node made so far is outside it (invariant, like a captured tensor)."""
+    serial, trivial = _int(ctx, "serial"), _int(ctx, "trivial")
+    graph = ctx.graph()
+    last = None
+    for node in graph.nodes:
+        node.meta.setdefault(_NODE_PRE, set()).add(serial)
+        last = node
+    body = _GraphBody(serial, trivial, graph)
+    body.swept[graph] = last
+    _GRAPH_BODIES.put(serial, body)
+
+
+def _node_tag(ctx) -> None:
+    body = _body_of(ctx)
+    node = _local(ctx, "t").as_proxy().node
+    node.meta.setdefault(_NODE_VMA, {})[body.serial] = _int(ctx, "mask")
+
+
+def _node_lookup(ctx) -> None:
+    body, graph = _body_of(ctx), ctx.graph()
+    _sweep(body, graph)
+    node = _local(ctx, "t").as_proxy().node
+    _trace.publish(_local(ctx, "name").as_python_constant(), _node_mask(body, graph, node))
+
+
+def _sweep_here(ctx) -> None:
+    _sweep(_body_of(ctx), ctx.graph())
+
+
+def _skip_region(ctx) -> None:
+    body, graph = _body_of(ctx), ctx.graph()
+    body.swept[graph] = _last_node(graph)
+
+
+def _last_node(graph):
+    for node in reversed(graph.nodes):
+        return node
+    return None
+
+
+def _sweep(body: _GraphBody, graph) -> None:
+    """Decide (and check) the variance of the nodes made since the last sweep of ``graph``."""
+    start = body.swept.get(graph, None)
+    if graph not in body.swept:  # a graph after a break in the body: all of it is the body's
+        nodes = iter(graph.nodes)
+    elif start is None:
+        nodes = iter(graph.nodes)
+    else:
+        nodes = _after(start)
+    last = start
+    for node in nodes:
+        last = node
+        if node.op.startswith("call") and body.serial not in node.meta.get(_NODE_VMA, ()):
+            node.meta.setdefault(_NODE_VMA, {})[body.serial] = _decide(body, graph, node)
+    body.swept[graph] = last
+
+
+def _after(node):
+    node = node.next
+    while node.op != "root":
+        yield node
+        node = node.next
+
+
+def _tensor_nodes(node) -> list:
+    return [a for a in node.all_input_nodes if isinstance(a.meta.get("example_value"), _Tensor)]
+
+
+def _requires_grad(node) -> bool:
+    value = node.meta.get("example_value")
+    if isinstance(value, _Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, _Tensor) and v.requires_grad for v in value)
+    return False
+
+
+def _target_name(node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _decide(body: _GraphBody, graph, node) -> int:
+    """The variance of a node the tracker did not tag: the union of its tensor arguments', after checking
+    that it needs no pvary (a tracked op got one) and writes no varying data into a less varying tensor."""
+    args = _tensor_nodes(node)
+    masks = [_node_mask(body, graph, a) for a in args]
+    union = 0
+    for m in masks:
+        union |= m
+    wider = ~body.trivial & ~UNKNOWN
+    if _requires_grad(node):
+        for a, m in zip(args, masks):
+            if union & ~m & wider and a.meta["example_value"].requires_grad:
+                raise _trace.trace_error(
+                    f"shard_map under torch.compile: the operation {_target_name(node)!r} combines a tensor that "
+                    "requires grad and varies over fewer mesh dimensions than another of its operands, and "
+                    "einshard's variance tracking did not see it (dynamo recorded it without calling torch "
+                    "function modes), so its gradient sum cannot be inserted; write it as a torch function or "
+                    "method call (e.g. torch.abs(x) for abs(x)), or es.pvary the operand first"
+                )
+    if args and _inplace_name(_target_name(node)) and union & ~masks[0] & wider:
+        raise _trace.trace_error(
+            f"shard_map under torch.compile: the in-place operation {_target_name(node)!r} writes varying data "
+            "into a tensor that varies over fewer mesh dimensions, and einshard's variance tracking did not "
+            "see it; use an out-of-place operation"
+        )
+    return union
+
+
+def _node_mask(body: _GraphBody, graph, node) -> int:
+    tags = node.meta.get(_NODE_VMA)
+    if tags is not None and body.serial in tags:
+        return tags[body.serial]
+    if node.op in ("placeholder", "get_attr"):
+        if graph is body.entry:
+            return 0  # a tensor from outside the body (captured), or a module's parameter
+        grapharg = node.meta.get("grapharg")
+        example = None if grapharg is None else grapharg.example
+        return _real_mask(body.serial, example) if isinstance(example, _Tensor) else UNKNOWN
+    if body.serial in node.meta.get(_NODE_PRE, ()):
+        return 0  # made before the body began
+    raise _trace.trace_error(f"einshard: no variance for graph node {node.name!r} ({_target_name(node)!r}); "
+                             "this is a bug in einshard's variance tracking under torch.compile")
+
+
+def _real_mask(serial: int, t) -> int:
+    """The mask of a real tensor that has no tag of this call (one that crossed a graph break in the body)."""
+    m = t.__dict__.get(ATTR, 0) ^ serial
+    if m <= MASK:
+        return m
+    base = t._base
+    if base is not None:
+        m = base.__dict__.get(ATTR, 0) ^ serial
+        if m <= MASK:
+            return m
+    if t.requires_grad and t.is_leaf:
+        return 0  # a parameter: made outside any graph
+    return UNKNOWN
+
+
+def _inplace_name(name: str) -> bool:
+    return (name in _INPLACE_DUNDER or f"__{name}__" in _INPLACE_DUNDER
+            or (name.endswith("_") and not name.endswith("__")))

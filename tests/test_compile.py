@@ -230,3 +230,23 @@ def test_compiled_formula_refuses_gradient_duties():
         # without a duty the same formula compiles and matches eager, gradients included
         torch._dynamo.reset()
         _compare(lambda a, b: es.einshard(plain, a, b), [xl, w], "aot_eager")
+
+
+def _first_call_compiled(fullgraph):
+    """In a fresh process: compile a check_vma body before any eager call (no warm caches), compare with eager."""
+    import differential
+
+    es.set_checks(False)
+    sc = differential.SCENARIOS["shard_map_transpose_T"]
+    for variant in ("even", "uneven"):
+        differential.check_in(sc, variant, "aot_eager", fullgraph=fullgraph)
+    return True
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiles_before_any_eager_call(fullgraph):
+    """Compiling a tracked body first in a process used to abort (``str.endswith`` in the in-place check with
+    ``fullgraph=True``; "NYI SymInt equality" without)."""
+    from einshard import testing
+
+    assert testing.spawn(_first_call_compiled, 2, args=(fullgraph,), timeout=600, checks=False) == [True, True]

@@ -1,0 +1,27 @@
+"""Every scenario of the differential harness (``tests/differential.py``) in every mode it lists.
+
+Eager and ``aot_eager`` always run; ``inductor`` compiles are slow on small
+machines, so only the scenarios that list it run it, and only with the
+``matrix`` marker (``python -m pytest -m matrix``, which CI runs too).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from differential import SCENARIOS, check
+
+
+def _cases():
+    for sc in SCENARIOS.values():
+        for variant in sc.sizes:
+            for mode in sc.modes:
+                marks = [pytest.mark.ranks(sc.ranks, timeout=900)]
+                if mode == "inductor":
+                    marks.append(pytest.mark.matrix)
+                yield pytest.param(sc.name, variant, mode, marks=marks, id=f"{sc.name}-{variant}-{mode}")
+
+
+@pytest.mark.parametrize("name, variant, mode", list(_cases()))
+def test_scenario(name, variant, mode):
+    check(name, variant, mode)
