@@ -935,7 +935,7 @@ class TracedTracker(_Rules):
             if hit[0] is t and hit[1] == missing and hit[2] == grad:
                 return hit[3]
         if missing & ~self.info.trivial:
-            y = _TracedPVary.apply(t, self.info.group(missing))
+            y = _TracedPVary.apply(t, self.group(missing))
         else:
             y = t.view_as(t)
         self.tag(y, mask | missing)
@@ -943,7 +943,12 @@ class TracedTracker(_Rules):
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        _PVaryInPlace.apply(t, self.info.group(missing), True)
+        _PVaryInPlace.apply(t, self.group(missing), True)
+
+    def group(self, mask: int):
+        """The process group of the dimensions of ``mask``, looked up at trace time (dynamo would trace the
+        mesh's group cache, and its first use creates the group)."""
+        return _trace.lookup(_traced_group(self.info, mask))
 
     def forget(self, t) -> None:
         """Drop the memoised pvary-s of ``t`` (it is written in place: its old value's alias is stale)."""
@@ -1055,6 +1060,11 @@ class _TracedPVary(torch.autograd.Function):
 @_trace.constant_result
 def _traced_info(mesh) -> str:
     return _trace.register(mesh_info(mesh))
+
+
+@_trace.constant_result
+def _traced_group(info: _MeshInfo, mask: int) -> str:
+    return _trace.register(info.group(mask))
 
 
 @_trace.constant_result
