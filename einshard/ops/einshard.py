@@ -150,7 +150,7 @@ def _in_tracked_body() -> bool:
 def _tracked(ambient, formula, tensors, kwargs):
     """``einshard`` in a body that tracks variance: the variance rules around the untracked call."""
     tracker = ambient.shard_map.tracker
-    if tracker.serial:  # eager: the body's parameters, whose gradients it sums (see einshard.params.summed)
+    if not tracker.traced:  # eager: the body's parameters, whose gradients it sums (see einshard.params.summed)
         for t in tensors:
             if isinstance(t, torch.nn.Parameter):
                 tracker.params[id(t)] = t
