@@ -49,6 +49,7 @@ from ._specs import (
 from ._split import compute_split_shapes
 from .dtensor import apply_from_dtensor, plan_from_dtensor, to_dtensor
 from .errors import EinshardError
+from .grad_sums import DEFERRED
 from .layout import MeshShape
 from .mesh import resolve_mesh, wrap_mesh
 from .notation import expand
@@ -209,6 +210,8 @@ class ShardMap:
                         if isinstance(x, _Tensor):
                             x.__dict__.pop(_vma.ATTR, None)
                 tracker.memo.clear()
+            if tracker.deferred:  # before the gradient checks below: their end-of-backward callback comes after
+                _arm_deferred_sums(result)
             if params or tracker.params:
                 _watch_gradients(result, params, tracker.params)
             return result
@@ -444,6 +447,19 @@ def _body_parameters(args, leaves):
             elif native_duty(x):
                 params.append(x)
     return errors, params
+
+
+def _arm_deferred_sums(result) -> None:
+    """When backward reaches the body's outputs, it queues the end-of-backward wait of the gradient sums the
+    body deferred (:data:`einshard.grad_sums.DEFERRED`) before any later callback (the gradient checks of
+    :func:`_watch_gradients` read the sums)."""
+    for o in optree.tree_leaves(result, none_is_leaf=True):
+        if isinstance(o, _Tensor) and o.grad_fn is not None:
+            o.grad_fn.register_prehook(_arm)
+
+
+def _arm(grad_outputs) -> None:
+    DEFERRED.arm()
 
 
 def _watch_gradients(result, params, used) -> None:

@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _context, _trace
 from ._cache import BoundedCache
+from .grad_sums import DEFERRED, accumulates
 from ._traced_collectives import all_reduce
 from .errors import EinshardError
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
@@ -179,6 +180,32 @@ def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
     return allreduce_forward_identity_backward(x, group)
 
 
+class _LeafPVary(torch.autograd.Function):
+    """``pvary`` of a leaf tensor (a parameter): identity forward; in backward its gradient is summed in a
+    bucket with others, asynchronously, and added into ``.grad`` at the end of the backward
+    (:data:`einshard.grad_sums.DEFERRED`).
+
+    Only where the sum reaches ``.grad`` and nothing else reads it: the engine accumulates into this leaf in
+    the running backward (not ``torch.autograd.grad``, which returns the gradient), and no graph of the
+    backward is built (``create_graph``). Elsewhere it is summed on the spot, as :func:`pvary_tensor` does.
+    Only the part of the gradient that comes through this pvary is deferred: the leaf's other
+    contributions (invariant uses) accumulate as usual, and the sum is added to them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaf_node = ctx.next_functions[0][0]  # the leaf's AccumulateGrad
+        if not _grad_enabled() and accumulates(leaf_node):
+            DEFERRED.add(leaf_node.variable, grad, ctx.group)
+            return None, None
+        return psum_tensor(grad, ctx.group), None
+
+
 class _PVaryInPlace(torch.autograd.Function):
     """``pvary`` applied in place (``t`` keeps its identity): identity forward, gradient summed backward
     (``traced``: with a functional all-reduce, for code that ``torch.compile`` traces)."""
@@ -271,6 +298,7 @@ class Tracker(_Rules, TorchFunctionMode):
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
         self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
         self.params: dict = {}  # id -> the Parameters whose gradient the body sums (pvary-ed, formula operands)
+        self.deferred = False  # a leaf's pvary sums its gradient at the end of backward (_LeafPVary)
         # a region of this body is checkpointed (einshard.recompute): the tags shard_map removes on exit,
         # as (weak reference, tag), for the recompute to put back
         self.kept: list | None = None
@@ -280,7 +308,7 @@ class Tracker(_Rules, TorchFunctionMode):
         """A tracker for a recompute of part of this call: the same serial (so it reads this call's tags),
         its own memo and suspension count (and this call's kept tags)."""
         replica = Tracker(self.info.mesh, self.info, self.serial)
-        replica.kept, replica.params = self.kept, self.params
+        replica.kept, replica.params, replica.deferred = self.kept, self.params, self.deferred
         return replica
 
     def keep(self, tensors) -> None:
@@ -326,7 +354,12 @@ class Tracker(_Rules, TorchFunctionMode):
             if hit is not None and hit[0] is t and hit[1] == version:  # not modified in place since
                 return hit[2]
             if missing & ~self.info.trivial:
-                y = pvary_tensor(t, self.info.group(missing))
+                group = self.info.group(missing)
+                if t.is_leaf and t.requires_grad and _grad_enabled():  # its sum can wait for the end of backward
+                    y = _LeafPVary.apply(t, group)
+                    self.deferred = True
+                else:
+                    y = pvary_tensor(t, group)
                 if isinstance(t, torch.nn.Parameter):
                     self.params[id(t)] = t
             else:  # over dimensions of size 1: an alias (the gradient sum is over one rank)
@@ -902,7 +935,7 @@ class TracedTracker(_Rules):
             if hit[0] is t and hit[1] == missing and hit[2] == grad:
                 return hit[3]
         if missing & ~self.info.trivial:
-            y = _TracedPVary.apply(t, self.info.group(missing))
+            y = _TracedPVary.apply(t, self.group(missing))
         else:
             y = t.view_as(t)
         self.tag(y, mask | missing)
@@ -910,7 +943,12 @@ class TracedTracker(_Rules):
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        _PVaryInPlace.apply(t, self.info.group(missing), True)
+        _PVaryInPlace.apply(t, self.group(missing), True)
+
+    def group(self, mask: int):
+        """The process group of the dimensions of ``mask``, looked up at trace time (dynamo would trace the
+        mesh's group cache, and its first use creates the group)."""
+        return _trace.lookup(_traced_group(self.info, mask))
 
     def forget(self, t) -> None:
         """Drop the memoised pvary-s of ``t`` (it is written in place: its old value's alias is stale)."""
@@ -1022,6 +1060,11 @@ class _TracedPVary(torch.autograd.Function):
 @_trace.constant_result
 def _traced_info(mesh) -> str:
     return _trace.register(mesh_info(mesh))
+
+
+@_trace.constant_result
+def _traced_group(info: _MeshInfo, mask: int) -> str:
+    return _trace.register(info.group(mask))
 
 
 @_trace.constant_result

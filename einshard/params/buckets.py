@@ -35,11 +35,10 @@ import torch
 
 from .. import collectives as C
 from ..errors import EinshardError
+from ..grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
 from ..mesh import Mesh, resolve_mesh
 
 __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 # id(Parameter) -> (weak references to it and to the GradBucketer whose hooks sum its gradient); weak, so a
 # model dropped with its hooks still registered is freed
@@ -69,17 +68,6 @@ def _hook_owner(p, bucketer) -> None:
 def _release(p, bucketer) -> None:
     if hooked_by(p) is bucketer:
         del _HOOKED[id(p)]
-
-
-def _accumulates(node) -> bool:
-    """Whether the running backward accumulates into the leaf of AccumulateGrad ``node`` (``False``
-    inside ``torch.autograd.grad``, which returns the gradient instead)."""
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError as err:  # torch refuses the question for leaves while autograd.grad runs
-        if "autograd.grad" in str(err):
-            return False
-        raise
 
 
 class _Bucket:
@@ -193,7 +181,7 @@ class GradBucketer:
         node = bucket.nodes[i]
 
         def hook(grad):
-            if not _accumulates(node):  # torch.autograd.grad returns it: summed now, .grad untouched
+            if not accumulates(node):  # torch.autograd.grad returns it: summed now, .grad untouched
                 return C.all_reduce(grad, bucket.group)
             self._arm()
             if self.synchronous and not self._no_sync:
@@ -270,29 +258,11 @@ class GradBucketer:
         bucket.ready.clear()
         bucket.held = {}
         bucket.in_grad = set()
-        flat = torch.cat([g.reshape(-1) for g in parts]) if len(parts) > 1 else parts[0].reshape(-1)
         if self.synchronous:
-            self._write(C.all_reduce(flat, bucket.group), bucket, modes)
+            write(C.all_reduce(flatten(parts), bucket.group), bucket.params, modes)
             return
-        flat, work = C.all_reduce(flat, bucket.group, async_op=True)
+        flat, work = launch(parts, bucket.group)
         self._works.append((work, flat, bucket, tuple(modes)))
-
-    @staticmethod
-    def _write(flat, bucket: _Bucket, modes) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p, mode in zip(bucket.params, modes):
-                n = p.numel()
-                summed = flat[offset : offset + n].view(p.shape)
-                offset += n
-                if mode is None:
-                    continue
-                if p.grad is None:
-                    p.grad = summed.clone()
-                elif mode == "copy":
-                    p.grad.copy_(summed)
-                else:
-                    p.grad.add_(summed)
 
     # -- public -----------------------------------------------------------
     @property
@@ -325,7 +295,7 @@ class GradBucketer:
             work, flat, bucket, modes = self._works[0]
             work.wait()
             self._works.pop(0)
-            self._write(flat, bucket, modes)
+            write(flat, bucket.params, modes)
         return self
 
     def remove(self) -> "GradBucketer":

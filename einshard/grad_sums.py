@@ -1,0 +1,144 @@
+"""Gradient sums started while backward runs: buckets, asynchronous all-reduces, the end-of-backward wait.
+
+One engine for every gradient sum the library defers:
+
+- :func:`launch` and :func:`write`: a bucket of gradient contributions
+  flattened into one buffer, summed by one asynchronous all-reduce, then
+  written back into the parameters' ``.grad`` (``es.count_communication``
+  counts it as any all-reduce). :class:`einshard.params.buckets.GradBucketer`
+  (the native gradient hooks) runs its buckets on them.
+- :data:`DEFERRED`, a :class:`DeferredSums`: the gradient sums of
+  ``shard_map`` bodies (the backward of a pvary on a leaf parameter, see
+  :mod:`einshard.vma`). Contributions are added as backward produces them,
+  grouped by process group, dtype and device into buckets of about
+  ``bucket_bytes``; a full bucket starts its all-reduce at once, and at the end
+  of the backward (a callback of the autograd engine, as DDP and FSDP do) the
+  rest start, every one is waited for and the sums are added into ``.grad``.
+  Every rank produces its contributions in the same order (the same
+  backward), so the buckets match across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import collectives as C
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", "DeferredSums", "DEFERRED"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+_engine = torch.autograd.Variable._execution_engine
+_graph_task = torch._C._current_graph_task_id
+
+
+def accumulates(node) -> bool:
+    """Whether the running backward accumulates into the leaf of AccumulateGrad ``node`` (``False`` inside
+    ``torch.autograd.grad``, which returns the gradient instead)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError as err:  # torch refuses the question for leaves while autograd.grad runs
+        if "autograd.grad" in str(err):
+            return False
+        raise
+
+
+def flatten(parts) -> torch.Tensor:
+    """The tensors ``parts`` one after the other in one flat buffer."""
+    return torch.cat([g.reshape(-1) for g in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+
+
+def launch(parts, group):
+    """Start the sum over ``group`` of the tensors ``parts`` (one flat buffer): ``(flat, work)``."""
+    return C.all_reduce(flatten(parts), group, async_op=True)
+
+
+def write(flat, params, modes) -> None:
+    """Write the summed ``flat`` into the parameters' ``.grad``, one slice each, in order.
+
+    ``modes[k]``: ``"copy"`` (the slice replaces ``.grad``), ``"add"`` (it is
+    added), ``None`` (a placeholder slice: nothing written). A parameter
+    without ``.grad`` gets its slice as a view of ``flat`` (no copy).
+    """
+    offset = 0
+    with torch.no_grad():
+        for p, mode in zip(params, modes):
+            n = p.numel()
+            summed = flat[offset : offset + n].view(p.shape)
+            offset += n
+            if mode is None:
+                continue
+            if p.grad is None:
+                p.grad = summed
+            elif mode == "copy":
+                p.grad.copy_(summed)
+            else:
+                p.grad.add_(summed)
+
+
+class _Filling:
+    """A bucket being filled: contributions to add into their parameters' ``.grad``."""
+
+    __slots__ = ("group", "params", "grads", "nbytes")
+
+    def __init__(self, group):
+        self.group, self.params, self.grads, self.nbytes = group, [], [], 0
+
+
+class DeferredSums:
+    """Gradient contributions summed over process groups in buckets during backward (see the module).
+
+    >>> sums = DeferredSums()
+    >>> sums.pending
+    0
+    """
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.bucket_bytes = bucket_bytes
+        self._task = None  # the graph task whose end-of-backward callback is queued
+        self._filling: dict = {}  # (group, dtype, device) -> _Filling
+        self._works: list = []  # (work, flat, params), in the order they were started
+
+    @property
+    def pending(self) -> int:
+        """The number of all-reduces started and not yet waited for."""
+        return len(self._works)
+
+    def arm(self) -> None:
+        """Queue the end-of-backward wait for the running backward (once per backward)."""
+        task = _graph_task()
+        if self._task != task:
+            self._task = task
+            _engine.queue_callback(self._end_of_backward)
+
+    def add(self, p: torch.Tensor, grad: torch.Tensor, group) -> None:
+        """Sum ``grad`` over ``group`` and add it into ``p.grad`` before the running backward returns."""
+        self.arm()
+        key = (group, grad.dtype, grad.device)
+        bucket = self._filling.get(key)
+        if bucket is None:
+            bucket = self._filling[key] = _Filling(group)
+        bucket.params.append(p)
+        bucket.grads.append(grad)
+        bucket.nbytes += grad.numel() * grad.element_size()
+        if bucket.nbytes >= self.bucket_bytes:
+            del self._filling[key]
+            self._start(bucket)
+
+    def _start(self, bucket: _Filling) -> None:
+        flat, work = launch(bucket.grads, bucket.group)
+        self._works.append((work, flat, bucket.params))
+
+    def _end_of_backward(self) -> None:
+        self._task = None
+        filling, self._filling = self._filling, {}
+        for bucket in filling.values():
+            self._start(bucket)
+        works, self._works = self._works, []
+        for work, flat, params in works:
+            work.wait()
+            write(flat, params, ("add",) * len(params))
+
+
+#: the deferred gradient sums of ``shard_map`` bodies (one per process)
+DEFERRED = DeferredSums()
