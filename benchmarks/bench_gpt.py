@@ -14,7 +14,10 @@ timed interleaved in one job (a barrier before every step):
   summed by bucketed asynchronous all-reduces started during backward) on 4 x 1 x 2;
 - ``einshard_compiled``: the ``shard_map`` loss compiled with ``torch.compile`` (inductor, its all-reduces
   bucketed: ``bucket_all_reduces_fx``) on 4 x 1 x 2;
-- ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too).
+- ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too);
+- ``einshard_no_vma``: the ``shard_map`` step with ``check_vma=False`` and the gradient sums of the
+  parameters plain torch ops use written by hand (``es.pvary``), on 4 x 1 x 2: what variance tracking
+  costs is ``einshard`` against it.
 
 Before timing, every variant trains the same first steps from the same initial values and their
 losses must agree (float32 tolerance). One JSON line per variant on stdout::
@@ -138,10 +141,10 @@ def peak_memory(step) -> int:
 # -- the variants ------------------------------------------------------------------------------------
 
 
-def einshard_variant(cfg, values, dims, style="shard_map", compile=False):
+def einshard_variant(cfg, values, dims, style="shard_map", compile=False, check_vma=True):
     mesh = gpt.make_mesh(dims)
     model = gpt.sharded_model(mesh, values, cfg, style)
-    step_fn = gpt.make_step(model, mesh, style, compile=compile)
+    step_fn = gpt.make_step(model, mesh, style, compile=compile) if check_vma else untracked_step(model, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=gpt.LR)
 
     def step(i):
@@ -150,6 +153,37 @@ def einshard_variant(cfg, values, dims, style="shard_map", compile=False):
             loss = step_fn(*gpt.batch(i, cfg))
             optimizer.step()
         return loss.item()
+
+    return step
+
+
+# the parameters the model uses in plain torch ops, where they meet the residual stream (per-rank over every
+# mesh dimension): with check_vma=False their gradient sums are written by hand (the formulas sum the others)
+PLAIN_OP_PARAMS = ("ln1.", "ln2.", "ln_f.", ".b1", ".b2")
+
+
+def untracked_step(model, mesh):
+    """The example's ``shard_map`` step with ``check_vma=False`` and the gradient sums it needs written by hand
+    (``es.pvary`` of the parameters plain torch ops meet per-rank data with): the cost of variance tracking."""
+    specs = es.param_specs(model)
+    mask = gpt.causal_mask(mesh, model.cfg)
+    sums = {}
+    for name, spec in specs.items():
+        if any(tag in name for tag in PLAIN_OP_PARAMS):
+            sharded = {d for axis in es.parse_sharding(str(spec)).inputs[0].axes if axis.mesh
+                       for d in axis.mesh.split("-")}
+            sums[name] = tuple(d for d in mesh.names if d not in sharded and mesh.size(d) > 1)
+
+    @es.shard_map(in_specs=(specs, "b n -> b/dp n/sp", "b n -> b/dp n/sp"), out_specs="", mesh=mesh,
+                  check_vma=False)
+    def loss_fn(params, tokens, targets):
+        params = {k: es.pvary(v, sums[k]) if sums.get(k) else v for k, v in params.items()}
+        return torch.func.functional_call(model, params, (tokens, targets, mask), strict=True)
+
+    def step(tokens, targets):
+        loss = loss_fn(dict(model.named_parameters()), tokens, targets)
+        loss.backward()
+        return loss.detach()
 
     return step
 
@@ -295,6 +329,7 @@ def on_rank(cfg, steps: int, warmup: int) -> list[dict] | None:
         "einshard_hooks": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard"),
         "einshard_compiled": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), compile=True),
         "einshard_3d": einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
+        "einshard_no_vma": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), check_vma=False),
     }
     rank = dist.get_rank()
     # the same first steps from the same values: the losses must agree

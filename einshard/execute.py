@@ -19,6 +19,7 @@ from . import collectives as C
 from . import collectives as _eager_collectives
 from ._cache import BoundedCache
 from .exchange import runs_exchange
+from .grad_sums import leaf_sum
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 from .plan.transition import Step, plan_gradient, plan_transition
@@ -49,7 +50,7 @@ class Transition:
     """A compiled ``src -> dst`` transition on this rank; call it on a local tensor."""
 
     __slots__ = ("src", "dst", "mesh", "shape", "planned", "steps", "traced_steps", "_reverse", "trivial", "back",
-                 "_owning")
+                 "_owning", "sum_dims")
 
     def __init__(self, src: Layout, dst: Layout, mesh, steps=None, back: Layout | None = None):
         self.src, self.dst, self.mesh = src, dst, mesh
@@ -61,8 +62,14 @@ class Transition:
         self.steps = [compile_step(s, mesh) for s in planned]
         self.traced_steps = None  # built by prepare_traced (when a plan is first traced)
         self._reverse = self._owning = None
+        back_steps = plan_transition(dst, src, self.shape)
         # no forward steps and no reverse steps: autograd needs nothing either
-        self.trivial = not self.steps and not plan_transition(dst, src, self.shape) and self.back == src
+        self.trivial = not self.steps and not back_steps and self.back == src
+        # no forward steps and one all-reduce back (a replicated operand used as per-rank data, ``w -> w // dp``):
+        # a pvary, whose sum into a leaf may wait for the end of backward (einshard.grad_sums.leaf_sum)
+        self.sum_dims = None
+        if not self.steps and self.back == src and len(back_steps) == 1 and back_steps[0].kind == "all_reduce":
+            self.sum_dims = back_steps[0].dims
 
     def reverse(self) -> "Transition":
         if self._reverse is None:
@@ -128,6 +135,8 @@ class Transition:
             return _TracedTransition.apply(x, self)
         if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
             return self.run_raw(x)  # no backward will run: skip the autograd Function
+        if self.sum_dims is not None and x.is_leaf and not _transforms_active():
+            return leaf_sum(x, self.mesh.group(self.sum_dims))
         return _apply_transition(x, self)
 
 

@@ -7,9 +7,11 @@ One engine for every gradient sum the library defers:
   written back into the parameters' ``.grad`` (``es.count_communication``
   counts it as any all-reduce). :class:`einshard.params.buckets.GradBucketer`
   (the native gradient hooks) runs its buckets on them.
-- :data:`DEFERRED`, a :class:`DeferredSums`: the gradient sums of
-  ``shard_map`` bodies (the backward of a pvary on a leaf parameter, see
-  :mod:`einshard.vma`). Contributions are added as backward produces them,
+- :data:`DEFERRED`, a :class:`DeferredSums`: the gradient sums of leaf
+  tensors (parameters) that feed per-rank computation, :func:`leaf_sum`: a
+  ``shard_map`` body's pvary of a parameter (:mod:`einshard.vma`), and a
+  formula's replicated parameter operand, whose gradient arrives partial
+  (:mod:`einshard.execute`). Contributions are added as backward produces them,
   grouped by process group, dtype and device into buckets of about
   ``bucket_bytes``; a full bucket starts its all-reduce at once, and at the end
   of the backward (a callback of the autograd engine, as DDP and FSDP do) the
@@ -23,8 +25,10 @@ from __future__ import annotations
 import torch
 
 from . import collectives as C
+from .mappings import allreduce_forward_identity_backward
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", "DeferredSums", "DEFERRED"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", "DeferredSums", "DEFERRED",
+           "leaf_sum"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -142,3 +146,44 @@ class DeferredSums:
 
 #: the deferred gradient sums of ``shard_map`` bodies (one per process)
 DEFERRED = DeferredSums()
+
+
+class _LeafSum(torch.autograd.Function):
+    """Identity forward; the gradient summed over ``group``: deferred (:data:`DEFERRED`) where it can wait."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaf = ctx.next_functions[0][0]  # the leaf's AccumulateGrad
+        if _deferrable(leaf):
+            DEFERRED.add(leaf.variable, grad, ctx.group)
+            return None, None
+        # summed on the spot; its own backward is the identity's adjoint: double backward sums again
+        return allreduce_forward_identity_backward(grad, ctx.group), None
+
+
+def leaf_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` (a leaf that requires grad) as it is, its gradient summed over ``group`` (JAX's ``pvary``).
+
+    The sum waits for the end of the backward, bucketed and overlapped with
+    it, where it can: the engine accumulates into ``x`` in the running
+    backward (not ``torch.autograd.grad``, which returns the gradient), no
+    graph of the backward is built (``create_graph``), and no hook of ``x``
+    reads the gradient before that (tensor or post-accumulate hooks). Else it
+    is summed on the spot. Only the part of the gradient that comes through
+    here is summed; other uses of ``x`` accumulate as usual.
+
+    >>> y = leaf_sum(w, dp_group) @ x_block   # doctest: +SKIP
+    """
+    return _LeafSum.apply(x, group)
+
+
+def _deferrable(node) -> bool:
+    if torch.is_grad_enabled() or not accumulates(node):
+        return False
+    x = node.variable
+    return not x._backward_hooks and not getattr(x, "_post_accumulate_grad_hooks", None)

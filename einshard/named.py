@@ -34,6 +34,7 @@ from . import mappings as M
 from . import vma as _vma
 from ._cache import BoundedCache
 from .errors import EinshardError
+from .grad_sums import leaf_sum
 from .mesh import SubMesh, resolve_mesh
 from .primitives import PRIMITIVES
 
@@ -446,6 +447,8 @@ def pvary(x, dims, *, mesh=None):
     def one(t):
         _check_tensor(t, "pvary")
         if ax.tracker is None:
+            if t.is_leaf and t.requires_grad and torch.is_grad_enabled():  # (a parameter: its sum may wait)
+                return leaf_sum(t, ax.group)
             return _vma.pvary_tensor(t, ax.group)
         tr = ax.tracker
         m = tr.mask_of(t)

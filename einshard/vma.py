@@ -54,7 +54,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _context, _trace
 from ._cache import BoundedCache
-from .grad_sums import DEFERRED, accumulates
+from .grad_sums import leaf_sum
 from ._traced_collectives import all_reduce
 from .errors import EinshardError
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
@@ -180,32 +180,6 @@ def psum_tensor(x: torch.Tensor, group) -> torch.Tensor:
     return allreduce_forward_identity_backward(x, group)
 
 
-class _LeafPVary(torch.autograd.Function):
-    """``pvary`` of a leaf tensor (a parameter): identity forward; in backward its gradient is summed in a
-    bucket with others, asynchronously, and added into ``.grad`` at the end of the backward
-    (:data:`einshard.grad_sums.DEFERRED`).
-
-    Only where the sum reaches ``.grad`` and nothing else reads it: the engine accumulates into this leaf in
-    the running backward (not ``torch.autograd.grad``, which returns the gradient), and no graph of the
-    backward is built (``create_graph``). Elsewhere it is summed on the spot, as :func:`pvary_tensor` does.
-    Only the part of the gradient that comes through this pvary is deferred: the leaf's other
-    contributions (invariant uses) accumulate as usual, and the sum is added to them.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        leaf_node = ctx.next_functions[0][0]  # the leaf's AccumulateGrad
-        if not _grad_enabled() and accumulates(leaf_node):
-            DEFERRED.add(leaf_node.variable, grad, ctx.group)
-            return None, None
-        return psum_tensor(grad, ctx.group), None
-
-
 class _PVaryInPlace(torch.autograd.Function):
     """``pvary`` applied in place (``t`` keeps its identity): identity forward, gradient summed backward
     (``traced``: with a functional all-reduce, for code that ``torch.compile`` traces)."""
@@ -298,7 +272,7 @@ class Tracker(_Rules, TorchFunctionMode):
         self.memo: dict = {}  # (id(tensor), missing mask, grad mode) -> (tensor, version, pvaried)
         self.inplace = False  # an in-place op retagged a tensor (shard_map cleans its arguments' tags)
         self.params: dict = {}  # id -> the Parameters whose gradient the body sums (pvary-ed, formula operands)
-        self.deferred = False  # a leaf's pvary sums its gradient at the end of backward (_LeafPVary)
+        self.deferred = False  # a leaf's pvary sums its gradient at the end of backward (grad_sums.leaf_sum)
         # a region of this body is checkpointed (einshard.recompute): the tags shard_map removes on exit,
         # as (weak reference, tag), for the recompute to put back
         self.kept: list | None = None
@@ -356,7 +330,7 @@ class Tracker(_Rules, TorchFunctionMode):
             if missing & ~self.info.trivial:
                 group = self.info.group(missing)
                 if t.is_leaf and t.requires_grad and _grad_enabled():  # its sum can wait for the end of backward
-                    y = _LeafPVary.apply(t, group)
+                    y = leaf_sum(t, group)
                     self.deferred = True
                 else:
                     y = pvary_tensor(t, group)

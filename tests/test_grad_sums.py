@@ -174,3 +174,50 @@ def test_double_backward_sums_on_the_spot():
     for p, w in zip(ps, ws):
         torch.testing.assert_close(p.grad, w.grad)
     dist.barrier()
+
+
+def _formulas(mesh, x, ps, probe=None):
+    h = x
+    for k, w in enumerate(ps):
+        h = torch.tanh(es.einshard("b/dp c, c d -> b/dp d", h, w, mesh=mesh, shapes=_shapes(9)))
+        if k == 0 and probe is not None:
+            h.register_hook(probe)
+    return es.einshard("b/dp c -> // dp", h.square(), mesh=mesh, shapes=_shapes(9))
+
+
+@pytest.mark.ranks(4, timeout=300)
+def test_formula_operand_sums_are_deferred():
+    """A replicated parameter operand of a formula (its gradient arrives partial over dp) is summed like a pvary."""
+    mesh = es.wrap_mesh(MESH.build())
+    x, ws = _whole(9)
+    _reference(x, ws).backward()
+    ps = _params(ws)
+    seen = []
+    old = DEFERRED.bucket_bytes
+    DEFERRED.bucket_bytes = 1
+    try:
+        es.einshard("-> ", _formulas(mesh, _cut(x, mesh), ps, probe=lambda g: seen.append(DEFERRED.pending)),
+                    mesh=mesh).backward()
+    finally:
+        DEFERRED.bucket_bytes = old
+    assert seen and seen[0] >= 2 and DEFERRED.pending == 0
+    for p, w in zip(ps, ws):
+        torch.testing.assert_close(p.grad, w.grad)
+
+
+@pytest.mark.ranks(4, timeout=300)
+def test_a_hook_that_reads_the_gradient_sees_it_summed():
+    """A tensor hook or a post-accumulate hook (an optimizer step in backward) reads the summed gradient:
+    with one, the sum is not deferred."""
+    mesh = es.wrap_mesh(MESH.build())
+    x, ws = _whole(9)
+    _reference(x, ws).backward()
+    ps = _params(ws)
+    seen = {}
+    ps[0].register_post_accumulate_grad_hook(lambda p: seen.__setitem__("post", p.grad.clone()))
+    ps[1].register_hook(lambda g: seen.__setitem__("pre", g.clone()))
+    _step(mesh, 9)(_cut(x, mesh), *ps).backward()
+    torch.testing.assert_close(seen["post"], ws[0].grad)
+    torch.testing.assert_close(seen["pre"], ws[1].grad)
+    for p, w in zip(ps, ws):
+        torch.testing.assert_close(p.grad, w.grad)
