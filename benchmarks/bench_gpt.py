@@ -157,28 +157,52 @@ def einshard_variant(cfg, values, dims, style="shard_map", compile=False, check_
     return step
 
 
-# the parameters the model uses in plain torch ops, where they meet the residual stream (per-rank over every
-# mesh dimension): with check_vma=False their gradient sums are written by hand (the formulas sum the others)
-PLAIN_OP_PARAMS = ("ln1.", "ln2.", "ln_f.", ".b1", ".b2")
-
-
 def untracked_step(model, mesh):
-    """The example's ``shard_map`` step with ``check_vma=False`` and the gradient sums it needs written by hand
-    (``es.pvary`` of the parameters plain torch ops meet per-rank data with): the cost of variance tracking."""
-    specs = es.param_specs(model)
+    """The example's ``shard_map`` step with ``check_vma=False``, the gradient sums variance tracking inserts
+    written by hand instead: ``es.pvary`` of each replicated parameter where a plain torch op meets it with
+    per-rank data (the formulas sum their operands' gradients themselves). The cost of variance tracking is
+    the ``einshard`` variant's step time against this one's."""
     mask = gpt.causal_mask(mesh, model.cfg)
-    sums = {}
-    for name, spec in specs.items():
-        if any(tag in name for tag in PLAIN_OP_PARAMS):
-            sharded = {d for axis in es.parse_sharding(str(spec)).inputs[0].axes if axis.mesh
-                       for d in axis.mesh.split("-")}
-            sums[name] = tuple(d for d in mesh.names if d not in sharded and mesh.size(d) > 1)
+    stream = ("dp", "sp", "tp")  # the residual stream b/dp n/sp-tp c varies over every mesh dimension
 
-    @es.shard_map(in_specs=(specs, "b n -> b/dp n/sp", "b n -> b/dp n/sp"), out_specs="", mesh=mesh,
+    def layer_norm(x, ln):
+        return F.layer_norm(x, ln.normalized_shape, es.pvary(ln.weight, stream), es.pvary(ln.bias, stream), ln.eps)
+
+    def block(self, x, mask):
+        qkv = es.einshard(f"{gpt.X}, t h/tp d c -> t b/dp h/tp n/sp d", layer_norm(x, self.ln1), self.wqkv)
+        s = es.einshard("b/dp h/tp q/sp d, b/dp h/tp k/sp d -> b/dp h/tp q/sp k", qkv[0], qkv[1]) * self.scale
+        o = es.einshard("b/dp h/tp q/sp k, b/dp h/tp k/sp d -> b/dp h/tp q/sp d", (s + mask).softmax(-1), qkv[2])
+        x = x + es.einshard(f"b/dp h/tp n/sp d, c h/tp d -> {gpt.X}", o, self.wo)
+        u = F.gelu(es.einshard(f"{gpt.X}, f/tp c -> b/dp n/sp f/tp", layer_norm(x, self.ln2), self.w1)
+                   + es.pvary(self.b1, ("dp", "sp")))
+        return x + es.einshard(f"b/dp n/sp f/tp, c f/tp -> {gpt.X}", u, self.w2) + es.pvary(self.b2, stream)
+
+    class HandSummed(nn.Module):  # the model's own forward with the sums by hand; functional_call swaps its parameters
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens, targets):
+            return hand_summed(self.model, tokens, targets)
+
+    def hand_summed(model, tokens, targets):
+        rows = model.wte.shape[0]
+        local = tokens - es.axis_index("tp") * rows
+        mine = (local >= 0) & (local < rows)
+        e = F.embedding(local.clamp(0, rows - 1), es.pvary(model.wte, ("dp", "sp"))) * mine[..., None]
+        x = es.einshard(f"b/dp n/sp c // tp -> {gpt.X}", e) + es.einshard("n c -> n/sp-tp c // dp", model.wpe)
+        for b in model.blocks:
+            x = block(b, x, mask)
+        logits = es.einshard(f"{gpt.X}, v/tp c -> b/dp n/sp v/tp", layer_norm(x, model.ln_f), model.wte)
+        return gpt.vocab_parallel_cross_entropy(logits, targets) / (model.cfg.batch * model.cfg.seq)
+
+    wrapper = HandSummed()
+
+    @es.shard_map(in_specs=(es.param_specs(model), "b n -> b/dp n/sp", "b n -> b/dp n/sp"), out_specs="", mesh=mesh,
                   check_vma=False)
-    def loss_fn(params, tokens, targets):
-        params = {k: es.pvary(v, sums[k]) if sums.get(k) else v for k, v in params.items()}
-        return torch.func.functional_call(model, params, (tokens, targets, mask), strict=True)
+    def loss_fn(params, tokens, targets):  # as the example's step: parameters in, functional_call
+        return torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in params.items()}, (tokens, targets),
+                                          strict=True)
 
     def step(tokens, targets):
         loss = loss_fn(dict(model.named_parameters()), tokens, targets)
@@ -320,17 +344,21 @@ def torch_variant(cfg, values, dp, tp):
 # -- driver --------------------------------------------------------------------------------------------
 
 
-def on_rank(cfg, steps: int, warmup: int) -> list[dict] | None:
+VARIANTS = ("torch", "einshard", "einshard_hooks", "einshard_compiled", "einshard_3d", "einshard_no_vma")
+
+
+def on_rank(cfg, steps: int, warmup: int, only=VARIANTS) -> list[dict] | None:
     torch.set_num_threads(1)
     values = gpt.init_values(cfg)
-    variants = {
-        "torch": torch_variant(cfg, values, dp=4, tp=2),
-        "einshard": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2))),
-        "einshard_hooks": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard"),
-        "einshard_compiled": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), compile=True),
-        "einshard_3d": einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
-        "einshard_no_vma": einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), check_vma=False),
+    makers = {
+        "torch": lambda: torch_variant(cfg, values, dp=4, tp=2),
+        "einshard": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2))),
+        "einshard_hooks": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard"),
+        "einshard_compiled": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), compile=True),
+        "einshard_3d": lambda: einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
+        "einshard_no_vma": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), check_vma=False),
     }
+    variants = {name: makers[name]() for name in ("torch", *[v for v in only if v != "torch"])}
     rank = dist.get_rank()
     # the same first steps from the same values: the losses must agree
     losses = {name: [step(i) for i in range(warmup)] for name, step in variants.items()}
@@ -373,10 +401,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants to run besides torch, the baseline (default all)")
     args = parser.parse_args(argv)
+    only = tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in only if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     cfg = gpt.Config(vocab=512, seq=args.seq, width=args.width, heads=4, head_width=args.width // 4,
                      hidden=4 * args.width, layers=args.layers, batch=args.batch, dtype=torch.float32)
-    results = launch(on_rank, 8, args=(cfg, args.steps, args.warmup), timeout=1200, checks=False)
+    results = launch(on_rank, 8, args=(cfg, args.steps, args.warmup, only), timeout=1200, checks=False)
     for row in next(r for r in results if r is not None):
         print(json.dumps(row), flush=True)
     return 0
