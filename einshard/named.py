@@ -447,7 +447,8 @@ def pvary(x, dims, *, mesh=None):
     def one(t):
         _check_tensor(t, "pvary")
         if ax.tracker is None:
-            if t.is_leaf and t.requires_grad and torch.is_grad_enabled():  # (a parameter: its sum may wait)
+            if t.is_leaf and t.requires_grad and torch.is_grad_enabled() and not _trace.traced():  # (a parameter:
+                # its sum may wait for the end of backward; traced code sums with a functional all-reduce)
                 return leaf_sum(t, ax.group)
             return _vma.pvary_tensor(t, ax.group)
         tr = ax.tracker
