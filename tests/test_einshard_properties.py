@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from dist_reference import MESHES, check_many, composition, render
 from einshard.testing import MeshSpec, run_on_ranks
 
+pytestmark = pytest.mark.matrix  # property searches: long; CI runs them with -m matrix
+
 SETTINGS = settings(
     max_examples=int(os.environ.get("EINSHARD_PROPERTY_EXAMPLES", "4")),
     deadline=None,

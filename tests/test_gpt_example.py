@@ -22,7 +22,7 @@ def run_example(*args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("style", ["shard_map", "einshard"])
+@pytest.mark.parametrize("style", ["shard_map", pytest.param("einshard", marks=pytest.mark.matrix)])
 def test_gpt_example_matches_single_process_and_resumes_on_another_mesh(style, tmp_path):
     out = run_example("--style", style, "--checkpoint-dir", str(tmp_path))
     steps = re.findall(r"^step (\d+): loss ([0-9.]+)\s+single process ([0-9.]+)(\s+\(resumed\))?$", out, re.M)
