@@ -11,7 +11,8 @@ program on whole tensors. :func:`check` runs it on the ranks of a mesh:
    break on purpose);
 3. back-propagate a seeded cotangent, cut like the output;
 4. compare the output (summed over the ranks it is partial over) and every
-   input's gradient with the whole-tensor program's, cut the same way.
+   input's gradient with the whole-tensor program's, cut the same way; no
+   warning may point at einshard's own code (dynamo's about its caches, say).
 
 Each scenario runs with even and uneven blocks (``Scenario.sizes``: one size
 per axis for each variant; odd sizes split unevenly, and the split shapes are
@@ -24,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -159,7 +162,11 @@ def _check(sc: Scenario, variant: str, mode: str) -> None:
     if mode != "eager":
         torch._dynamo.reset()
         program = torch.compile(program, backend=mode, fullgraph=sc.fullgraph)
-    got = _as_tuple(program(**blocks))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _as_tuple(program(**blocks))
+    ours = [str(w.message) for w in caught if os.sep + "einshard" + os.sep in str(w.message)]
+    assert not ours, f"{name} [{variant}, {mode}]: warnings about einshard's own code: {ours}"
     assert len(got) == len(want), f"{name}: {len(got)} outputs, the reference has {len(want)}"
     if grads:
         local_cots = [local_block(c, spec, mesh, shapes=shapes) for c, spec in zip(cots, sc.outputs)]
