@@ -14,7 +14,7 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .errors import EinshardError, naming
+from .errors import EinshardError, SizeMismatchError, naming
 from ._split import as_sizes, compute_split_shapes
 from .layout import Layout, broadcast_size
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
@@ -229,7 +229,7 @@ def resolve(
                 broadcast.add(axis)
                 global_size[axis] = max(old, size)
                 return
-            raise EinshardError(f"axis {axis!r} has global size {size} in {where} but {old} elsewhere")
+            raise SizeMismatchError(f"axis {axis!r} has global size {size} in {where} but {old} elsewhere")
 
     # plain unsharded occurrences fix global sizes; size-1 ones may broadcast (like torch.einsum)
     broadcast: set = set()
@@ -331,8 +331,8 @@ def resolve(
         occs, _ = pending[0]
         names = ", ".join(repr(o.axis) for o in occs if local_size(o) is None)
         raise EinshardError(
-            f"cannot infer the sizes of {names} in group '({' '.join(o.axis for o in occs)})' of "
-            f"operand {occs[0].operand}; pass sizes= for all but one"
+            f"Cannot infer multiple factor sizes: {names} in group '({' '.join(o.axis for o in occs)})' of "
+            f"operand {occs[0].operand} are all unknown; pass sizes= for all but one"
         )
 
     # this rank's local sizes must match the split shapes

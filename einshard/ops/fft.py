@@ -128,7 +128,7 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
     seen = set()
     for ax in out.axes:
         if ax.name in seen:
-            raise invalid(text, ax.pos, f"axis {ax.name!r} appears twice in the output")
+            raise invalid(text, ax.pos, f"axis {ax.name!r} appears more than once in the output")
         seen.add(ax.name)
         if ax.name not in back and ax.name not in untouched:
             hint = " (it is transformed; use its output name)" if ax.name in transformed else ""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -13,7 +12,7 @@ from ..local import freeze_sizes
 from ..mesh import resolve_mesh
 from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
-from .formula import recorder_for
+from .formula import check_params_first, recorder_for
 from .names import mesh_names
 
 __all__ = ["einshard_like"]
@@ -61,18 +60,32 @@ def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> N
     >>> es.get_parameter_state(w).reduce
     ('dp',)
     """
-    return _einshard_like_outside_compile()(formula, *operands, mesh=mesh, sizes=sizes, families=families)
+    run = _DISABLED[0] if _DISABLED else _einshard_like_outside_compile()
+    return run(formula, *operands, mesh=mesh, sizes=sizes, families=families)
 
 
-@functools.cache
+# The mark torch.compiler.disable puts on what it wraps: dynamo does not inline einshard_like into a
+# graph (it breaks the graph and calls it), and the body runs behind the real torch.compiler.disable,
+# made on first use (importing dynamo at import time would cost a second).
+einshard_like._torchdynamo_disable = True
+einshard_like._torchdynamo_disable_msg = "einshard_like records parameter metadata in eager Python"
+_DISABLED: list = []
+
+
 def _einshard_like_outside_compile():
-    """``einshard_like`` behind ``torch.compiler.disable``, made on first use (importing dynamo costs a second)."""
-    return torch.compiler.disable(_einshard_like)
+    """``einshard_like``'s body behind ``torch.compiler.disable`` (made once)."""
+    if not _DISABLED:
+        _DISABLED.append(torch.compiler.disable(_einshard_like))
+    return _DISABLED[0]
 
 
 def _einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> None:
     frozen = freeze_families(families)
-    parsed = expand(formula, frozen)
+    try:
+        parsed = expand(formula, frozen)
+    except ValueError:
+        check_params_first(formula, frozen, operands, mesh_names(mesh))  # [param] metadata errors first
+        raise
     recorder = recorder_for(formula, parsed)  # the same preparation es.einshard runs
     prepared = None if recorder is None else recorder.prepare(operands, mesh_names(mesh))
     duties = () if recorder is None else recorder.duties(operands, prepared)
