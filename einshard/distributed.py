@@ -17,13 +17,13 @@ from .errors import EinshardError, naming
 from .execute import Embedding, transition
 from .layout import MeshShape
 from .local import Contraction, expand_sizes
-from .mesh import MESH_REQUIRED, Mesh, resolve_mesh
+from .mesh import Mesh, mesh_required, resolve_mesh
 from .notation import expand
 from .pipeline import agree, check_dtypes, check_tensors
 from .plan.contraction import Problem, duty_dims, plan_schedule
 from .policy import resolve_policy
 from .resolve import freeze_shapes, resolve
-from .stationary import is_stationary, needs_mesh_for_grad, stationary_plan
+from .stationary import is_stationary, needs_mesh_for_grad, stationary_plan, why_mesh
 
 __all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
 
@@ -250,10 +250,10 @@ def _stationary(key, tensors=None):
     if tensors is not None:
         check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
-        raise EinshardError(MESH_REQUIRED)
+        raise mesh_required(repr(key[0]), why_mesh(parsed))
     why = None if tensors is None else needs_mesh_for_grad(parsed, tensors)
     if why is not None:
-        raise EinshardError(f"{MESH_REQUIRED} ({key[0]!r}: {why})")
+        raise mesh_required(repr(key[0]), why)
     return stationary_plan(key, parsed, [tuple(s) for s in key[3:]])
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -78,12 +78,32 @@ class _Spec:
 
 
 def _axes_form(formula: str, axes) -> str:
-    """The error for an ``axes=`` that is not a dict (a string like ``"xy"`` included)."""
-    hint = " (a string is not accepted: name each axis and its frequency axis)" if isinstance(axes, str) else ""
+    """The error for an ``axes=`` that is neither a dict nor an iterable of axis names."""
     return (
-        f"{formula!r}: axes= must be a dict {{input axis: output axis}} such as {{'x': 'kx', 'y': 'ky'}}, "
-        f"got {axes!r}{hint}"
+        f"{formula!r}: axes= must be a dict {{input axis: output axis}} such as {{'x': 'kx', 'y': 'ky'}}, or an "
+        f"iterable of input axis names transformed in place such as ['x', 'y'], got {axes!r}"
     )
+
+
+def _axes_arg(formula: str, axes):
+    """``axes=`` as a mapping: an iterable of input axis (or family) names transforms them in place.
+
+    A string is a ``TypeError`` (``"xy"`` is not two axis names); anything else that is no mapping and
+    no iterable of names is refused as :func:`_axes_form` says.
+    """
+    if isinstance(axes, Mapping):
+        return axes
+    if isinstance(axes, str):
+        raise TypeError(
+            f"{formula!r}: axes= must be a mapping or an iterable of axis names, not a string ({axes!r}); "
+            f"name each axis, e.g. {{'x': 'kx', 'y': 'ky'}} or ['x', 'y'] (a string is not accepted)"
+        )
+    if isinstance(axes, torch.Tensor) or not isinstance(axes, Iterable):
+        raise EinshardError.named(_axes_form(formula, axes), formula)
+    names = tuple(axes)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise EinshardError.named(_axes_form(formula, axes), formula)
+    return {n: n for n in names}
 
 
 def _expand_pairs(axes, in_names, families) -> tuple[tuple[str, str], ...]:
@@ -626,7 +646,9 @@ def einfft(
 
     ``axes`` maps each transformed input axis to its frequency axis in the
     output (``{"x": "kx"}``; a family name maps to a tuple or to another
-    family). Other axes keep their names; the output spec may permute them.
+    family), or lists the input axes (or families) transformed in place
+    (``["x", "y"]``: the output axes keep their names; a string is a
+    ``TypeError``). Other axes keep their names; the output spec may permute them.
     ``inverse=True`` runs the inverse transform; ``real=True`` the real one,
     whose half-spectrum axis is the *last* entry of ``axes``
     (``signal_sizes={"ky": n}`` gives an inverse real length that
@@ -664,6 +686,8 @@ def einfft(
         device = torch.device("meta")
     else:
         raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
+    if type(axes) is not dict:
+        axes = _axes_arg(formula, axes)
     axes_key = freeze(axes)
     fam_key = freeze_families(families)
     if not explain and in_vma_scope():  # in shard_map(check_vma=True)

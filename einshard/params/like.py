@@ -8,12 +8,14 @@ import torch
 
 from .._split import compute_split_shapes
 from ..distributed import plan_distributed
+from ..errors import EinshardError
 from ..local import freeze_sizes
-from ..mesh import resolve_mesh
+from ..mesh import Mesh, current_mesh, mesh_required, resolve_mesh
 from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
+from ..stationary import is_stationary, needs_mesh_for_grad, why_mesh
 from .formula import check_params_first, recorder_for
-from .names import mesh_names
+from .names import mesh_names, unknown_groups
 
 __all__ = ["einshard_like"]
 
@@ -36,11 +38,42 @@ def _stand_in_shape(spec: TensorSpec, rt, sizes: dict) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check_formula(parsed, mesh, sizes, frozen_families, duties=()) -> None:
+def _check_names(parsed, names) -> None:
+    """Every shard and partial group of the formula is a mesh name, or distinct names joined by '-'."""
+    groups = [a.mesh for t in parsed.tensors for a in t.axes if a.mesh] + [g for t in parsed.tensors for g in t.partial]
+    unknown = list(dict.fromkeys(unknown_groups(groups, names)))
+    if unknown:
+        raise EinshardError(f"{parsed.text!r}: the formula references unknown mesh dimensions "
+                            f"{', '.join(unknown)}: the mesh has {names!r}")
+
+
+def _planning_mesh(parsed, mesh, names, sizes, operands):
+    """The mesh the formula is planned on: ``mesh`` (or the ambient one), or for a mesh object that only has
+    ``mesh_dim_names`` a virtual one of those names; ``None`` for a formula ``einshard`` runs without a mesh
+    (stationary, and no operand needs a gradient summed over ranks)."""
+    if mesh is not None and not isinstance(mesh, Mesh) and getattr(mesh, "mesh", None) is None and names:
+        return Mesh.virtual((2,) * len(names), names)
+    if mesh is None and current_mesh() is None:
+        if not is_stationary(parsed, tuple((sizes or {}).items())):
+            raise mesh_required(repr(parsed.text), why_mesh(parsed))
+        grads = [torch.empty(0, requires_grad=bool(getattr(t, "requires_grad", False))) for t in operands]
+        why = needs_mesh_for_grad(parsed, grads + [torch.empty(0)] * (len(parsed.inputs) - len(grads)))
+        if why is not None:
+            raise mesh_required(repr(parsed.text), why)
+        return None
+    return resolve_mesh(mesh)
+
+
+def _check_formula(parsed, mesh, sizes, frozen_families, duties=(), operands=()) -> None:
     """The formula-level errors ``einshard`` would raise, without operand values or sizes."""
     if parsed.is_local:
         return
-    rt = resolve_mesh(mesh)
+    names = mesh_names(mesh)
+    if names:
+        _check_names(parsed, names)
+    rt = _planning_mesh(parsed, mesh, names, sizes, operands)
+    if rt is None:
+        return
     known = dict(sizes or {})
     shapes = [_stand_in_shape(t, rt, known) for t in parsed.inputs]
     plan_distributed(
@@ -89,6 +122,6 @@ def _einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> 
     recorder = recorder_for(formula, parsed)  # the same preparation es.einshard runs
     prepared = None if recorder is None else recorder.prepare(operands, mesh_names(mesh))
     duties = () if recorder is None else recorder.duties(operands, prepared)
-    _check_formula(parsed, mesh, sizes, frozen, duties)
+    _check_formula(parsed, mesh, sizes, frozen, duties, operands)
     if recorder is not None:
         recorder.commit(operands, prepared)
