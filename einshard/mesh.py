@@ -253,6 +253,10 @@ class Mesh:
     def _has_groups(self) -> bool:
         return self.device_mesh is not None
 
+    def has_process_groups(self) -> bool:
+        """Whether the mesh has process groups (``False`` for a virtual one, made for planning)."""
+        return self._has_groups()
+
     def _member_ranks(self, dims: Sequence[str]) -> list[int]:
         """The global ranks of this rank's group over ``dims``, in block order."""
         index = tuple(slice(None) if n in dims else c for n, c in zip(self.names, self.coordinate))
