@@ -341,11 +341,17 @@ def resolve(
             found = split_of(occ.axis, occ.dims, occ.local)
             mine = found[mesh.index(occ.dims)]
             if occ.local != mine:
+                label = mesh.label(occ.dims)
+                if len(found) > 1 and occ.local == sum(found) and not occ.in_group:
+                    # a whole tensor where its block is expected (a shard_map body returning the whole result)
+                    fix = (f"it holds the whole axis, not its block: pass this rank's block, or write {occ.axis!r} "
+                           f"unsharded where the whole tensor is meant ('{occ.axis}' instead of '{occ.axis}/{label}', "
+                           f"e.g. in a shard_map out-spec)")
+                else:
+                    fix = "pass shapes= with the real split (or this rank's block, if a whole tensor was given)"
                 local_error = (
                     f"{text!r}: operand {occ.operand} holds {occ.local} elements of axis {occ.axis!r} on this rank, "
-                    f"but the split shapes over {mesh.label(occ.dims)!r} are {list(found)} "
-                    f"(this rank's block: {mine}); pass shapes= with the real split (or this rank's block, if a whole "
-                    f"tensor was given)"
+                    f"but the split shapes over {label!r} are {list(found)} (this rank's block: {mine}); {fix}"
                 )
 
     # operand layouts

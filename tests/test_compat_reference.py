@@ -408,3 +408,30 @@ def _partial_over_two_dims(mesh):
 @pytest.mark.ranks(8)
 def test_partial_over_two_dims_agrees_with_checks_on(mesh_2x4):
     assert _partial_over_two_dims(mesh_2x4)
+
+
+def _contradicted_shapes_in_stencils_and_ffts(mesh):
+    """The same for einhalo, einroll and einfft: a shapes= only rank 0's block contradicts raises everywhere."""
+    mesh = es.wrap_mesh(mesh)
+    rows, bad, cols = [3, 2, 2, 1], [2, 2, 2, 1], [1, 1, 1, 1]
+    whole = torch.randn(8, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x = local_block(whole, "h/tp w", mesh, shapes={"tp": rows})
+    spectrum = torch.fft.fftn(whole)
+    calls = [
+        (lambda r: es.einhalo("h/tp w", x, {"w": 1}, boundary="periodic", mesh=mesh, shapes={"tp": r}),
+         "h/tp w", torch.cat([whole[:, -1:], whole, whole[:, :1]], 1), {"tp": rows}),
+        (lambda r: es.einroll("h/tp w", x, {"h": 1}, mesh=mesh, shapes={"tp": r}), "h/tp w",
+         torch.roll(whole, 1, 0), {"tp": rows}),
+        (lambda r: es.einfft("h/tp w -> kh kw/tp", x, {"h": "kh", "w": "kw"}, mesh=mesh,
+                             shapes={"tp": {"h": r, "kw": cols}}), "kh kw/tp", spectrum, {"tp": cols}),
+    ]
+    for call, spec, want, out_shapes in calls:
+        with pytest.raises(ValueError, match="split shapes"):
+            call(bad)
+        torch.testing.assert_close(call(rows), local_block(want, spec, mesh, shapes=out_shapes))  # the group is intact
+    return True
+
+
+@pytest.mark.ranks(4, checks=False, timeout=120)
+def test_stencils_and_ffts_raise_on_every_rank_on_a_contradicted_shapes():
+    assert _contradicted_shapes_in_stencils_and_ffts(MeshSpec((4,), ("tp",)).build())

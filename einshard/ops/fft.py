@@ -41,7 +41,7 @@ from ..notation import (
     invalid,
 )
 from ..notation.grammar import parse_text
-from ..pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
+from ..pipeline import agree, agrees_always, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
 from ..resolve import Splits, resolve
@@ -711,7 +711,7 @@ def einfft(
             raise EinshardError.named(bound.local_error, formula)
         spec = _parse_cached(formula, axes_key, fam_key)
         return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
-    _agree(bound, formula, x.dtype, x.device)
+    _agree(bound, formula, x.dtype, x.device, agrees_always(bound.mesh, shapes))
     return bound(x)
 
 
@@ -739,9 +739,10 @@ def _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm
     return bound
 
 
-def _agree(bound, formula, dtype, device) -> None:
-    """Before communicating: the ranks agree (checks on, or a rank-local error); the plan's warning."""
-    if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
+def _agree(bound, formula, dtype, device, always=False) -> None:
+    """Before communicating: the ranks agree (checks on, ``always``: an explicit ``shapes=``, or a rank-local
+    error); the plan's warning."""
+    if bound.mesh is not None and (bound.local_error is not None or checks.ENABLED or always):
         agree(
             bound.mesh,
             None if bound.local_error is None else EinshardError.named(bound.local_error, formula),
@@ -749,6 +750,7 @@ def _agree(bound, formula, dtype, device) -> None:
             what=f"the layouts of {formula!r}",
             facts=(("dtype", dtype), ("device", device)),
             point="einfft",
+            always=always,
         )
     if bound.warning is not None:
         warnings.warn(bound.warning, RuntimeWarning, stacklevel=3)
@@ -764,7 +766,7 @@ def _traced_bound(formula, shape, dtype, device, axes, inverse, norm, mesh, shap
     """:func:`_bound` and :func:`_agree` at trace time (the warning, too, is given once per compile)."""
     bound = _bound(formula, axes, freeze(axes), freeze_families(families), shape, dtype, device, inverse, norm, real,
                    signal_sizes, mesh, shapes, False)
-    _agree(bound, formula, dtype, device)
+    _agree(bound, formula, dtype, device, agrees_always(bound.mesh, shapes))
     return bound.prepare_traced()
 
 
