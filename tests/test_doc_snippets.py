@@ -59,11 +59,12 @@ def _sessions(page: str):
     out = []
     for fence, code, line in _blocks(page):
         kind = _kind(fence, code)
-        if kind == "continued":
-            assert out and out[-1][0] == "ranks", f"{page}:{line}: a continued block must follow a rank script"
+        if kind == "continued":  # continues the page's last rank script (local blocks may stand between)
+            scripts = [blocks for k, blocks in out if k == "ranks"]
+            assert scripts, f"{page}:{line}: a continued block must come after a rank script"
             n = int(_CONTINUED.match(code.lstrip()).group(1))
-            assert n == int(_RANKS.match(out[-1][1][0][0].lstrip()).group(1)), f"{page}:{line}: another rank count"
-            out[-1][1].append((code, line))
+            assert n == int(_RANKS.match(scripts[-1][0][0].lstrip()).group(1)), f"{page}:{line}: another rank count"
+            scripts[-1].append((code, line))
         else:
             out.append((kind, [(code, line)]))
     return out
@@ -94,7 +95,7 @@ def test_local_blocks_run_in_order(page, tmp_path, monkeypatch):
                 test = doctest.DocTestParser().get_doctest(code, namespace, f"{page}:{line}", page, line)
                 runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
                 runner.run(test, clear_globs=False)
-                assert runner.failures == 0, f"{page}:{line}: the doctest above failed"
+                assert runner.tries > 0 and runner.failures == 0, f"{page}:{line}: the doctest above failed"
     finally:
         es.set_checks(checks)
 
