@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -101,14 +102,17 @@ def test_local_blocks_run_in_order(page, tmp_path, monkeypatch):
 
 
 def _run_script(code: str) -> bool:
-    """One rank's run of a rank script (the group is up: a script's own destroy_process_group is a no-op)."""
+    """One rank's run of a rank script, as a module of its own (torch.compile looks functions' globals up
+    by module name); the group is up, so a script's own destroy_process_group is a no-op."""
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda *a, **k: None
+    module = types.ModuleType("docs_script")
+    sys.modules[module.__name__] = module
     try:
-        exec(compile(code, "<docs script>", "exec"), {"__name__": "__main__"})
+        exec(compile(code, "<docs script>", "exec"), module.__dict__)
     finally:
         dist.destroy_process_group = destroy
-        es.set_checks(True)
+        del sys.modules[module.__name__]
     return True
 
 

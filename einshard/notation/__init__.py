@@ -48,6 +48,7 @@ def _parse(formula: str) -> Formula:
     return parsed
 
 
+@lru_cache(maxsize=4096)
 def parse_sharding(formula: str) -> Formula:
     """Parse a formula (or a bare tensor spec) into immutable objects; syntax only.
 
