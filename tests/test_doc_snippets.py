@@ -33,7 +33,7 @@ from einshard.testing import run_on_ranks
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
 
-_FENCE = re.compile(r"^```(python|pycon)[ \t]*\n(.*?)^```", re.S | re.M)
+_FENCE = re.compile(r"^([ \t]*)```(python|pycon)[ \t]*\n(.*?)^\1```", re.S | re.M)  # (indented in a list, too)
 _RANKS = re.compile(r"# run on (\d+) processes: torchrun --nproc-per-node (\d+) [\w.]+\.py\b")
 _CONTINUED = re.compile(r"# continued on each of the (\d+) processes\b")
 _EXCERPT = re.compile(r"# excerpt of (examples/[\w/]+\.py)\b")
@@ -43,7 +43,8 @@ _SCRIPT = re.compile(r"# save as ([\w.]+\.py) and run: python \1\b")
 def _blocks(page: str) -> list[tuple[str, str, int]]:
     """``(fence, code, line)`` of every python/pycon block of ``page``."""
     text = (ROOT / page).read_text()
-    return [(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1) for m in _FENCE.finditer(text)]
+    return [(m.group(2), textwrap.dedent(m.group(3)), text.count("\n", 0, m.start()) + 1)
+            for m in _FENCE.finditer(text)]
 
 
 def _kind(fence: str, code: str) -> str:
