@@ -122,7 +122,7 @@ class Mesh:
         if not dist.is_initialized():
             raise EinshardError("this mesh's coordinate is this rank's place in mesh.mesh, which needs an initialised "
                                 "process group (torch.distributed.init_process_group)")
-        found = (torch.as_tensor(self._rank_grid) == dist.get_rank()).nonzero()
+        found = (torch.as_tensor(self._rank_grid, device="cpu") == dist.get_rank()).nonzero()
         if len(found) != 1:
             raise EinshardError(f"rank {dist.get_rank()} is not (once) in the mesh's ranks {self._rank_grid!r}")
         self.coordinate = tuple(int(c) for c in found[0])

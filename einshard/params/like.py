@@ -56,8 +56,9 @@ def _planning_mesh(parsed, mesh, names, sizes, operands):
     if mesh is None and current_mesh() is None:
         if not is_stationary(parsed, tuple((sizes or {}).items())):
             raise mesh_required(repr(parsed.text), why_mesh(parsed))
-        grads = [torch.empty(0, requires_grad=bool(getattr(t, "requires_grad", False))) for t in operands]
-        why = needs_mesh_for_grad(parsed, grads + [torch.empty(0)] * (len(parsed.inputs) - len(grads)))
+        grads = [torch.empty(0, device="meta", requires_grad=bool(getattr(t, "requires_grad", False)))
+                 for t in operands]  # stand-ins that only say whether the operand needs a gradient
+        why = needs_mesh_for_grad(parsed, grads + [torch.empty(0, device="meta")] * (len(parsed.inputs) - len(grads)))
         if why is not None:
             raise mesh_required(repr(parsed.text), why)
         return None
