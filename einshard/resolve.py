@@ -344,9 +344,10 @@ def resolve(
                 label = mesh.label(occ.dims)
                 if len(found) > 1 and occ.local == sum(found) and not occ.in_group:
                     # a whole tensor where its block is expected (a shard_map body returning the whole result)
-                    fix = (f"it holds the whole axis, not its block: pass this rank's block, or write {occ.axis!r} "
-                           f"unsharded where the whole tensor is meant ('{occ.axis}' instead of '{occ.axis}/{label}', "
-                           f"e.g. in a shard_map out-spec)")
+                    fix = (f"it holds the whole axis, not its block: pass this rank's block, or name {occ.axis!r} "
+                           f"unsharded where the whole tensor is meant ('{occ.axis}' instead of '{occ.axis}/{label}': "
+                           f"a shard_map out-spec returning it whole, or an in-spec '{occ.axis} ... -> "
+                           f"{occ.axis}/{label} ...' splitting it on entry)")
                 else:
                     fix = "pass shapes= with the real split (or this rank's block, if a whole tensor was given)"
                 local_error = (

@@ -44,8 +44,8 @@ def _group_identical(texts: dict[int, str]) -> list[tuple[list[int], str]]:
 
 
 def _own_code(path: str) -> bool:
-    if path.startswith("<"):
-        return False
+    if path.startswith("<"):  # code given to exec or compile is the user's; frozen modules are not
+        return not path.startswith("<frozen")
     full = os.path.normcase(os.path.abspath(path)) + ""
     return not any(full.startswith(d) for d in _LIBRARY_DIRS)
 
