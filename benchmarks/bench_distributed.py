@@ -16,7 +16,12 @@ Prints one JSON line per case (medians in microseconds, on rank 0) on stdout
 and its progress on stderr. The defaults finish in about a minute on a
 2-core machine; raise ``--calls`` for steadier numbers on an idle one.
 
-The cases above run with checks off. Then, for a planned formula and for
+The cases above run with checks off. ``"bench": "shapes agreement"`` lines time a planned
+formula called with an explicit ``shapes=`` against the same call without it (even blocks, so
+both are valid), checks off, interleaved: a ``shapes=`` that one rank's block contradicts must
+make every rank raise, so such a call runs one agreement (an all-gather of 8 ``int64`` per rank)
+even with checks off, and ``agreement_cost_us`` is its cost per call (collectives included).
+Then, for a planned formula and for
 ``es.psum``, the whole per-call wall time (collectives included: the check
 *is* a collective) with ``es.set_checks(True)`` against ``False``,
 interleaved, and their difference: what checks cost per call
@@ -149,6 +154,27 @@ def _run_checks(ranks, calls, repeats, n, index):
     return name, on, off
 
 
+def _run_shapes(ranks, calls, repeats, n):
+    """The same planned formula with and without ``shapes=`` (checks off), interleaved:
+    ``(name, with, without)``, each ``(wall µs, µs outside torch.distributed)`` per call (medians)."""
+    _ensure_instrumented()
+    mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
+    P = mesh.size("tp")
+    a_shard = torch.randn(n // P, n)
+    shapes = {"tp": [n // P] * P}
+    cases = {True: lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh, shapes=shapes),
+             False: lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh)}
+    es.set_checks(False)
+    for fn in cases.values():  # warm up both (plans, groups)
+        fn()
+    times = {True: [], False: []}
+    for _ in range(repeats):
+        for flag, fn in cases.items():
+            times[flag].append(_wall(fn, calls))
+    on, off = ([statistics.median(t[k] for t in times[flag]) for k in (0, 1)] for flag in (True, False))
+    return "planned formula 'a/tp b -> a b' (all-gather) with shapes= against without", on, off
+
+
 def _ensure_instrumented():
     if not _INSTRUMENTED:
         _instrument()
@@ -192,6 +218,12 @@ def main():
                                          checks=False)[0]
             _print_line(args, "distributed", name, "einshard_us_outside_collectives", lib,
                         "direct_us_outside_collectives", direct, "overhead_us")
+        print(f"[shapes] {args.repeats} x {args.calls} calls with and without shapes=", file=sys.stderr, flush=True)
+        name, on, off = pool.run(_run_shapes, args.ranks, args.calls, args.repeats, args.size, timeout=900,
+                                 checks=False)[0]
+        _print_line(args, "shapes agreement", name, "shapes_us", on[0], "no_shapes_us", off[0], "agreement_cost_us")
+        _print_line(args, "shapes agreement, outside collectives", name, "shapes_us", on[1], "no_shapes_us", off[1],
+                    "agreement_cost_us")
         for i in range(2):
             print(f"[checks {i + 1}/2] {args.repeats} x {args.calls} calls with checks on and off",
                   file=sys.stderr, flush=True)

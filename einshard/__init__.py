@@ -7,8 +7,8 @@ torch.Size([2, 4])
 
 from ._version import __version__
 from . import collectives, helpers, mappings, testing
-from .checks import set_checks
-from .errors import EinshardError
+from .checks import checks_enabled, set_checks
+from .errors import EinshardError, SizeMismatchError
 from .comm_stats import CommStats, count_communication
 from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
 from .notation import parse_sharding
@@ -43,7 +43,9 @@ __all__ = [
     "mappings",
     "testing",
     "set_checks",
+    "checks_enabled",
     "EinshardError",
+    "SizeMismatchError",
     "count_communication",
     "CommStats",
     "Mesh",

@@ -106,7 +106,8 @@ def resolve_split_shapes(shapes, mesh_dim: str, axis_name: str, group=None) -> l
             )
         if isinstance(entry, Mapping):
             if axis_name not in entry:
-                raise EinshardError(f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r}; it has {sorted(entry)}")
+                raise EinshardError(f"shapes[{mesh_dim!r}] has no entry for axis {axis_name!r} on mesh dimension "
+                                    f"{mesh_dim!r} (missing split shapes); it has {sorted(entry)}")
             entry = entry[axis_name]
         result = as_sizes(entry, f"shapes[{mesh_dim!r}]")
     else:

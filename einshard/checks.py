@@ -262,10 +262,13 @@ def agree(
     received: int = -1,
     pairs=None,
     describe=None,
+    always: bool = False,
 ) -> None:
     """Raise ``error`` here, or (checks on) the same error on every rank of ``group``.
 
-    With checks off: raises ``error`` if it is not ``None``; no communication.
+    With checks off: raises ``error`` if it is not ``None``; no communication. ``always``: agree
+    even with checks off (a call whose arguments one rank alone can contradict, such as an
+    explicit ``shapes=``, costs this one all-gather per call).
 
     With checks on: one all-gather of a fixed-size ``int64`` record per rank
     over ``group`` (over the whole mesh inside a ``shard_map`` body). Every
@@ -294,7 +297,7 @@ def agree(
     >>> err = None if x.shape[0] == shapes[rank] else ValueError("size mismatch")  # doctest: +SKIP
     >>> agree(group, err, facts=(("dtype", x.dtype),), point="all_gather")  # doctest: +SKIP
     """
-    if not ENABLED:
+    if not (ENABLED or always):
         if error is not None:
             raise error
         return

@@ -121,6 +121,15 @@ class CommStats:
         return out
 
     @property
+    def data(self) -> "CommStats":
+        """The records of the data's collectives: every kind but ``check`` (the cross-ranks agreements of
+        checks, and of calls given an explicit ``shapes=``)."""
+        out = CommStats()
+        out.records = {key: CommRecord(r.calls, r.sent_bytes, r.received_bytes)
+                       for key, r in self.records.items() if key[0] != "check"}
+        return out
+
+    @property
     def forward(self) -> "CommStats":
         """The forward records only."""
         return self.filter(direction=FORWARD)

@@ -17,13 +17,13 @@ from .errors import EinshardError, naming
 from .execute import Embedding, transition
 from .layout import MeshShape
 from .local import Contraction, expand_sizes
-from .mesh import MESH_REQUIRED, Mesh, resolve_mesh
+from .mesh import Mesh, mesh_required, resolve_mesh
 from .notation import expand
 from .pipeline import agree, check_dtypes, check_tensors
 from .plan.contraction import Problem, duty_dims, plan_schedule
 from .policy import resolve_policy
 from .resolve import freeze_shapes, resolve
-from .stationary import is_stationary, needs_mesh_for_grad, stationary_plan
+from .stationary import is_stationary, needs_mesh_for_grad, stationary_plan, why_mesh
 
 __all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
 
@@ -186,8 +186,8 @@ def _frozen_shapes(key, shapes):
         raise err.within(key[0])
 
 
-def _agree_on_plan(plan, mesh, key, facts) -> None:
-    """Raise this rank's layout error; with checks on, every rank raises when any rank has one."""
+def _agree_on_plan(plan, mesh, key, facts, always=False) -> None:
+    """Raise this rank's layout error; with checks on (or ``always``), every rank raises when any rank has one."""
     agree(
         mesh,
         None if plan.local_error is None else EinshardError.named(plan.local_error, key[0]),
@@ -196,6 +196,7 @@ def _agree_on_plan(plan, mesh, key, facts) -> None:
         describe=plan.describe,
         facts=facts,
         point="einshard",
+        always=always,
     )
 
 
@@ -213,12 +214,15 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
             return _stationary(key, tensors).run(tensors)
     elif not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
+    # an explicit shapes= that one rank's block contradicts: every rank raises together, checks on or off
+    # (one agreement per call; see docs/reliability.md)
+    always = shapes is not None and mesh.has_process_groups()
     try:
         pol = resolve_policy(optimize, policy)
         frozen_shapes = _frozen_shapes(key, shapes)
     except ValueError as err:  # the arguments may be wrong on one rank only: agreed when checks are on
-        if checks.checks_enabled():
-            agree(mesh, err, point="einshard")
+        if checks.ENABLED or always:
+            agree(mesh, err, point="einshard", always=always)
         raise
     # a non-tensor operand has no dtype: no plan is cached for it (the operand check below reports it, agreed)
     full_key = (key, mesh, frozen_shapes, pol, ambient.shapes_key, duties,
@@ -228,16 +232,16 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
         try:
             check_tensors(expand(key[0], key[2]), tensors)
         except ValueError as err:
-            if checks.checks_enabled():
-                agree(mesh, err, point="einshard")
+            if checks.ENABLED or always:
+                agree(mesh, err, point="einshard", always=always)
             raise
         plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol,
                          duties)
     if plan_out is not None:
         plan_out.append(plan)
-    if plan.local_error is not None or checks.ENABLED:
+    if plan.local_error is not None or checks.ENABLED or always:
         _agree_on_plan(plan, mesh, key, (("dtypes", tuple(t.dtype for t in tensors)),
-                                         ("devices", tuple(t.device for t in tensors))))
+                                         ("devices", tuple(t.device for t in tensors))), always)
     return plan.run(tensors)
 
 
@@ -250,10 +254,10 @@ def _stationary(key, tensors=None):
     if tensors is not None:
         check_tensors(parsed, tensors)
     if not is_stationary(parsed, key[1]):
-        raise EinshardError(MESH_REQUIRED)
+        raise mesh_required(repr(key[0]), why_mesh(parsed))
     why = None if tensors is None else needs_mesh_for_grad(parsed, tensors)
     if why is not None:
-        raise EinshardError(f"{MESH_REQUIRED} ({key[0]!r}: {why})")
+        raise mesh_required(repr(key[0]), why)
     return stationary_plan(key, parsed, [tuple(s) for s in key[3:]])
 
 
@@ -265,8 +269,9 @@ def _new_plan(full_key, key, local_shapes, dtypes, mesh, shapes, pol, duties=())
         itemsize = max(d.itemsize for d in dtypes)
         plan = plan_distributed(parsed, local_shapes, itemsize, mesh, shapes, sizes, pol, families, duties).compile()
     except ValueError as err:
-        if checks.checks_enabled():
-            agree(mesh, err, point="einshard")
+        always = shapes is not None and mesh.has_process_groups()
+        if checks.ENABLED or always:
+            agree(mesh, err, point="einshard", always=always)
         raise
     return _PLANS.put(full_key, plan)
 
@@ -288,6 +293,7 @@ def traced_run(key, dtypes, mesh, shapes, optimize, policy, ambient):
     plan = _PLANS.get(full_key)
     if plan is None:
         plan = _new_plan(full_key, key, [tuple(s) for s in key[3:]], list(dtypes), mesh, shapes, pol)
-    if plan.local_error is not None or checks.ENABLED:
-        _agree_on_plan(plan, mesh, key, (("dtypes", tuple(dtypes)),))
+    always = shapes is not None and mesh.has_process_groups()
+    if plan.local_error is not None or checks.ENABLED or always:  # (at trace time: once per graph)
+        _agree_on_plan(plan, mesh, key, (("dtypes", tuple(dtypes)),), always)
     return plan.traced_run()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["EinshardError", "naming"]
+__all__ = ["EinshardError", "SizeMismatchError", "naming"]
 
 
 class EinshardError(ValueError):
@@ -45,6 +45,19 @@ class EinshardError(ValueError):
             prefix = f"{expression!r}: " if op is None else f"{op}: {expression!r}: "
             self.args = (prefix + (self.args[0] if self.args else ""),)
         return self
+
+
+class SizeMismatchError(EinshardError, RuntimeError):
+    """An axis whose sizes disagree between operands: an :class:`EinshardError` (so a ``ValueError``) and,
+    as ``torch.einsum``'s own size error, a ``RuntimeError``.
+
+    >>> import torch, einshard as es
+    >>> try:
+    ...     es.einshard("b c, c -> b", torch.ones(2, 4), torch.ones(3))
+    ... except RuntimeError as err:
+    ...     print(type(err).__name__, isinstance(err, ValueError))
+    SizeMismatchError True
+    """
 
 
 def naming(expression_arg: int = 0):

@@ -152,6 +152,13 @@ class Layout:
         """Same blocks on every rank (partial and replicated both hold whole data)."""
         return self.shard == other.shard and self.splits == other.splits
 
+    def __repr__(self) -> str:
+        # the partial dims sorted: a frozenset of strings prints in an order that depends on PYTHONHASHSEED,
+        # and plan fingerprints (compared across ranks, see einshard.checks) are CRCs of this text
+        partial = "frozenset({" + ", ".join(map(repr, sorted(self.partial))) + "})" if self.partial else "frozenset()"
+        return (f"Layout(axes={self.axes!r}, sizes={self.sizes!r}, shard={self.shard!r}, splits={self.splits!r}, "
+                f"partial={partial})")
+
     def __str__(self) -> str:
         parts = []
         for axis, dims in zip(self.axes, self.shard):

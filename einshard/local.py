@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .errors import EinshardError, naming
+from .errors import EinshardError, SizeMismatchError, naming
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec
 
 try:  # the C++ entry point skips torch.einsum's Python-level argument handling
@@ -254,8 +254,8 @@ def infer_group_sizes(index: int, group: Group, dim_size: int, known: dict) -> N
     product = math.prod(known[a.name] for a in group.axes if a.name in known)
     if len(unknown) > 1:
         raise EinshardError(
-            f"cannot infer the sizes of {', '.join(map(repr, unknown))} in group "
-            f"'{group}' of {operand_name(index)}; pass sizes= for all but one"
+            f"Cannot infer multiple factor sizes: {', '.join(map(repr, unknown))} in group "
+            f"'{group}' of {operand_name(index)} are all unknown; pass sizes= for all but one"
         )
     if unknown:
         if product == 0 or dim_size % product:
@@ -268,7 +268,7 @@ def infer_group_sizes(index: int, group: Group, dim_size: int, known: dict) -> N
         known[unknown[0]] = dim_size // product
     elif product != dim_size:
         sizes = " * ".join(f"{a.name}={known[a.name]}" for a in group.axes)
-        raise EinshardError(f"group '{group}' of {operand_name(index)} has size {dim_size}, but {sizes} = {product}")
+        raise SizeMismatchError(f"group '{group}' of {operand_name(index)} has size {dim_size}, but {sizes} = {product}")
 
 
 def check_size(index: int, axis: str, size: int, known: dict) -> None:
@@ -279,7 +279,7 @@ def check_size(index: int, axis: str, size: int, known: dict) -> None:
     elif old == 1:
         known[axis] = size
     elif size != 1:
-        raise EinshardError(f"axis {axis!r} has size {size} in {operand_name(index)} but {old} elsewhere")
+        raise SizeMismatchError(f"axis {axis!r} has size {size} in {operand_name(index)} but {old} elsewhere")
 
 
 class LocalPlan:

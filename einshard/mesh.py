@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import _context, comm_stats
 from .errors import EinshardError
 
-__all__ = ["Mesh", "SubMesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh"]
+__all__ = ["Mesh", "SubMesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh", "mesh_required"]
 
 MESH_REQUIRED = "Distributed einshard operations require mesh=..."
 
@@ -82,7 +82,8 @@ class Mesh:
         self.device_mesh = device_mesh
         self.names = tuple(names)
         self.shape = tuple(int(s) for s in shape)
-        self.coordinate = tuple(int(c) for c in coordinate)
+        if coordinate is not None:  # None: found on first use (see __getattr__)
+            self.coordinate = tuple(int(c) for c in coordinate)
         self.allow_compound = allow_compound
         self._groups: dict[tuple[str, ...], object] = {}
         self._orders: dict[tuple[str, ...], tuple[int, ...] | None] = {}
@@ -93,10 +94,18 @@ class Mesh:
     # -- construction -----------------------------------------------------
     @classmethod
     def from_device_mesh(cls, device_mesh, *, allow_compound: bool = True, names=None) -> "Mesh":
+        """Wrap a ``DeviceMesh``, or any object with ``mesh`` (the rank tensor) and ``mesh_dim_names``.
+
+        Such an object needs neither ``get_coordinate`` nor process groups when it is wrapped: this
+        rank's coordinate is then found on first use (from ``torch.distributed``'s rank), and its
+        groups are created on first use, as compound ones are.
+        """
         names = check_names(device_mesh, names)
-        coordinate = device_mesh.get_coordinate()
-        if coordinate is None:
-            raise EinshardError("this rank is not part of the given DeviceMesh")
+        coordinate = None
+        if hasattr(device_mesh, "get_coordinate"):
+            coordinate = device_mesh.get_coordinate()
+            if coordinate is None:
+                raise EinshardError("this rank is not part of the given DeviceMesh")
         return cls(
             device_mesh,
             names=names,
@@ -105,6 +114,19 @@ class Mesh:
             allow_compound=allow_compound,
             rank_grid=device_mesh.mesh,
         )
+
+    def __getattr__(self, name):
+        """``coordinate`` of a mesh object without ``get_coordinate``: this rank's place in the rank tensor."""
+        if name != "coordinate":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if not dist.is_initialized():
+            raise EinshardError("this mesh's coordinate is this rank's place in mesh.mesh, which needs an initialised "
+                                "process group (torch.distributed.init_process_group)")
+        found = (torch.as_tensor(self._rank_grid, device="cpu") == dist.get_rank()).nonzero()
+        if len(found) != 1:
+            raise EinshardError(f"rank {dist.get_rank()} is not (once) in the mesh's ranks {self._rank_grid!r}")
+        self.coordinate = tuple(int(c) for c in found[0])
+        return self.coordinate
 
     @classmethod
     def virtual(cls, shape: Sequence[int], names: Sequence[str], coordinate: Sequence[int] | None = None) -> "Mesh":
@@ -187,9 +209,9 @@ class Mesh:
             return group
         if self.device_mesh is None:
             raise EinshardError("a virtual mesh has no process groups")
-        if len(dims) == 1:
+        if len(dims) == 1 and hasattr(self.device_mesh, "get_group"):
             group = self.device_mesh.get_group(self.names.index(dims[0]))
-        else:
+        else:  # a compound dimension (or a mesh object without groups of its own)
             group = self._new_compound_group(dims)
         comm_stats.register_group_label(group, self.label(dims))
         self._groups[dims] = group
@@ -231,6 +253,10 @@ class Mesh:
     def _has_groups(self) -> bool:
         return self.device_mesh is not None
 
+    def has_process_groups(self) -> bool:
+        """Whether the mesh has process groups (``False`` for a virtual one, made for planning)."""
+        return self._has_groups()
+
     def _member_ranks(self, dims: Sequence[str]) -> list[int]:
         """The global ranks of this rank's group over ``dims``, in block order."""
         index = tuple(slice(None) if n in dims else c for n, c in zip(self.names, self.coordinate))
@@ -258,7 +284,7 @@ class Mesh:
 
     @property
     def device_type(self) -> str:
-        return "cpu" if self.device_mesh is None else self.device_mesh.device_type
+        return "cpu" if self.device_mesh is None else getattr(self.device_mesh, "device_type", "cpu")
 
     @property
     def mesh(self):
@@ -404,42 +430,65 @@ class SubMesh(Mesh):
         return id(self)
 
 
+def _name_tuple(names) -> tuple:
+    """``mesh_dim_names`` as a tuple: a ``str`` is one name, ``None`` none; TypeError for anything else that
+    is not an iterable of names (an int, an array or tensor)."""
+    if names is None:
+        return ()
+    if isinstance(names, str):
+        return (names,)
+    if hasattr(names, "shape") and hasattr(names, "dtype") or not hasattr(names, "__iter__"):
+        raise TypeError(f"mesh_dim_names must be an iterable of strings, got {type(names).__name__} {names!r}")
+    return tuple(names)
+
+
+def _dash_problem(name: str, names) -> str:
+    parts = name.split("-")
+    if "" in parts:
+        return "contains '-' with an empty compound component"
+    if len(set(parts)) != len(parts):
+        return "contains '-' and repeats a compound component"
+    overlap = [m for m in names if m != name and set(m.split("-")) & set(parts)]
+    if overlap:
+        return f"contains '-' and overlaps the compound components of {overlap[0]!r}"
+    return "contains '-'"
+
+
 def _check_name_list(names, ndim: int) -> tuple[str, ...]:
     """Mesh dimension names: strings, non-empty, distinct, without '-', one per dimension."""
-    if isinstance(names, str):
-        raise TypeError(f"mesh_dim_names must be a sequence of names, got the string {names!r}")
-    names = tuple(names)
+    names = _name_tuple(names)
     for n in names:
         if not isinstance(n, str):
-            raise TypeError(f"mesh dimension names must be strings, got {n!r} in {names!r}")
+            raise TypeError(f"mesh_dim_names entries must be strings, got {n!r} in {names!r}")
         if not n:
-            raise EinshardError(f"mesh dimension names must not be empty: {names!r}")
+            raise EinshardError(f"mesh_dim_names entries must be non-empty strings, got {names!r}")
+    for n in names:
         if "-" in n:
-            raise EinshardError(
-                f"mesh dimension name {n!r} contains '-', which joins compound dimensions ('dp-sp'); "
-                f"rename it (e.g. {n.replace('-', '_')!r})"
-            )
+            raise EinshardError(f"mesh_dim_names entry {n!r} {_dash_problem(n, names)}; a name cannot contain '-', "
+                                f"which joins compound dimensions ('dp-sp'): rename it (e.g. {n.replace('-', '_')!r})")
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise EinshardError(f"mesh dimension names must be distinct; {repeated} repeat in {names!r}")
+        raise EinshardError(f"mesh_dim_names cannot repeat a name: {repeated} repeat in {names!r}")
     if len(names) != ndim:
-        raise EinshardError(f"the mesh has {ndim} dimension(s) but {len(names)} name(s) were given: {names!r}")
+        raise EinshardError(f"mesh_dim_names length must match the mesh rank: the mesh has {ndim} dimension(s) but "
+                            f"{len(names)} name(s) were given: {names!r}")
     return names
 
 
 def check_names(device_mesh, names=None) -> tuple[str, ...]:
     """The validated dimension names of ``device_mesh`` (``names`` overrides missing ones).
 
-    Checked before any group is created, on anything with ``mesh`` and ``mesh_dim_names``.
+    Checked before any group is created, on anything with ``mesh`` and ``mesh_dim_names``
+    (a ``str`` is one name).
     """
     own = getattr(device_mesh, "mesh_dim_names", None)
     ndim = len(tuple(device_mesh.mesh.shape))
     if names is not None:
         names = _check_name_list(names, ndim)
-        if own and tuple(own) != names:
+        if own is not None and _name_tuple(own) and _name_tuple(own) != names:
             raise EinshardError(f"mesh_dim_names={names!r} contradicts the mesh's own names {tuple(own)!r}")
         return names
-    if not own:
+    if own is None:
         raise EinshardError(
             "einshard needs a DeviceMesh with mesh_dim_names, e.g. "
             "init_device_mesh('cpu', (2, 4), mesh_dim_names=('dp', 'tp')), or wrap_mesh(mesh, mesh_dim_names=...)"
@@ -477,7 +526,10 @@ def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
     if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
         raise EinshardError(f"wrap_mesh needs a DeviceMesh, got {type(mesh).__name__}")
     names = check_names(mesh, mesh_dim_names)
-    wrapped = _WRAPPED.get(mesh)
+    try:
+        wrapped = _WRAPPED.get(mesh)
+    except TypeError:  # an object that cannot be weakly referenced: wrapped anew each time
+        return Mesh.from_device_mesh(mesh, names=names)
     if wrapped is None:
         wrapped = Mesh.from_device_mesh(mesh, names=names)
         _WRAPPED[mesh] = wrapped
@@ -529,11 +581,26 @@ def _in_backward() -> str:
             "activation-checkpointed regions are recomputed in their forward's context)")
 
 
-def resolve_mesh(mesh) -> Mesh:
-    """``mesh`` as a :class:`Mesh`, falling back to the ambient mesh."""
+def mesh_required(what: str | None = None, why: str = "") -> EinshardError:
+    """The error of a call that needs a mesh and has none: it names ``what`` (the formula or function),
+    says ``why`` and how to pass one.
+
+    >>> print(mesh_required("'a/tp -> a'", "'a' is sharded over 'tp' in the input only"))
+    'a/tp -> a': Distributed einshard operations require mesh=...: 'a' is sharded over 'tp' in the input only; pass mesh=mesh, or make the call inside `with es.use_mesh(mesh):`
+    """
+    text = MESH_REQUIRED + (f": {why}" if why else "")
+    text += "; pass mesh=mesh, or make the call inside `with es.use_mesh(mesh):`" + _in_backward()
+    err = EinshardError(text if what is None else f"{what}: {text}")
+    if what is not None:
+        err.expression = what
+    return err
+
+
+def resolve_mesh(mesh, what: str | None = None) -> Mesh:
+    """``mesh`` as a :class:`Mesh`, falling back to the ambient mesh (``what`` names the caller in the error)."""
     if mesh is None:
         mesh = _context.current().mesh
         if mesh is None:
-            raise EinshardError(MESH_REQUIRED + _in_backward())
+            raise mesh_required(what)
         return mesh
     return as_mesh(mesh)

@@ -25,7 +25,7 @@ from .resolve import resolve
 
 __all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_sharding", "parse_spec", "per_axis",
            "width_pair", "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout",
-           "agree", "agree_before_communicating", "build_plan", "traced_plan"]
+           "agree", "agree_before_communicating", "agrees_always", "build_plan", "traced_plan"]
 
 
 def in_vma_scope() -> bool:
@@ -206,16 +206,22 @@ def agree(mesh, error, **kwargs) -> None:
     checks.agree(mesh.group(tuple(mesh.names)), error, **kwargs)
 
 
-def agree_before_communicating(mesh, local_error, x: torch.Tensor) -> None:
-    """Raise a rank-local error on every rank (checks on) or here (checks off).
+def agree_before_communicating(mesh, local_error, x: torch.Tensor, always: bool = False) -> None:
+    """Raise a rank-local error on every rank (checks on, or ``always``: an explicit ``shapes=``) or here.
 
-    With checks on the ranks also agree on ``x``'s dtype and device (the exchange would abort on a mismatch).
+    When they agree, the ranks also agree on ``x``'s dtype and device (the exchange would abort on a mismatch).
     """
-    if local_error is not None or (mesh is not None and checks.checks_enabled()):
+    if local_error is not None or (mesh is not None and (always or checks.ENABLED)):
         error = None if local_error is None else EinshardError(local_error)
         if mesh is None:
             raise error
-        agree(mesh, error, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
+        agree(mesh, error, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange", always=always)
+
+
+def agrees_always(mesh, shapes) -> bool:
+    """Whether an operation agrees on every call, checks on or off: it was given ``shapes=``, which one rank's
+    block may contradict, and its mesh has process groups."""
+    return shapes is not None and mesh is not None and mesh.has_process_groups()
 
 
 def build_plan(cache: BoundedCache, key, mesh, build, context=None, **agreement):

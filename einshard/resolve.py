@@ -14,7 +14,7 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .errors import EinshardError, naming
+from .errors import EinshardError, SizeMismatchError, naming
 from ._split import as_sizes, compute_split_shapes
 from .layout import Layout, broadcast_size
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
@@ -229,7 +229,7 @@ def resolve(
                 broadcast.add(axis)
                 global_size[axis] = max(old, size)
                 return
-            raise EinshardError(f"axis {axis!r} has global size {size} in {where} but {old} elsewhere")
+            raise SizeMismatchError(f"axis {axis!r} has global size {size} in {where} but {old} elsewhere")
 
     # plain unsharded occurrences fix global sizes; size-1 ones may broadcast (like torch.einsum)
     broadcast: set = set()
@@ -331,8 +331,8 @@ def resolve(
         occs, _ = pending[0]
         names = ", ".join(repr(o.axis) for o in occs if local_size(o) is None)
         raise EinshardError(
-            f"cannot infer the sizes of {names} in group '({' '.join(o.axis for o in occs)})' of "
-            f"operand {occs[0].operand}; pass sizes= for all but one"
+            f"Cannot infer multiple factor sizes: {names} in group '({' '.join(o.axis for o in occs)})' of "
+            f"operand {occs[0].operand} are all unknown; pass sizes= for all but one"
         )
 
     # this rank's local sizes must match the split shapes
@@ -341,11 +341,18 @@ def resolve(
             found = split_of(occ.axis, occ.dims, occ.local)
             mine = found[mesh.index(occ.dims)]
             if occ.local != mine:
+                label = mesh.label(occ.dims)
+                if len(found) > 1 and occ.local == sum(found) and not occ.in_group:
+                    # a whole tensor where its block is expected (a shard_map body returning the whole result)
+                    fix = (f"it holds the whole axis, not its block: pass this rank's block, or name {occ.axis!r} "
+                           f"unsharded where the whole tensor is meant ('{occ.axis}' instead of '{occ.axis}/{label}': "
+                           f"a shard_map out-spec returning it whole, or an in-spec '{occ.axis} ... -> "
+                           f"{occ.axis}/{label} ...' splitting it on entry)")
+                else:
+                    fix = "pass shapes= with the real split (or this rank's block, if a whole tensor was given)"
                 local_error = (
                     f"{text!r}: operand {occ.operand} holds {occ.local} elements of axis {occ.axis!r} on this rank, "
-                    f"but the split shapes over {mesh.label(occ.dims)!r} are {list(found)} "
-                    f"(this rank's block: {mine}); pass shapes= with the real split (or this rank's block, if a whole "
-                    f"tensor was given)"
+                    f"but the split shapes over {label!r} are {list(found)} (this rank's block: {mine}); {fix}"
                 )
 
     # operand layouts

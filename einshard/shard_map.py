@@ -169,7 +169,7 @@ class ShardMap:
             )
         mesh = self.mesh
         if mesh is None:
-            mesh = wrap_mesh(resolve_mesh(None))
+            mesh = wrap_mesh(resolve_mesh(None, what=repr(self)))
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
         duty_errors, params = _body_parameters(args, leaves) if self.check_vma else ((), ())
         key = (treedef, mesh, *[_leaf_key(x) for x in leaves])

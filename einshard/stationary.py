@@ -22,7 +22,7 @@ from ._cache import BoundedCache
 from .local import build_local_plan
 from .notation import Axis, Formula, Group, TensorSpec
 
-__all__ = ["is_stationary", "local_formula", "needs_mesh_for_grad", "stationary_plan"]
+__all__ = ["is_stationary", "local_formula", "needs_mesh_for_grad", "stationary_plan", "why_mesh"]
 
 _PLANS = BoundedCache()
 
@@ -46,6 +46,31 @@ def is_stationary(parsed: Formula, sizes: tuple = ()) -> bool:
     sharded = {name for name, dims in mesh_of.items() if dims}
     named = {key for key, _ in sizes}
     return sharded <= out and not (sharded & named)
+
+
+def why_mesh(parsed: Formula) -> str:
+    """Why a formula that is not stationary needs the mesh, with the fix for an omitted sharded axis.
+
+    >>> from einshard.notation import expand
+    >>> why_mesh(expand("b/dp c, c -> c"))
+    "the sum over 'b' (sharded over 'dp') adds the ranks' blocks; to keep it per rank, make it an output partial: 'b/dp c, c -> c // dp'"
+    """
+    out = {a.name for a in parsed.output.axes} if parsed.output is not None else set()
+    dropped: dict[str, str] = {}
+    for t in parsed.inputs:
+        for a in t.axes:
+            if a.mesh and a.name not in out:
+                dropped.setdefault(a.name, a.mesh)
+    if dropped and parsed.output is not None:
+        groups = list(dict.fromkeys(list(parsed.output.partial) + list(dropped.values())))
+        kept = TensorSpec(parsed.output.items, tuple(groups), parsed.output.annotations)
+        ins = ", ".join(map(str, parsed.inputs))
+        axes = ", ".join(f"{name!r} (sharded over {g!r})" for name, g in dropped.items())
+        return (f"the sum over {axes} adds the ranks' blocks; to keep it per rank, make it an output partial: "
+                f"'{ins} -> {kept}'")
+    if any(t.partial for t in parsed.tensors):
+        return "a partial sum (// ...) is summed or kept across ranks"
+    return "a sharded axis changes its mesh dimension, which moves data between ranks"
 
 
 def needs_mesh_for_grad(parsed: Formula, tensors) -> str | None:

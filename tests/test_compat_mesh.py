@@ -29,8 +29,8 @@ class _FakeMesh:
 @pytest.mark.parametrize(
     "names, error, fragment",
     [
-        (("dp", ""), ValueError, "must not be empty"),
-        (("dp", "dp"), ValueError, "must be distinct"),
+        (("dp", ""), ValueError, "mesh_dim_names entries must be non-empty strings"),
+        (("dp", "dp"), ValueError, "mesh_dim_names cannot repeat a name"),
         (("dp", 3), TypeError, "must be strings"),
         (("dp",), ValueError, "2 dimension(s) but 1 name(s)"),
         (("dp", "tp", "sp"), ValueError, "2 dimension(s) but 3 name(s)"),

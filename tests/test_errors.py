@@ -14,7 +14,7 @@ from einshard.ops.halo import einhalo
     [
         (lambda: es.einshard("a b -> a", torch.ones(2, 3), torch.ones(3)), "a b -> a", "'a b -> a': the formula has"),
         (lambda: es.einshard("a b -> c", torch.ones(2, 3)), "a b -> c", "Invalid einshard expression"),
-        (lambda: es.einshard("(a b) -> a b", torch.ones(6)), "(a b) -> a b", "'(a b) -> a b': cannot infer"),
+        (lambda: es.einshard("(a b) -> a b", torch.ones(6)), "(a b) -> a b", "'(a b) -> a b': Cannot infer"),
         (lambda: es.einfft("a b -> ka b", torch.ones(4, 3), {"q": "kq"}), "a b -> ka b", "'a b -> ka b': axes names"),
         (lambda: einhalo("b w", torch.ones(2, 5), {"q": 1}), "b w", "einhalo: 'b w': halos names axis 'q'"),
         (lambda: es.einroll("b w", torch.ones(2, 5), {"w": 1.5}), "b w", "einroll: 'b w': the shift of axis 'w'"),

@@ -352,15 +352,15 @@ def test_double_backward():
         ("a b -> b a", [(2, 3), (3,)], {}, "1 operand(s) but 2 tensor(s)"),
         ("a b c -> a", [(2, 3)], {}, "names 3 dimensions but the tensor has 2"),  # rank mismatch
         ("a b ... c -> a", [(2, 3)], {}, "besides '...'"),
-        ("(a b) c -> a b c", [(6, 2)], {}, "cannot infer the sizes of 'a', 'b'"),  # uninferable
+        ("(a b) c -> a b c", [(6, 2)], {}, "Cannot infer multiple factor sizes: 'a', 'b'"),  # uninferable
         ("(a b) -> a b", [(7,)], {"sizes": {"b": 2}}, "cannot be factored"),
         ("(a b) -> a b", [(6,)], {"sizes": {"a": 2, "b": 2}}, "but a=2 * b=2 = 4"),
         ("a b, b c -> a c", [(2, 3), (4, 5)], {}, "axis 'b' has size 4"),
         ("a -> a", [(3,)], {"sizes": {"a": 4}}, "sizes= says 4"),
         ("a -> a", [(3,)], {"sizes": {"z": 4}}, "not in the formula"),
         ("*s -> *s", [(3,)], {"families": {"s": ("h",)}, "sizes": {"s": (1, 2)}}, "has 2 entries"),
-        ("a -> b", [(3,)], {}, "output axis 'b' does not appear"),
-        ("a b -> a a", [(3, 3)], {}, "appears twice in the output"),
+        ("a -> b", [(3,)], {}, "Output dimension 'b' does not appear"),
+        ("a b -> a a", [(3, 3)], {}, "appears more than once in the output"),
         ("a -> ...", [(3,)], {}, "no input has"),
         ("a b", [(3, 3)], {}, "needs a formula 'inputs -> output'"),
         ("a -> a", [[1.0, 2.0]], {}, "must be a torch.Tensor"),

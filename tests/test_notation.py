@@ -102,7 +102,7 @@ def test_family_expansion():
         ("[*s *w] -> *s", {"s": ("h", "w"), "w": ("k",)}, "zipped families must have equal lengths"),
         ("*s -> *s", {"s": ("h w",)}, "is not an axis"),
         ("*s -> *s", {"s": (1,)}, "must hold axis names"),
-        ("*s, *s -> h h", {"s": ("h",)}, "appears twice in the output"),
+        ("*s, *s -> h h", {"s": ("h",)}, "appears more than once in the output"),
         ("*s h -> h", {"s": ("h/sp",)}, "a diagonal cannot be sharded"),
     ],
 )
@@ -141,8 +141,8 @@ def test_family_errors(expression, families, reason):
         ("[*a *b -> a", 0, "'[' is never closed"),
         ("[*a (b)] -> a", 4, "a zip holds families only"),
         ("a b -> a ]", 9, "']' has no matching '['"),
-        ("a b -> a a", 9, "appears twice in the output"),
-        ("a -> b", 5, "output axis 'b' does not appear in any input"),
+        ("a b -> a a", 9, "appears more than once in the output"),
+        ("a -> b", 5, "Output dimension 'b' does not appear in any input"),
         ("a -> ...", 5, "the output has '...' but no input has"),
         ("a/sp a -> a", 5, "a diagonal cannot be sharded"),
         ("a/sp b/sp -> a b", 5, "mesh dimension 'sp' shards both 'a' and 'b'"),
@@ -155,9 +155,22 @@ def test_family_errors(expression, families, reason):
     ],
 )
 def test_malformed_expressions(expression, position, reason):
-    message = _error(expression)
+    message = _error(expression, parse=expand)  # the syntax, then the meaning (as es.einshard checks)
     assert reason in message
     _assert_caret(message, expression, position)
+
+
+_SEMANTIC = ["a b -> a a", "a -> b", "a -> ...", "a/sp a -> a", "a/sp b/sp -> a b", "a/sp // sp -> a",
+             "a // (sp, sp) -> a", "b c, out/tp c/tp [param] -> b out", "out/dp-dp in"]
+
+
+@pytest.mark.parametrize("expression", _SEMANTIC)
+def test_parse_sharding_checks_syntax_only(expression):
+    """Well-formed text parses; its meaning is checked where it is used (expand, es.einshard, ParameterState)."""
+    parsed = es.parse_sharding(expression)
+    assert str(es.parse_sharding(str(parsed))) == str(parsed)
+    with pytest.raises(ValueError, match="Invalid einshard expression"):
+        expand(expression)
 
 
 def test_non_string_is_rejected():

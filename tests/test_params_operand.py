@@ -57,17 +57,41 @@ def test_inference_on_rank_local_formulas():
     assert _state("b/dp c, c d [param, grad=ddp] -> b/dp d", 1).grad_comm.backend == "ddp"
 
 
-def test_other_formulas_stay_pending_and_explicit_forms_stay():
-    assert _state("b/dp c, c d [param] -> b d", 1).grad_comm.pending_inference
-    assert _state("b/dp c, c d [param] -> d // dp", 1).grad_comm.pending_inference
+def test_inference_gathers_shard_groups_then_output_partials_on_any_formula():
+    """Called directly, a pending duty takes the groups of any formula: the shard groups of the axes the
+    parameter lacks (other inputs, then the output), then the output's partial groups, by exact text."""
+    assert _state("b/dp c, c d [param] -> b d", 1).grad_comm.mesh_dims == ("dp",)
+    assert _state("b/dp c, c d [param] -> d // dp", 1).grad_comm.mesh_dims == ("dp",)
+    s = _state("b/dp c, c [param, grad=async] -> b/dp c // sp", 1)
+    assert s.grad_comm == ParameterGradComm("inferred", ("dp", "sp"), "native", "async")
+    assert _state("b/dp c, c d [param] -> b/dp d // tp", 1).grad_comm.mesh_dims == ("dp", "tp")
+    assert _state("x/tp c, c d [param], x/tp -> x/tp d", 1).grad_comm.mesh_dims == ("tp",)  # deduplicated
+    with pytest.raises(ValueError, match="grad.*overlap"):  # 'dp-sp' and 'sp-dp' are two groups by text
+        _state("b/dp-sp c, c [param, grad=async] -> b/sp-dp c", 1)
+    with pytest.raises(ValueError, match="grad.*overlap"):  # a partial over the parameter's own shard
+        _state("b c/tp, c/tp [param] -> b // tp", 1)
+
+
+def test_explicit_forms_stay_and_infer_grad_modes():
     assert _state("b/dp c, c d [param, grad=tp] -> b/dp d", 1).grad_comm.mesh_dims == ("tp",)
     assert _state("b/dp c, c d [param, grad=none] -> b/dp d", 1).explicit_grad_comm_none
     assert _state("b/dp c, c d [param] -> b/dp d", 1, infer_grad=False).grad_comm.pending_inference
     s = _state("b/dp c, c d [param] -> d // dp", 1, infer_grad="partials")
     assert s.grad_comm.mesh_dims == ("dp",)
-    assert _state("b/dp c, c d [param] -> b/dp d", 1, infer_grad="partials").grad_comm.pending_inference
+    # 'partials' skips the shard groups: none left means no duty
+    assert _state("b/dp c, c d [param] -> b/dp d", 1, infer_grad="partials").grad_comm == ParameterGradComm()
     with pytest.raises(ValueError, match="infer_grad"):
         _state("b c, c d [param] -> b d", 1, infer_grad="yes")
+
+
+@pytest.mark.parametrize("formula", ["b c, c [param, grad=async] -> b c // sp", "b c/sp, c/sp [param, grad=async] -> b // sp",
+                                     "c [param, grad=async] -> c // dp", "b/dp c/sp, c [param, grad=async] -> b/dp c"])
+def test_einshard_like_keeps_pending_duties_of_formulas_that_are_not_rank_local(formula):
+    """es.einshard infers only on rank-local formulas; the others stay pending (the planner resolves them)."""
+    w = _p(2)
+    es.einshard_like(formula, *([None] * (len(expand(formula).inputs) - 1) + [w]), mesh=MESH)
+    state = state_of(w)
+    assert state.grad_comm.pending_inference and state.grad_comm.schedule == "async"
 
 
 def test_operand_errors():
@@ -121,7 +145,7 @@ def test_einshard_like_records_without_values():
         ("b/dp c, c d [param] -> b/dp d", (None, "p2"), {}, ValueError, "mesh="),
         ("b/xx c, c d [param] -> b/xx d", (None, "p2"), {"mesh": MESH}, ValueError, "xx"),
         ("b c, c d [param] -> b d e", (None, "p2"), {}, ValueError, "'e'"),
-        ("b c, c d [param] -> b d d", (None, "p2"), {}, ValueError, "twice"),
+        ("b c, c d [param] -> b d d", (None, "p2"), {}, ValueError, "appears more than once"),
         ("b/dp c, c d [param] -> b/dp d", (None, "p2"), {"mesh": es.Mesh.virtual((2,), ("tp",))}, ValueError, "dp"),
     ],
 )

@@ -55,8 +55,8 @@ def test_module_layouts_with_per_name_values():
 @pytest.mark.parametrize(
     "layouts, kw, exc, words",
     [
-        (["0.weight"], {}, TypeError, "Mapping"),
-        ({}, {}, ValueError, "empty"),
+        (["0.weight"], {}, TypeError, "mapping"),
+        ({}, {}, ValueError, "must not be empty"),
         ({1: "a b"}, {}, TypeError, "str"),
         ({"0.weight": None}, {}, TypeError, "str"),
         ({"": "a"}, {}, ValueError, "empty"),
@@ -171,8 +171,8 @@ def test_norm():
     bn = torch.nn.BatchNorm1d(4)
     es.register_norm_parameters_(bn, layout="c/tp", mesh=MESH)
     assert state_of(bn.bias).layout == "c/tp" and not hasattr(bn.running_mean, "einshard_state")
-    ln2 = es.register_norm_parameters_(torch.nn.LayerNorm(4), weight_layout="h", bias_layout="g")
-    assert state_of(ln2.bias).layout == "g"
+    ln2 = es.register_norm_parameters_(torch.nn.LayerNorm(4), weight_layout="h", bias_layout="h")
+    assert state_of(ln2.bias).layout == "h"
     with pytest.raises(ValueError, match="differ"):
         es.register_norm_parameters_(torch.nn.LayerNorm(4), layout="a", weight_layout="b")
     with pytest.raises(TypeError):
@@ -185,6 +185,37 @@ def test_norm():
     assert _nothing_attached(bad)
     with pytest.raises(ValueError, match="rank"):
         es.register_norm_parameters_(torch.nn.LayerNorm((2, 4)))
+
+
+def test_shared_grad_and_init_sync_are_defaults_that_a_biasless_module_takes_on_its_weight():
+    conv = es.register_conv_parameters_(torch.nn.Conv2d(2, 4, 3, bias=False), grad="dp", init_sync="dp",
+                                        mesh_dim_names=("dp",))
+    assert state_of(conv.weight).reduce == ("dp",) and state_of(conv.weight).shared == ("dp",)
+    ln = es.register_norm_parameters_(torch.nn.LayerNorm(4, bias=False), grad="dp", mesh_dim_names=("dp",))
+    assert state_of(ln.weight).reduce == ("dp",)
+    lin = es.register_linear_parameters_(torch.nn.Linear(3, 4, bias=False), init_sync="none")
+    assert state_of(lin.weight).init_sync.mode == "none"
+    for register, module in ((es.register_conv_parameters_, lambda: torch.nn.Conv2d(2, 4, 3, bias=False)),
+                             (es.register_norm_parameters_, lambda: torch.nn.LayerNorm(4, bias=False)),
+                             (es.register_linear_parameters_, lambda: torch.nn.Linear(3, 4, bias=False))):
+        for kw in ({"bias_grad": "dp"}, {"bias_init_sync": "none"}, {"bias_layout": "out"}):
+            m = module()
+            with pytest.raises(ValueError, match="bias"):
+                register(m, **kw)
+            assert _nothing_attached(m)
+
+
+def test_norm_layout_none_is_not_omitted_and_the_bias_layout_must_match():
+    ln = torch.nn.LayerNorm(4)
+    with pytest.raises(TypeError, match="layout"):
+        es.register_norm_parameters_(ln, layout=None, weight_layout="hidden")
+    with pytest.raises(ValueError, match="bias.*layout"):
+        es.register_norm_parameters_(ln, layout="c", bias_layout="d")
+    with pytest.raises(ValueError, match="bias.*layout"):
+        es.register_norm_parameters_(ln, layout="c/tp", bias_layout="c", mesh_dim_names=("tp",))
+    assert _nothing_attached(ln)
+    es.register_norm_parameters_(ln, layout="c/tp", bias_layout="c/tp", mesh_dim_names=("tp",))
+    assert state_of(ln.bias).layout == "c/tp"
 
 
 # -- finalisation ------------------------------------------------------------------------------------

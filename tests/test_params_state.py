@@ -224,7 +224,7 @@ def test_overlapping_groups_among_themselves():
         ({"init_sync": ParameterInitSync("bad")}, ValueError, "ParameterInitSync.mode"),
         ({"init_sync": ParameterInitSync("explicit")}, ValueError, "explicit mode requires mesh_dims"),
         ({"init_sync": ParameterInitSync("none", ("dp",))}, ValueError, "ParameterInitSync"),
-        ({"init_sync": ParameterInitSync("inferred", ())}, ValueError, "derivation"),
+        ({"init_sync": ParameterInitSync("inferred", ())}, ValueError, "inferred init_sync"),
         ({"grad_comm": ParameterGradComm("none", (), "native")}, ValueError, "ParameterGradComm"),
         ({"grad_comm": ParameterGradComm("explicit", (), "native")}, ValueError, "explicit mode"),
         ({"grad_comm": ParameterGradComm("explicit", ("dp",), "ddp", "async")}, ValueError, "native"),

@@ -27,6 +27,7 @@ __all__ = [
     "parse_sharding",
     "expand",
     "expand_specs",
+    "expand_unchecked",
     "expand_tensor",
     "check_semantics",
     "family_member",
@@ -49,19 +50,21 @@ def _parse(formula: str) -> Formula:
 
 @lru_cache(maxsize=4096)
 def parse_sharding(formula: str) -> Formula:
-    """Parse a formula (or a bare tensor spec) into immutable objects.
+    """Parse a formula (or a bare tensor spec) into immutable objects; syntax only.
 
     The result is cached: parsing the same text twice returns the same
-    object, which callers must not (and cannot) mutate.
+    object, which callers must not (and cannot) mutate. It is also the
+    sequence ``(input 0, input 1 or None, output)``. The meaning is checked
+    where the specs are used (``es.einshard``, :func:`expand`,
+    ``ParameterState.from_spec``): ``"a/sp b/sp -> a b"`` parses, and
+    ``es.einshard`` rejects it.
 
     >>> f = parse_sharding("a/sp b, b c -> a/sp c")
     >>> [str(t) for t in f.inputs], str(f.output)
     (['a/sp b', 'b c'], 'a/sp c')
+    >>> x, w, out = f
     """
-    parsed = _parse(formula)
-    if not _has_families(parsed):
-        check_semantics(parsed)
-    return parsed
+    return _parse(formula)
 
 
 def freeze_families(families: Mapping | tuple | None) -> tuple:
@@ -98,15 +101,22 @@ def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formu
 
 @lru_cache(maxsize=4096)
 def _expand_cached(formula: str, frozen: tuple, einsum: bool) -> Formula:
+    parsed = expand_unchecked(formula, frozen)
+    check_semantics(parsed, einsum)
+    return parsed
+
+
+def expand_unchecked(formula: str, families: Mapping | tuple | None = None) -> Formula:
+    """``formula`` parsed and its families expanded, its meaning not checked (see :func:`check_semantics`)."""
     parsed = _parse(formula)
     if _has_families(parsed):
-        table = {name: tuple(family_member(formula, name, m) for m in members) for name, members in frozen}
+        table = {name: tuple(family_member(formula, name, m) for m in members)
+                 for name, members in freeze_families(families)}
         parsed = Formula(
             formula,
             tuple(expand_tensor(formula, t, table) for t in parsed.inputs),
             None if parsed.output is None else expand_tensor(formula, parsed.output, table),
         )
-    check_semantics(parsed, einsum)
     return parsed
 
 
@@ -197,7 +207,7 @@ def check_semantics(formula: Formula, einsum: bool = True) -> None:
         for axis in tensor.axes:
             if axis.name in seen:
                 if formula.output is not None and tensor is formula.output:
-                    raise invalid(text, axis.pos, f"axis {axis.name!r} appears twice in the output")
+                    raise invalid(text, axis.pos, f"axis {axis.name!r} appears more than once in the output")
                 if axis.mesh or seen[axis.name].mesh:
                     raise invalid(
                         text, axis.pos, f"axis {axis.name!r} appears twice in {where}; a diagonal cannot be sharded"
@@ -240,7 +250,7 @@ def check_semantics(formula: Formula, einsum: bool = True) -> None:
         known = {a.name for t in formula.inputs for a in t.axes}
         for axis in formula.output.axes:
             if axis.name not in known:
-                raise invalid(text, axis.pos, f"output axis {axis.name!r} does not appear in any input")
+                raise invalid(text, axis.pos, f"Output dimension {axis.name!r} does not appear in any input")
         if formula.output.has_ellipsis and not any(t.has_ellipsis for t in formula.inputs):
             raise invalid(text, formula.output.pos, "the output has '...' but no input has")
 

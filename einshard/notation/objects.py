@@ -75,6 +75,28 @@ class Zip:
 Item = Axis | Group | EllipsisItem | Family | Zip
 
 
+def _item_text(item) -> str:
+    """An item as ``repr(spec.axes)`` shows it: ``out``, ``out / tp``, ``(a / dp b)``, ``...``."""
+    if isinstance(item, Axis):
+        return f"{item.name} / {item.mesh}" if item.mesh else item.name
+    if isinstance(item, Group):
+        return "(" + " ".join(_item_text(a) for a in item.axes) + ")"
+    return str(item)
+
+
+class Axes(tuple):
+    """``TensorSpec.axes``: a tuple of :class:`Axis` whose ``repr`` is the layout, items joined by ``" × "``
+    (``'out / tp × in'``; a group as ``(a / dp b)``, an ellipsis as ``...``)."""
+
+    def __new__(cls, axes, items=None):
+        self = super().__new__(cls, axes)
+        self._items = tuple(self) if items is None else items
+        return self
+
+    def __repr__(self) -> str:
+        return " × ".join(_item_text(i) for i in self._items) if self._items else "()"
+
+
 @dataclass(frozen=True, slots=True)
 class Annotation:
     """An operand annotation item: ``param``, ``grad=dp``, ``init_sync=V``."""
@@ -96,15 +118,22 @@ class TensorSpec:
     pos: int = field(default=-1, compare=False, repr=False)
 
     @property
-    def axes(self) -> tuple[Axis, ...]:
-        """Every named axis, group members flattened, in order (no ellipsis)."""
+    def axes(self) -> "Axes":
+        """Every named axis, group members flattened, in order (no ellipsis).
+
+        A tuple of :class:`Axis`; its ``repr`` shows the spec's items joined by ``" × "``:
+
+        >>> from einshard import parse_sharding
+        >>> parse_sharding("out/tp in").inputs[0].axes
+        out / tp × in
+        """
         out: list[Axis] = []
         for item in self.items:
             if isinstance(item, Axis):
                 out.append(item)
             elif isinstance(item, Group):
                 out.extend(a for a in item.axes if isinstance(a, Axis))
-        return tuple(out)
+        return Axes(out, self.items)
 
     @property
     def has_ellipsis(self) -> bool:
@@ -145,7 +174,17 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class Formula:
-    """A parsed formula ``inputs -> output`` (``output`` is ``None`` for a bare spec)."""
+    """A parsed formula ``inputs -> output`` (``output`` is ``None`` for a bare spec).
+
+    It is also the sequence ``(input 0, input 1, output)``: the middle one is ``None`` for a
+    unary formula (and the output for a bare spec); a formula of three or more operands is
+    ``(*inputs, output)``.
+
+    >>> from einshard import parse_sharding
+    >>> x, w, out = parse_sharding("b c, h c -> b h")
+    >>> str(w), parse_sharding("w // dp -> w")[1]
+    ('h c', None)
+    """
 
     text: str
     inputs: tuple[TensorSpec, ...]
@@ -165,6 +204,20 @@ class Formula:
         for t in self.tensors:
             out |= t.mesh_components
         return out
+
+    def _operands(self) -> tuple:
+        if len(self.inputs) >= 3:
+            return self.inputs + (self.output,)
+        return (self.inputs + (None,))[:2] + (self.output,)
+
+    def __len__(self) -> int:
+        return len(self._operands())
+
+    def __iter__(self):
+        return iter(self._operands())
+
+    def __getitem__(self, index):
+        return self._operands()[index]
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))

@@ -11,7 +11,8 @@ from ..distributed import run_distributed, traced_run
 from ..errors import EinshardError
 from ..local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
-from ..params.formula import ANY, duty_of, formula_names, recorded_shapes, recorder_for, resolve_pending, state_duties
+from ..params.formula import (ANY, check_params_first, duty_of, formula_names, recorded_shapes, recorder_for,
+                              resolve_pending, state_duties)
 from ..params.metadata import named_sizes
 from ..params.state import ParameterState
 from ..pipeline import check_tensors
@@ -78,6 +79,8 @@ def einshard(
         if plan is not None:
             if optimize is not None or policy is not None:
                 resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
+            if type(plan) is _RecordingPlan:  # [param] operands record the names of this call's mesh
+                return plan.run_on(tensors, mesh)
             return plan.run(tensors)
         recorder = _DISTRIBUTED.get((formula, key[2]), _MISSING)
         if recorder is None:  # a distributed formula without [param]: only attached states can carry duties
@@ -94,7 +97,11 @@ def einshard(
 
 def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, policy):
     resolve_policy(optimize, policy)  # validates the mode/policy even where nothing is chosen
-    parsed = expand(formula, key[2])
+    try:
+        parsed = expand(formula, key[2])
+    except ValueError:
+        check_params_first(formula, key[2], tensors, formula_names(mesh))  # [param] metadata errors first
+        raise
     recorder = recorder_for(formula, parsed)
     prepared = None
     if recorder is not None and parsed.is_local and not _SATISFIED:
@@ -115,7 +122,7 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
         return _run_with_states(key, tensors, mesh, shapes, optimize, policy)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
     if recorder is not None:
-        plan = _RecordingPlan(plan, recorder, mesh)
+        plan = _RecordingPlan(plan, recorder)
     _LOCAL_PLANS.put(key, plan)
     if recorder is not None:
         out = plan.plan.run(tensors)
@@ -254,21 +261,28 @@ def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
 
 
 class _RecordingPlan:
-    """A local plan whose [param] operands record their states after each successful run."""
+    """A local plan whose [param] operands record their states after each successful run.
 
-    __slots__ = ("plan", "recorder", "mesh")
+    Cached by formula and shapes, not by mesh: each run records the names of its own call's
+    ``mesh=`` (or the ambient mesh), see :meth:`run_on`.
+    """
 
-    def __init__(self, plan, recorder, mesh):
-        self.plan, self.recorder, self.mesh = plan, recorder, mesh
+    __slots__ = ("plan", "recorder")
+
+    def __init__(self, plan, recorder):
+        self.plan, self.recorder = plan, recorder
 
     @property
     def run_traced(self):  # traced (torch.compile): nothing is recorded
         return self.plan.run_traced
 
     def run(self, tensors):
+        return self.run_on(tensors, None)
+
+    def run_on(self, tensors, mesh):
         if _SATISFIED:
             return self.plan.run(tensors)
-        prepared = self.recorder.prepare(tensors, formula_names(self.mesh))
+        prepared = self.recorder.prepare(tensors, formula_names(mesh))
         out = self.plan.run(tensors)
         self.recorder.commit(tensors, prepared)
         return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ from ..notation import (
     invalid,
 )
 from ..notation.grammar import parse_text
-from ..pipeline import agree, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
+from ..pipeline import agree, agrees_always, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
 from ..resolve import Splits, resolve
@@ -78,12 +78,32 @@ class _Spec:
 
 
 def _axes_form(formula: str, axes) -> str:
-    """The error for an ``axes=`` that is not a dict (a string like ``"xy"`` included)."""
-    hint = " (a string is not accepted: name each axis and its frequency axis)" if isinstance(axes, str) else ""
+    """The error for an ``axes=`` that is neither a dict nor an iterable of axis names."""
     return (
-        f"{formula!r}: axes= must be a dict {{input axis: output axis}} such as {{'x': 'kx', 'y': 'ky'}}, "
-        f"got {axes!r}{hint}"
+        f"{formula!r}: axes= must be a dict {{input axis: output axis}} such as {{'x': 'kx', 'y': 'ky'}}, or an "
+        f"iterable of input axis names transformed in place such as ['x', 'y'], got {axes!r}"
     )
+
+
+def _axes_arg(formula: str, axes):
+    """``axes=`` as a mapping: an iterable of input axis (or family) names transforms them in place.
+
+    A string is a ``TypeError`` (``"xy"`` is not two axis names); anything else that is no mapping and
+    no iterable of names is refused as :func:`_axes_form` says.
+    """
+    if isinstance(axes, Mapping):
+        return axes
+    if isinstance(axes, str):
+        raise TypeError(
+            f"{formula!r}: axes= must be a mapping or an iterable of axis names, not a string ({axes!r}); "
+            f"name each axis, e.g. {{'x': 'kx', 'y': 'ky'}} or ['x', 'y'] (a string is not accepted)"
+        )
+    if isinstance(axes, torch.Tensor) or not isinstance(axes, Iterable):
+        raise EinshardError.named(_axes_form(formula, axes), formula)
+    names = tuple(axes)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise EinshardError.named(_axes_form(formula, axes), formula)
+    return {n: n for n in names}
 
 
 def _expand_pairs(axes, in_names, families) -> tuple[tuple[str, str], ...]:
@@ -128,7 +148,7 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
     seen = set()
     for ax in out.axes:
         if ax.name in seen:
-            raise invalid(text, ax.pos, f"axis {ax.name!r} appears twice in the output")
+            raise invalid(text, ax.pos, f"axis {ax.name!r} appears more than once in the output")
         seen.add(ax.name)
         if ax.name not in back and ax.name not in untouched:
             hint = " (it is transformed; use its output name)" if ax.name in transformed else ""
@@ -626,7 +646,9 @@ def einfft(
 
     ``axes`` maps each transformed input axis to its frequency axis in the
     output (``{"x": "kx"}``; a family name maps to a tuple or to another
-    family). Other axes keep their names; the output spec may permute them.
+    family), or lists the input axes (or families) transformed in place
+    (``["x", "y"]``: the output axes keep their names; a string is a
+    ``TypeError``). Other axes keep their names; the output spec may permute them.
     ``inverse=True`` runs the inverse transform; ``real=True`` the real one,
     whose half-spectrum axis is the *last* entry of ``axes``
     (``signal_sizes={"ky": n}`` gives an inverse real length that
@@ -664,6 +686,8 @@ def einfft(
         device = torch.device("meta")
     else:
         raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
+    if type(axes) is not dict:
+        axes = _axes_arg(formula, axes)
     axes_key = freeze(axes)
     fam_key = freeze_families(families)
     if not explain and in_vma_scope():  # in shard_map(check_vma=True)
@@ -687,7 +711,7 @@ def einfft(
             raise EinshardError.named(bound.local_error, formula)
         spec = _parse_cached(formula, axes_key, fam_key)
         return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
-    _agree(bound, formula, x.dtype, x.device)
+    _agree(bound, formula, x.dtype, x.device, agrees_always(bound.mesh, shapes))
     return bound(x)
 
 
@@ -715,9 +739,10 @@ def _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm
     return bound
 
 
-def _agree(bound, formula, dtype, device) -> None:
-    """Before communicating: the ranks agree (checks on, or a rank-local error); the plan's warning."""
-    if bound.mesh is not None and (bound.local_error is not None or checks.checks_enabled()):
+def _agree(bound, formula, dtype, device, always=False) -> None:
+    """Before communicating: the ranks agree (checks on, ``always``: an explicit ``shapes=``, or a rank-local
+    error); the plan's warning."""
+    if bound.mesh is not None and (bound.local_error is not None or checks.ENABLED or always):
         agree(
             bound.mesh,
             None if bound.local_error is None else EinshardError.named(bound.local_error, formula),
@@ -725,6 +750,7 @@ def _agree(bound, formula, dtype, device) -> None:
             what=f"the layouts of {formula!r}",
             facts=(("dtype", dtype), ("device", device)),
             point="einfft",
+            always=always,
         )
     if bound.warning is not None:
         warnings.warn(bound.warning, RuntimeWarning, stacklevel=3)
@@ -740,7 +766,7 @@ def _traced_bound(formula, shape, dtype, device, axes, inverse, norm, mesh, shap
     """:func:`_bound` and :func:`_agree` at trace time (the warning, too, is given once per compile)."""
     bound = _bound(formula, axes, freeze(axes), freeze_families(families), shape, dtype, device, inverse, norm, real,
                    signal_sizes, mesh, shapes, False)
-    _agree(bound, formula, dtype, device)
+    _agree(bound, formula, dtype, device, agrees_always(bound.mesh, shapes))
     return bound.prepare_traced()
 
 

@@ -40,6 +40,7 @@ from ..layout import Layout, MeshShape
 from ..notation import TensorSpec, freeze_families
 from ..pipeline import (
     agree_before_communicating,
+    agrees_always,
     ambient_key,
     build_plan,
     check_boundary,
@@ -70,11 +71,11 @@ class HaloPlan:
     replicate edge) move once; an ``index_select`` repeats them.
     """
 
-    __slots__ = ("layout", "mesh", "exchange", "indices", "local_error")
+    __slots__ = ("layout", "mesh", "exchange", "indices", "local_error", "always")
 
     def __init__(self, layout: Layout, widths: dict[int, tuple[int, int]], boundary: str, mesh, device,
-                 local_error=None):
-        self.layout, self.mesh, self.local_error = layout, mesh, local_error
+                 local_error=None, always=False):
+        self.layout, self.mesh, self.local_error, self.always = layout, mesh, local_error, always
         axes = [i for i, (l, r) in sorted(widths.items()) if l or r]
         ex_axes, dims = exchange_group(layout, axes, mesh)
         read = functools.lru_cache(None)(lambda i, iv: halo_axis(*iv, *widths[i], layout.sizes[i], boundary))
@@ -103,7 +104,7 @@ class HaloPlan:
         return self
 
     def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
-        agree_before_communicating(self.mesh, self.local_error, x)
+        agree_before_communicating(self.mesh, self.local_error, x, self.always)
         t = self.exchange(x, fill)
         for dim, index in self.indices:
             t = t.index_select(dim, index)
@@ -128,7 +129,7 @@ def halo_plan(spec: TensorSpec, text: str, x: torch.Tensor, widths: dict[str, tu
             if (left or right) and boundary in ("periodic", "replicate") and layout.sizes[i] == 0:
                 raise EinshardError(f"axis {name!r} is empty; a {boundary} halo needs at least one cell")
         return HaloPlan(layout, {names.index(k): v for k, v in widths.items()}, boundary, mesh, x.device,
-                        local_error)
+                        local_error, agrees_always(mesh, shapes))
 
     return build_plan(_PLANS, key, mesh, build, (text, what))
 

@@ -27,6 +27,7 @@ from ..layout import Layout
 from ..notation import freeze_families
 from ..pipeline import (
     agree_before_communicating,
+    agrees_always,
     ambient_key,
     build_plan,
     freeze,
@@ -46,10 +47,10 @@ __all__ = ["einroll", "RollPlan"]
 class RollPlan:
     """A roll of one spec, local shape, layout and mesh, bound to this rank: ``plan(x)``."""
 
-    __slots__ = ("layout", "mesh", "dims", "shifts", "exchange", "local_error")
+    __slots__ = ("layout", "mesh", "dims", "shifts", "exchange", "local_error", "always")
 
-    def __init__(self, layout: Layout, shifts: dict[int, int], mesh, local_error=None):
-        self.layout, self.mesh, self.local_error = layout, mesh, local_error
+    def __init__(self, layout: Layout, shifts: dict[int, int], mesh, local_error=None, always=False):
+        self.layout, self.mesh, self.local_error, self.always = layout, mesh, local_error, always
         moving = {i: s % layout.sizes[i] for i, s in sorted(shifts.items()) if layout.sizes[i] > 0}
         moving = {i: s for i, s in moving.items() if s}
         self.dims, self.shifts = tuple(moving), tuple(moving.values())
@@ -67,7 +68,7 @@ class RollPlan:
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        agree_before_communicating(self.mesh, self.local_error, x)
+        agree_before_communicating(self.mesh, self.local_error, x, self.always)
         if self.exchange is not None:
             return self.exchange(x)
         return torch.roll(x, self.shifts, self.dims) if self.dims else x
@@ -136,7 +137,8 @@ def _plan(spec, x, shifts, mesh, shapes, families) -> RollPlan:
 
     def build():
         layout, local_error = spec_layout(tspec, spec, tuple(x.shape), m, shapes)
-        return RollPlan(layout, {names.index(k): v for k, v in by_name.items()}, m, local_error)
+        return RollPlan(layout, {names.index(k): v for k, v in by_name.items()}, m, local_error,
+                        agrees_always(m, shapes))
 
     return build_plan(_PLANS, key, m, build, (spec, "einroll"))
 

@@ -28,15 +28,16 @@ from .. import _context
 from .._cache import BoundedCache
 from ..errors import EinshardError
 from ..mesh import Mesh
+from ..notation import expand_unchecked
 from ..plan.contraction import ANY
 from .merge import merge_states
 from .names import mesh_names
-from .operand import parameter_operand_state
+from .operand import is_rank_local, parameter_operand_state
 from .state import ParameterGradComm, ParameterState, check_state
 from .store import PARAM_STATE_ATTR, prepare_registration, set_parameter_state
 
 __all__ = ["duty_of", "state_duties", "recorded_shapes", "explain_duties", "FormulaRecorder", "recorder_for",
-           "formula_names"]
+           "formula_names", "check_params_first"]
 
 _TENSOR = torch.Tensor
 _NO_DUTY_BACKENDS = ("none", "vma")  # vma: satisfied inside shard_map only; outside, the formula reduces
@@ -111,12 +112,13 @@ def _resolved(state, dims, names):
 class FormulaRecorder:
     """The ``[param]`` operands of one formula: prepare their states, then attach them after success."""
 
-    __slots__ = ("formula", "parsed", "indices", "_cache", "_steady")
+    __slots__ = ("formula", "parsed", "indices", "local", "_cache", "_steady")
 
     def __init__(self, formula: str, parsed, indices):
         self.formula = formula
         self.parsed = parsed
         self.indices = tuple(indices)
+        self.local = is_rank_local(parsed.inputs, parsed.output)  # pending duties inferred here, else planned
         self._cache = BoundedCache(256)
         # (names, backend, operand ids) -> (weak refs, the states committed last, what to prepare next)
         self._steady = BoundedCache(256)
@@ -155,7 +157,8 @@ class FormulaRecorder:
                 )
             try:
                 new = parameter_operand_state(
-                    p, self.parsed.inputs, self.parsed.output, k, mesh_dim_names=names, source="formula"
+                    p, self.parsed.inputs, self.parsed.output, k, mesh_dim_names=names, source="formula",
+                    infer_grad=self.local,
                 )
             except ValueError as err:
                 raise EinshardError(f"{self.formula!r}: operand {k}: {err}") from None
@@ -238,6 +241,21 @@ def formula_names(mesh) -> tuple:
     if type(mesh) is Mesh:
         return mesh.names
     return mesh_names(mesh)
+
+
+def check_params_first(formula: str, families, tensors, names) -> None:
+    """For a formula its meaning rejects: raise its ``[param]`` operands' metadata errors first.
+
+    The states are prepared (and nothing is attached) as for a valid formula, so a layout or duty
+    error is reported before the formula's own; returns when there is none (the caller re-raises).
+    """
+    try:
+        unchecked = expand_unchecked(formula, families)
+    except ValueError:
+        return
+    recorder = recorder_for(formula, unchecked)
+    if recorder is not None:
+        recorder.prepare(tensors, names)
 
 
 def recorder_for(formula: str, parsed) -> FormulaRecorder | None:

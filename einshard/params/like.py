@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from .._split import compute_split_shapes
 from ..distributed import plan_distributed
+from ..errors import EinshardError
 from ..local import freeze_sizes
-from ..mesh import resolve_mesh
+from ..mesh import Mesh, current_mesh, mesh_required, resolve_mesh
 from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
 from ..policy import resolve_policy
-from .formula import recorder_for
-from .names import mesh_names
+from ..stationary import is_stationary, needs_mesh_for_grad, why_mesh
+from .formula import check_params_first, recorder_for
+from .names import mesh_names, unknown_groups
 
 __all__ = ["einshard_like"]
 
@@ -37,11 +38,43 @@ def _stand_in_shape(spec: TensorSpec, rt, sizes: dict) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check_formula(parsed, mesh, sizes, frozen_families, duties=()) -> None:
+def _check_names(parsed, names) -> None:
+    """Every shard and partial group of the formula is a mesh name, or distinct names joined by '-'."""
+    groups = [a.mesh for t in parsed.tensors for a in t.axes if a.mesh] + [g for t in parsed.tensors for g in t.partial]
+    unknown = list(dict.fromkeys(unknown_groups(groups, names)))
+    if unknown:
+        raise EinshardError(f"{parsed.text!r}: the formula references unknown mesh dimensions "
+                            f"{', '.join(unknown)}: the mesh has {names!r}")
+
+
+def _planning_mesh(parsed, mesh, names, sizes, operands):
+    """The mesh the formula is planned on: ``mesh`` (or the ambient one), or for a mesh object that only has
+    ``mesh_dim_names`` a virtual one of those names; ``None`` for a formula ``einshard`` runs without a mesh
+    (stationary, and no operand needs a gradient summed over ranks)."""
+    if mesh is not None and not isinstance(mesh, Mesh) and getattr(mesh, "mesh", None) is None and names:
+        return Mesh.virtual((2,) * len(names), names)
+    if mesh is None and current_mesh() is None:
+        if not is_stationary(parsed, tuple((sizes or {}).items())):
+            raise mesh_required(repr(parsed.text), why_mesh(parsed))
+        grads = [torch.empty(0, device="meta", requires_grad=bool(getattr(t, "requires_grad", False)))
+                 for t in operands]  # stand-ins that only say whether the operand needs a gradient
+        why = needs_mesh_for_grad(parsed, grads + [torch.empty(0, device="meta")] * (len(parsed.inputs) - len(grads)))
+        if why is not None:
+            raise mesh_required(repr(parsed.text), why)
+        return None
+    return resolve_mesh(mesh)
+
+
+def _check_formula(parsed, mesh, sizes, frozen_families, duties=(), operands=()) -> None:
     """The formula-level errors ``einshard`` would raise, without operand values or sizes."""
     if parsed.is_local:
         return
-    rt = resolve_mesh(mesh)
+    names = mesh_names(mesh)
+    if names:
+        _check_names(parsed, names)
+    rt = _planning_mesh(parsed, mesh, names, sizes, operands)
+    if rt is None:
+        return
     known = dict(sizes or {})
     shapes = [_stand_in_shape(t, rt, known) for t in parsed.inputs]
     plan_distributed(
@@ -61,21 +94,35 @@ def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> N
     >>> es.get_parameter_state(w).reduce
     ('dp',)
     """
-    return _einshard_like_outside_compile()(formula, *operands, mesh=mesh, sizes=sizes, families=families)
+    run = _DISABLED[0] if _DISABLED else _einshard_like_outside_compile()
+    return run(formula, *operands, mesh=mesh, sizes=sizes, families=families)
 
 
-@functools.cache
+# The mark torch.compiler.disable puts on what it wraps: dynamo does not inline einshard_like into a
+# graph (it breaks the graph and calls it), and the body runs behind the real torch.compiler.disable,
+# made on first use (importing dynamo at import time would cost a second).
+einshard_like._torchdynamo_disable = True
+einshard_like._torchdynamo_disable_msg = "einshard_like records parameter metadata in eager Python"
+_DISABLED: list = []
+
+
 def _einshard_like_outside_compile():
-    """``einshard_like`` behind ``torch.compiler.disable``, made on first use (importing dynamo costs a second)."""
-    return torch.compiler.disable(_einshard_like)
+    """``einshard_like``'s body behind ``torch.compiler.disable`` (made once)."""
+    if not _DISABLED:
+        _DISABLED.append(torch.compiler.disable(_einshard_like))
+    return _DISABLED[0]
 
 
 def _einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> None:
     frozen = freeze_families(families)
-    parsed = expand(formula, frozen)
+    try:
+        parsed = expand(formula, frozen)
+    except ValueError:
+        check_params_first(formula, frozen, operands, mesh_names(mesh))  # [param] metadata errors first
+        raise
     recorder = recorder_for(formula, parsed)  # the same preparation es.einshard runs
     prepared = None if recorder is None else recorder.prepare(operands, mesh_names(mesh))
     duties = () if recorder is None else recorder.duties(operands, prepared)
-    _check_formula(parsed, mesh, sizes, frozen, duties)
+    _check_formula(parsed, mesh, sizes, frozen, duties, operands)
     if recorder is not None:
         recorder.commit(operands, prepared)

@@ -57,7 +57,7 @@ def str_tuple(value, what: str) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         return (value,)
-    if isinstance(value, torch.Tensor) or not isinstance(value, Iterable):
+    if isinstance(value, torch.Tensor) or not isinstance(value, Iterable) or hasattr(value, "dtype"):
         raise TypeError(f"{what} must be a str, an iterable of str, or None, got {type(value).__name__}")
     value = tuple(value)
     for v in value:
@@ -88,14 +88,20 @@ def normalize_mesh_dim_names(names) -> tuple[str, ...]:
 
 
 def _own_names(mesh) -> tuple[str, ...] | None:
-    """The names a mesh object carries (``None`` when it carries none)."""
-    names = getattr(mesh, "names", None) if _is_es_mesh(mesh) else getattr(mesh, "mesh_dim_names", None)
-    if names is None:
+    """The names a mesh object carries (``None`` when it carries none).
+
+    An object with a rank tensor ``mesh`` needs one name per dimension (``None`` counts as none).
+    """
+    if _is_es_mesh(mesh):
+        return mesh.names
+    names = getattr(mesh, "mesh_dim_names", None)
+    grid = getattr(mesh, "mesh", None)
+    if names is None and not isinstance(grid, torch.Tensor):
         return None
     names = normalize_mesh_dim_names(names)
-    grid = getattr(mesh, "mesh", None)
-    if isinstance(grid, torch.Tensor) and names and grid.ndim != len(names):
-        raise EinshardError(f"the mesh has {grid.ndim} dimensions but {len(names)} mesh_dim_names {names!r}")
+    if isinstance(grid, torch.Tensor) and grid.ndim != len(names):
+        raise EinshardError(f"mesh_dim_names length must match the mesh rank: the mesh has {grid.ndim} dimensions but "
+                            f"{len(names)} mesh_dim_names {names!r}")
     return names
 
 

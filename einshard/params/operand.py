@@ -3,13 +3,20 @@
 For each ``[param]`` input of a formula, the operand's spec and annotations
 give a state (``ParameterState.from_spec``, source ``formula``). A *pending*
 gradient duty (``[param]`` without ``grad=``, or ``grad=async``/``ddp``/``external``)
-is inferred when the formula is **rank-local**: no partial anywhere, every
-sharded axis occurs in exactly one input and in the output with the same
-group, and an axis shared by two or more inputs is unsharded everywhere. Then
-each rank computes its block alone, and the parameter's gradient is partial
-over the groups that shard axes the parameter lacks (the other inputs left to
-right, then the output; compound groups kept whole); no such group means no duty.
-Any other formula keeps the duty pending (the planner resolves it when it runs).
+is inferred by :func:`parameter_operand_state` from the groups of the formula:
+the shard groups of the axes the parameter lacks (the other inputs left to
+right, then the output; compound groups kept whole, duplicates by exact text
+dropped), then the output's partial groups; no group means no duty. The result
+is validated (the groups must be disjoint, miss the layout's shards and be
+known names).
+
+``es.einshard`` infers this way only when the formula is **rank-local**
+(:func:`is_rank_local`): no partial anywhere, every sharded axis occurs in
+exactly one input and in the output with the same group, and an axis shared
+by two or more inputs is unsharded everywhere. Then each rank computes its
+block alone and those groups are exactly the ones the gradient is partial
+over. Any other formula keeps the duty pending, and the planner resolves it
+when it runs.
 
 >>> import torch
 >>> from einshard import parse_sharding
@@ -55,20 +62,20 @@ def is_rank_local(inputs: Sequence[TensorSpec], output: TensorSpec | None) -> bo
     return True
 
 
-def _lacking_groups(inputs, output, index) -> tuple[str, ...]:
+def _inferred_groups(inputs, output, index, shards: bool) -> tuple[str, ...]:
+    """The shard groups of the axes input ``index`` lacks (``shards``), then the output's partial groups."""
     own = {a.name for a in inputs[index].axes}
     dims: list[str] = []
-    others = [t for k, t in enumerate(inputs) if k != index] + [output]
-    for t in others:
-        for a in t.axes:
-            if a.mesh and a.name not in own and a.mesh not in dims:
-                dims.append(a.mesh)
+    if shards:
+        others = [t for k, t in enumerate(inputs) if k != index] + ([] if output is None else [output])
+        for t in others:
+            for a in t.axes:
+                if a.mesh and a.name not in own and a.mesh not in dims:
+                    dims.append(a.mesh)
+    for g in () if output is None else output.partial:
+        if g not in dims:
+            dims.append(g)
     return tuple(dims)
-
-
-def _output_partials(output, state) -> tuple[str, ...]:
-    shard = {c for g in state.layout_shard_dims for c in g.split("-")}
-    return tuple(g for g in (output.partial if output is not None else ()) if not set(g.split("-")) & shard)
 
 
 def parameter_operand_state(
@@ -76,9 +83,16 @@ def parameter_operand_state(
 ) -> ParameterState:
     """The (unattached) state of input ``operand_index`` of a formula.
 
-    ``infer_grad``: ``True`` infers a pending duty on a rank-local formula (see the module);
-    ``"partials"`` gives it the output's partial groups (those not touching the parameter's
-    shards), when there are any; ``False`` keeps it pending.
+    ``infer_grad``: ``True`` infers a pending duty from the formula's groups (see the module;
+    whether the formula is rank-local or not); ``"partials"`` from the output's partial groups
+    only; ``False`` keeps it pending. No group gives no duty (``ParameterGradComm()``); the
+    inferred groups are validated (ValueError "grad ... overlap" for overlapping groups).
+
+    >>> from einshard import parse_sharding
+    >>> f = parse_sharding("b/dp c, c [param, grad=async] -> b/dp c // sp")
+    >>> parameter_operand_state(torch.nn.Parameter(torch.zeros(3)), f.inputs, f.output, 1,
+    ...                         mesh_dim_names=("dp", "sp")).grad_comm.mesh_dims
+    ('dp', 'sp')
     """
     if not isinstance(p, torch.nn.Parameter):
         raise TypeError(f"operand {operand_index} is annotated [param] and must be a torch.nn.Parameter, got {type(p).__name__}")
@@ -88,14 +102,7 @@ def parameter_operand_state(
     gc = state.grad_comm
     if not gc.pending_inference or infer_grad is False:
         return state
-    if infer_grad == "partials":
-        dims = _output_partials(output_spec, state)
-        if not dims:
-            return state
-    elif is_rank_local(input_specs, output_spec):
-        dims = _lacking_groups(input_specs, output_spec, operand_index)
-    else:
-        return state
+    dims = _inferred_groups(input_specs, output_spec, operand_index, shards=infer_grad is True)
     state = replace(state, grad_comm=replace(gc, mesh_dims=dims) if dims else ParameterGradComm())
     check_state(state)
     return state

@@ -99,9 +99,9 @@ def register_module_parameter_layouts_(
     ('dp',)
     """
     if not isinstance(layouts, Mapping):
-        raise TypeError(f"layouts must be a Mapping from parameter names to layouts, got {type(layouts).__name__}")
+        raise TypeError(f"layouts must be a mapping from parameter names to layouts, got {type(layouts).__name__}")
     if not layouts:
-        raise EinshardError("layouts is empty: name at least one parameter")
+        raise EinshardError("layouts must not be empty: name at least one parameter")
     for name, layout in layouts.items():
         if not isinstance(name, str):
             raise TypeError(f"parameter names must be str, got {name!r}")
@@ -147,12 +147,15 @@ def _first_axis_layout(state: ParameterState) -> str:
 
 def _register_pair(
     module, what, weight_layout, bias_layout, names, grads, syncs, source, *, bias_must_match_first_axis, check,
-    sizes=None,
+    sizes=None, bias_given=False,
 ):
-    """Shared body of the linear/conv/norm helpers (``grads``/``syncs``: (weight, bias) values)."""
+    """Shared body of the linear/conv/norm helpers (``grads``/``syncs``: (weight, bias) values; the shared
+    ``grad=``/``init_sync=`` are defaults for both). ``bias_given``: a ``bias_*`` argument was passed.
+    ``bias_must_match_first_axis``: the bias is the weight's first axis (linear, conv), else the whole
+    weight layout (norm)."""
     weight, bias = _weight_and_bias(module, what)
-    if bias is None and (bias_layout is not None or grads[1] is not None or syncs[1] is not None):
-        raise EinshardError(f"{what}: bias_* metadata given but the module has no bias")
+    if bias is None and bias_given:
+        raise EinshardError(f"{what}: bias_layout/bias_grad/bias_init_sync given but the module has no bias")
     if not isinstance(weight_layout, str):
         raise TypeError(f"{what}: the weight layout must be a str, got {type(weight_layout).__name__}")
     if bias_layout is not None and not isinstance(bias_layout, str):
@@ -170,6 +173,9 @@ def _register_pair(
             bias_layout = default
         elif bias_layout is None:
             bias_layout = w_state.layout
+        elif _layout_state(bias_layout, names, None, None, source).layout != w_state.layout:
+            raise EinshardError(f"{what}: the bias layout {bias_layout!r} must match the weight layout "
+                                f"{w_state.layout!r} (the same axes, sharded the same way)")
         reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source, bias, sizes), "bias")
     reg.attach()
     return module
@@ -177,6 +183,10 @@ def _register_pair(
 
 def _pick(specific, shared):
     return shared if specific is None else specific
+
+
+def _bias_given(layout, grad, init_sync) -> bool:
+    return layout is not None or grad is not None or init_sync is not None
 
 
 def register_linear_parameters_(
@@ -213,6 +223,7 @@ def register_linear_parameters_(
         module, "linear", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
         (weight_grad, bias_grad), (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
         source, bias_must_match_first_axis=True, check=check, sizes=sizes,
+        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync),
     )
 
 
@@ -236,6 +247,9 @@ def register_conv_parameters_(
     source="conv",
 ):
     """Register a convolution's weight (rank 3/4/5, default ``out in kh kw``...) and bias; returns ``module``.
+
+    ``grad=``/``init_sync=`` are the defaults of both parameters (of the weight alone on a module
+    without bias); only ``bias_*`` arguments on a module without bias are an error.
 
     >>> conv = register_conv_parameters_(torch.nn.Conv2d(2, 4, 3), weight_layout="out/tp in kh kw")
     >>> get_parameter_state(conv.bias).layout
@@ -262,6 +276,7 @@ def register_conv_parameters_(
         (_pick(weight_grad, grad), _pick(bias_grad, grad)),
         (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
         source, bias_must_match_first_axis=True, check=check, sizes=sizes,
+        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync),
     )
 
 
@@ -282,15 +297,19 @@ def register_norm_parameters_(
     sizes=None,
     source="norm",
 ):
-    """Register a norm layer's affine weight (default layout ``c``) and bias (same shape; same layout by default).
+    """Register a norm layer's affine weight (default layout ``c``) and bias (same shape and layout).
 
-    Buffers (running statistics) are untouched. Returns ``module``.
+    ``grad=``/``init_sync=`` are the defaults of both parameters (of the weight alone on a module
+    without bias); ``bias_layout=``, if given, must equal the weight's layout. Buffers (running
+    statistics) are untouched. Returns ``module``.
 
     >>> ln = register_norm_parameters_(torch.nn.LayerNorm(4), grad="sp", mesh_dim_names=("dp", "sp"))
     >>> get_parameter_state(ln.bias).reduce, get_parameter_state(ln.weight).layout
     (('sp',), 'c')
     """
-    if layout is not _UNSET and layout is not None and weight_layout is not None and layout != weight_layout:
+    if layout is not _UNSET and not isinstance(layout, str):  # an explicit layout=None is not an omitted one
+        raise TypeError(f"norm: layout must be a str like 'c', got {type(layout).__name__}")
+    if layout is not _UNSET and weight_layout is not None and layout != weight_layout:
         raise EinshardError(f"norm: layout={layout!r} and weight_layout={weight_layout!r} differ")
     if weight_layout is None:
         weight_layout = "c" if layout is _UNSET else layout
@@ -304,4 +323,5 @@ def register_norm_parameters_(
         (_pick(weight_grad, grad), _pick(bias_grad, grad)),
         (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
         source, bias_must_match_first_axis=False, check=check, sizes=sizes,
+        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync),
     )

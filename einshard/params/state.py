@@ -85,7 +85,7 @@ def _spec_shard_dims(spec: TensorSpec) -> tuple[str, ...]:
 
 def _parse_value(value, key: str) -> tuple[str, str | None]:
     if not isinstance(value, str):
-        raise TypeError(f"{key}= must be a str, got {type(value).__name__}")
+        raise TypeError(f"{key}= must be a string annotation value like 'dp', got {type(value).__name__}")
     match = _VALUE.fullmatch(value)
     if match is None:
         raise EinshardError(f"Invalid {key}= value {value!r}: expected GROUP or GROUP:SUFFIX with names like 'dp' or 'dp-sp'")
@@ -258,7 +258,7 @@ class ParameterState:
             raise TypeError(f"layout must be a str like 'out/tp in', got {type(layout).__name__}")
         for key, value in (("grad", grad), ("init_sync", init_sync)):
             if value is not None and not isinstance(value, str):
-                raise TypeError(f"{key}= must be a str, got {type(value).__name__}")
+                raise TypeError(f"{key}= must be a string annotation value like 'dp', got {type(value).__name__}")
         spec = _bare_spec(layout, "layout")
         if spec.annotations:
             raise EinshardError(f"layout {layout!r} takes axes only; pass grad=/init_sync= as arguments")
@@ -290,7 +290,17 @@ class ParameterState:
             explicit_grad_comm_none=grad == "none",
         )
         check_state(state)
+        _check_diagonal(spec)
         return state
+
+
+def _check_diagonal(spec: TensorSpec) -> None:
+    """A repeated axis (a diagonal) cannot be sharded: rejected by design, as ``es.einshard`` rejects it."""
+    seen: dict[str, bool] = {}
+    for a in spec.axes:
+        if a.name in seen and (a.mesh or seen[a.name]):
+            raise EinshardError(f"axis {a.name!r} appears twice in {str(spec)!r}; a diagonal cannot be sharded")
+        seen[a.name] = seen.get(a.name, False) or a.mesh is not None
 
 
 def _bare_spec(text: str, what: str) -> TensorSpec:
@@ -432,8 +442,8 @@ def check_state(state) -> None:
         raise EinshardError(f"unknown mesh dimensions {unknown!r}: the mesh has {names!r}")
     if state.init_sync.mode == "inferred" and state.init_sync != derive_init_sync(shards, names):
         raise EinshardError(
-            f"ParameterState.init_sync {state.init_sync!r} differs from its derivation "
-            f"{derive_init_sync(shards, names)!r}"
+            f"ParameterState inferred init_sync mesh_dims {state.init_sync.mesh_dims!r} do not match the "
+            f"layout-derived mesh dims {derive_init_sync(shards, names).mesh_dims!r}"
         )
 
 

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import re
+import sysconfig
+
 __all__ = ["RankError", "RankTimeout"]
+
+# Frames of these directories are not "the user's own" (the summary shows the innermost other one).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # einshard/
+_LIBRARY_DIRS = tuple(
+    os.path.normcase(os.path.abspath(d)) + os.sep
+    for d in {_PACKAGE_DIR, *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    if d
+)
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in .*$')
 
 # Limits that keep error messages readable.
 _MAX_TRACEBACK_CHARS = 20_000
@@ -28,6 +41,32 @@ def _group_identical(texts: dict[int, str]) -> list[tuple[list[int], str]]:
     for rank in sorted(texts):
         groups.setdefault(texts[rank], []).append(rank)
     return [(ranks, text) for text, ranks in groups.items()]
+
+
+def _own_code(path: str) -> bool:
+    if path.startswith("<"):  # code given to exec or compile is the user's; frozen modules are not
+        return not path.startswith("<frozen")
+    full = os.path.normcase(os.path.abspath(path)) + ""
+    return not any(full.startswith(d) for d in _LIBRARY_DIRS)
+
+
+def _summary(text: str) -> str:
+    """The exception line(s) of a formatted traceback, then the innermost frame of the user's own code
+    (not einshard's, the standard library's or an installed package's), with its source line."""
+    lines = text.rstrip("\n").splitlines()
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    if not frames:
+        return text.strip()
+    end = frames[-1] + 1
+    while end < len(lines) and lines[end].startswith("    "):  # the frame's source line (and its carets)
+        end += 1
+    message = "\n".join(lines[end:]).strip() or text.strip()
+    own = [i for i in frames if _own_code(_FRAME.match(lines[i]).group("file"))]
+    if not own:
+        return message
+    i = own[-1]
+    where = [lines[i]] + [line for line in lines[i + 1 : i + 2] if line.startswith("    ") and line.strip("^~ ")]
+    return message + "\n" + "\n".join(where)
 
 
 def _section(ranks, title: str, text: str, limit: int, bar: str = "========") -> str:
@@ -107,7 +146,17 @@ class RankError(Exception):
         return head
 
     def _format(self) -> str:
-        return "\n".join([self._headline()] + ([self.note] if self.note else []) + self._sections() + self._outputs())
+        return "\n".join([self._headline()] + ([self.note] if self.note else []) + self._summaries() + self._sections()
+                         + self._outputs())
+
+    def _summaries(self) -> list[str]:
+        """First, per group of ranks: the exception and the user's own frame where it was raised."""
+        out = []
+        tracebacks = {r: _summary(t) for r, t in self.failures.items() if "Traceback (most recent call last)" in t}
+        for ranks, text in _group_identical(tracebacks):
+            label = "rank" if len(ranks) == 1 else "ranks"
+            out.append(f"{label} {', '.join(map(str, ranks))}: " + _tail(text, _MAX_OUTPUT_CHARS))
+        return out
 
     def _sections(self) -> list[str]:
         parts = [

@@ -308,9 +308,26 @@ def _format_exception(exc):
     while tb is not None and os.path.normcase(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _THIS_FILE:
         tb = tb.tb_next
     try:
-        return "".join(traceback.format_exception(type(exc), exc, tb if tb is not None else exc.__traceback__))
+        # an exception whose message already holds its cause's (an error every rank agreed on, re-raised
+        # from this rank's own) would show the message twice: the cause's traceback is left out, unless
+        # EINSHARD_TESTING_VERBOSE is set
+        chain = _verbose() or not _repeats_its_cause(exc)
+        return "".join(traceback.format_exception(type(exc), exc, tb if tb is not None else exc.__traceback__,
+                                                  chain=chain))
     except BaseException:  # noqa: BLE001 - e.g. a broken __str__
         return f"{type(exc).__module__}.{type(exc).__qualname__}: <exception could not be formatted>\n"
+
+
+def _repeats_its_cause(exc) -> bool:
+    cause = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    if cause is None or cause.__cause__ is not None or cause.__context__ is not None:
+        return False
+    text = str(cause)
+    return bool(text) and text in str(exc)
+
+
+def _verbose() -> bool:
+    return os.environ.get("EINSHARD_TESTING_VERBOSE", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _pickle_exception(exc):
