@@ -44,10 +44,35 @@ def constant_result(fn):
     loaded, the mark is set here directly; a test checks that torch's own
     decorator still sets exactly this mark.
     """
+    _PLANNERS.append(fn)
     if "torch._dynamo" in sys.modules:
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True
     return fn
+
+
+_PLANNERS: list = []  # every function marked by constant_result
+_SKIPPED: list = []  # how many of them dynamo was told to leave alone as frames of their own
+
+
+def _leave_planners_alone() -> None:
+    """Tell dynamo never to compile a trace-time planner (nor what it calls) as a frame of its own.
+
+    Dynamo calls them itself while it traces. But where a graph break makes it
+    run part of a compiled function eagerly, every Python frame called there is
+    compiled on its own, these included: wasted compile time, and warnings
+    about the caches they use. Done once dynamo is loaded (at trace time).
+    """
+    if len(_SKIPPED) == len(_PLANNERS):
+        return
+    eval_frame = sys.modules["torch._dynamo.eval_frame"]
+    if not hasattr(eval_frame, "set_code_exec_strategy"):  # (older torch: such frames are compiled)
+        _SKIPPED.extend(_PLANNERS[len(_SKIPPED):])
+        return
+    skip = eval_frame.FrameExecStrategy(eval_frame.FrameAction.SKIP, eval_frame.FrameAction.SKIP)
+    for fn in _PLANNERS[len(_SKIPPED):]:
+        eval_frame.set_code_exec_strategy(fn.__code__, skip)
+        _SKIPPED.append(fn)
 
 
 class _Registry:
@@ -60,6 +85,7 @@ _NAMES: dict = {}  # id(obj) -> (obj, name)
 
 def register(obj) -> str:
     """The name under which ``obj`` is kept (registered once; kept for the life of the process)."""
+    _leave_planners_alone()
     found = _NAMES.get(id(obj))
     if found is None or found[0] is not obj:
         found = (obj, f"obj{len(_NAMES)}")
