@@ -35,9 +35,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import _trace
 from . import checks as _checks
@@ -53,6 +51,7 @@ from .ops.einshard import einshard
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shapes", "zigzag_indices", "to_zigzag", "from_zigzag"]
 
 _compiling = torch.compiler.is_compiling
+_functional = torch.ops._c10d_functional  # functional collectives as graph nodes: start, and wait where needed
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -255,11 +254,12 @@ class _Ring:
     chunk against itself under the causal mask.
     """
 
-    __slots__ = ("size", "group", "send_to", "recv_from", "steps")
+    __slots__ = ("size", "group", "group_name", "send_to", "recv_from", "steps")
 
     def __init__(self, seq: _Sequence, causal: bool):
         size, b, lengths, chunks = seq.size, seq.block, seq.lengths, seq.chunks
         self.size, self.group = size, seq.group
+        self.group_name = seq.group.group_name if seq.group is not None else None
         self.send_to, self.recv_from = seq.ranks[(b + 1) % size], seq.ranks[(b - 1) % size]
         self.steps = []  # per step: (held block's length, pairs, length of the block received next)
         for t in range(size):
@@ -302,7 +302,8 @@ def _start(ring: _Ring, x: torch.Tensor, n: int):
         ins, outs = [0] * ring.size, [0] * ring.size
         ins[ring.send_to] = x.numel()
         outs[ring.recv_from] = math.prod(shape)
-        return fc.all_to_all_single(x.reshape(-1), outs, ins, ring.group), shape
+        # the op itself: fc.all_to_all_single would wait at once while dynamo traces
+        return _functional.all_to_all_single(x.reshape(-1), outs, ins, ring.group_name), shape
     buf = x.new_empty(shape)
     sends = [(ring.send_to, x)] if x.numel() else []
     recvs = [(ring.recv_from, buf)] if buf.numel() else []
@@ -313,7 +314,7 @@ def _wait(pending) -> torch.Tensor:
     """The tensor :func:`_start` receives, once it has arrived."""
     got, rest = pending
     if _compiling():
-        return fc.wait_tensor(got).view(rest)
+        return _functional.wait_tensor(got).view(rest)
     for work in rest:
         work.wait()
     return got
@@ -407,8 +408,9 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout):
+        if torch.is_grad_enabled() and not _compiling():  # create_graph=True: the raw transfers have no graph
+            raise EinshardError("ring_attention: double backward (create_graph=True) is not supported")
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, dout.contiguous(), ctx.scale)
         return dq, dk, dv, None, None
@@ -474,7 +476,7 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     between every rank runs ``F.scaled_dot_product_attention`` on its heads
     and the whole sequence (a zigzag sequence is put in order first). Heads
     that do not divide by the ranks are split unevenly (a rank may get none).
-    Backward: the formulas' adjoints (double backward works).
+    Backward: the formulas' adjoints around attention's own backward.
 
     >>> o = es.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
     """
