@@ -283,6 +283,7 @@ def _pairs(qs, ks, nq: int, nk: int, causal: bool) -> tuple:
                     visible.append((koff, klen))
             elif (kstart, klen) == (qstart, qlen):
                 out.append((qoff, qlen, koff, klen, True))
+            # else: wholly after the query chunk (chunks of one layout never overlap in part)
         out.extend((qoff, qlen, koff, klen, False) for koff, klen in visible)
     return tuple(out)
 
@@ -390,10 +391,11 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, scale: float):
         if travelling is not None:
             grads = grads + _wait(travelling)
         # on to the next rank; after the last step every block's gradient arrives at its owner
-        travelling = _start(ring, grads, incoming) if ring.size > 1 else (grads, ())
+        travelling = _start(ring, grads, incoming) if ring.size > 1 else None
         if pending is not None:
             kv = _wait(pending)
-    grads = _wait(travelling)
+    if travelling is not None:
+        grads = _wait(travelling)
     return dq, grads[..., :d].contiguous(), grads[..., d:].contiguous()
 
 
@@ -525,7 +527,8 @@ def _conversion(src: _Sequence, dst: _Sequence, shape: tuple, axis: int) -> Exch
     sends, recvs = [None] * src.size, [None] * src.size
     other = tuple(((0, 0, n),) if n else () for n in shape)
     for j, rank in enumerate(src.ranks):
-        for box, runs in ((sends, _pieces(src.chunks[b], dst.chunks[j])), (recvs, _pieces(src.chunks[j], dst.chunks[b]))):
+        for box, runs in ((sends, _pieces(src.chunks[b], dst.chunks[j])),
+                          (recvs, _pieces(src.chunks[j], dst.chunks[b]))):
             if runs and all(other[i] for i in range(len(shape)) if i != axis):
                 box[rank] = tuple(runs if i == axis else other[i] for i in range(len(shape)))
     out_shape = shape[:axis] + (dst.lengths[b],) + shape[axis + 1:]

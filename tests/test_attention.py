@@ -14,12 +14,16 @@ after that block's matmuls.
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
+from einshard import attention
 from einshard._split import compute_split_shapes
 from einshard.attention import from_zigzag, to_zigzag, zigzag_indices, zigzag_shapes
 from einshard.testing import MeshSpec
@@ -101,7 +105,7 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None):
 
 
 @pytest.mark.parametrize("layer", ["ring", "ulysses"])
-@pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.ranks(2)), pytest.param(4, marks=pytest.mark.ranks(4))])
+@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.ranks(n)) for n in (2, 4)])
 def test_layers_match_whole_attention(layer, size):
     mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
     for causal, layout, uneven in CASES:
@@ -165,7 +169,7 @@ def test_outputs_vary_over_the_sequence_dimension_and_the_batch_one():
 # -- compiled ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.ranks(4)
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_ring_attention_compiles_fullgraph_in_shard_map(check_vma):
     # no replicated weight in the compiled body: a traced body multiplying varying data by an invariant
@@ -179,9 +183,8 @@ def test_ring_attention_compiles_fullgraph_in_shard_map(check_vma):
             _check("ring", mesh, causal, layout, uneven, run=run, batch_dim="dp")
 
 
-@pytest.mark.ranks(2)
-def test_ring_attention_compiles_fullgraph_under_use_mesh():
-    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+def run_on(mesh):
+    """Call the layer compiled (``fullgraph=True``) under ``es.use_mesh(mesh)``."""
 
     def run(fn, q, k, v, g):
         def step(q, k, v):
@@ -192,12 +195,22 @@ def test_ring_attention_compiles_fullgraph_under_use_mesh():
         o.backward(g)
         return o
 
+    return run
+
+
+@pytest.mark.ranks(2, timeout=600)  # compiles: minutes on a loaded 2-core machine
+def test_ring_attention_compiles_fullgraph_under_use_mesh():
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    run = run_on(mesh)
     for causal, layout, uneven in (CASES[0], CASES[3], CASES[5]):
         torch._dynamo.reset()
         _check("ring", mesh, causal, layout, uneven, run=run)
+    single = es.wrap_mesh(MeshSpec((2, 1), ("dp", "sp")).build())  # a ring of one rank: no transfers
+    torch._dynamo.reset()
+    _check("ring", single, True, "zigzag", True, run=run_on(single))
 
 
-@pytest.mark.ranks(4)
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_ulysses_attention_compiles_in_shard_map(check_vma):
     # fullgraph=False: dynamo cannot yet trace einshard's functional all-to-all inside its autograd Function
@@ -250,7 +263,7 @@ def _check_zigzag(mesh, n, uneven, compiled):
     torch.testing.assert_close(y, X[:, s0:s0 + split[block]], rtol=0, atol=0)
 
 
-@pytest.mark.ranks(4)
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("compiled", [False, True])
 def test_to_and_from_zigzag(compiled):
     mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())
@@ -325,10 +338,8 @@ def test_ring_transfers_overlap_the_block_computations(causal, layout):
         _check_overlap(backward.events, final_exempt=True)
 
 
-@pytest.mark.ranks(2)
+@pytest.mark.ranks(2, timeout=600)  # compiles: minutes on a loaded 2-core machine
 def test_compiled_ring_waits_after_the_block_computations():
-    from torch._dynamo.testing import AotEagerAndRecordGraphs
-
     mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
     backend = AotEagerAndRecordGraphs()
     q, k, v = (torch.randn(1, 2, 8, 4, dtype=DT, requires_grad=True) for _ in range(3))
@@ -405,3 +416,8 @@ def test_double_backward_through_the_ring_is_refused():
         torch.autograd.grad(o.sum(), q, create_graph=True)
     (g,) = torch.autograd.grad(o.sum(), q)  # a first-order gradient still works after the refusal
     assert g.shape == q.shape
+
+
+def test_docstring_examples():
+    result = doctest.testmod(attention)
+    assert result.failed == 0 and result.attempted >= 3
