@@ -7,9 +7,9 @@ and compares its block of the output and of the gradients of ``q``, ``k``,
 ``sp`` of 2 and 4 ranks, and ``dp x sp`` (the batch split over ``dp`` too);
 eager (under ``es.use_mesh`` and in ``shard_map`` with and without variance
 tracking) and compiled (``torch.compile(backend="aot_eager")``). The ring's
-overlap is shown by the order of operations: every transfer is posted before
-the block computed while it travels, and the received buffer is first read
-after that block's matmuls.
+overlap is shown by the order of operations: every transfer is started before
+the block computed while it travels, and waited for after that block's
+matmuls.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
 from einshard import attention
+from einshard import collectives as C
 from einshard._split import compute_split_shapes
 from einshard.attention import from_zigzag, to_zigzag, zigzag_indices, zigzag_shapes
 from einshard.testing import MeshSpec
@@ -290,34 +291,56 @@ def test_zigzag_conversion_on_a_2d_mesh_in_shard_map():
 
 
 class _Trace(TorchDispatchMode):
-    """The order of point-to-point posts and matmuls, and which storages each op touches."""
+    """The order of matmuls and of the ring's transfers: ``("post", i)`` when batch ``i`` of point-to-point
+    transfers has been started (``einshard.collectives.isend_irecv``), ``("wait", i)`` when it is waited for."""
 
     def __init__(self):
         super().__init__()
         self.events = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        storages = set()
-        for a in list(args) + list((kwargs or {}).values()):
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                if isinstance(t, torch.Tensor):
-                    storages.add(t.untyped_storage().data_ptr())
-        self.events.append((name, storages))
+        self.events.append((func.overloadpacket.__name__, None))
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self):
+        self.original, events = C.isend_irecv, self.events
 
-def _check_overlap(events, final_exempt: bool):
-    """Each ``recv_`` is posted before matmuls that do not read its buffer, and its buffer is read after them."""
-    recvs = [i for i, (name, _) in enumerate(events) if name == "recv_"]
-    assert recvs, [name for name, _ in events]
-    for n, i in enumerate(recvs):
-        buffer = next(iter(events[i][1]))
-        first_use = next((j for j in range(i + 1, len(events)) if buffer in events[j][1]), len(events))
-        between = [name for name, _ in events[i + 1:first_use]]
-        if final_exempt and n == len(recvs) - 1:
+        def recording(*args, **kwargs):
+            batch = sum(name == "post" for name, _ in events)
+            works = [_Recorded(w, events, batch) for w in self.original(*args, **kwargs)]
+            events.append(("post", batch))
+            return works
+
+        C.isend_irecv = recording
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        C.isend_irecv = self.original
+        return super().__exit__(*exc)
+
+
+class _Recorded:
+    """A ``Work`` whose ``wait`` is recorded."""
+
+    def __init__(self, work, events, batch):
+        self.work, self.events, self.batch = work, events, batch
+
+    def wait(self, timeout=None):
+        self.events.append(("wait", self.batch))
+        return self.work.wait()
+
+
+def _check_overlap(events, posts: int, final_exempt: bool):
+    """Every batch of transfers is started before a block's matmuls and waited for after them."""
+    names = [name for name, _ in events]
+    assert names.count("post") == posts, names
+    for batch in range(posts):
+        start = events.index(("post", batch))
+        end = events.index(("wait", batch))
+        if final_exempt and batch == posts - 1:
             continue  # the last gradient's way home: nothing is left to compute
-        assert between.count("bmm") >= 2, (n, between)  # the block's q k^T and p v (or its gradients)
+        between = names[start + 1:end]
+        assert between.count("bmm") >= 2, (batch, between)  # the block's q k^T and p v (or its gradients)
 
 
 @pytest.mark.ranks(4)
@@ -328,14 +351,10 @@ def test_ring_transfers_overlap_the_block_computations(causal, layout):
     with es.use_mesh(mesh):
         with _Trace() as forward:
             o = es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
-        names = [name for name, _ in forward.events]
-        assert names.count("recv_") == 3 and names.count("send") == 3  # P - 1 transfers of keys and values
-        _check_overlap(forward.events, final_exempt=False)
+        _check_overlap(forward.events, 3, final_exempt=False)  # P - 1 transfers of keys and values
         with _Trace() as backward:
             o.backward(torch.ones_like(o))
-        names = [name for name, _ in backward.events]
-        assert names.count("recv_") == 3 + 4  # keys and values again, and the gradients' 4 hops home
-        _check_overlap(backward.events, final_exempt=True)
+        _check_overlap(backward.events, 3 + 4, final_exempt=True)  # keys and values again, gradients' 4 hops
 
 
 @pytest.mark.ranks(2, timeout=600)  # compiles: minutes on a loaded 2-core machine
