@@ -125,8 +125,9 @@ def _shard_map_run(mesh, check_vma, compile_=False, fullgraph=True):
             o = fn(q, k, v)
             return ((o * w if weighted else o) * g).sum()  # partial over dp and sp
 
-        step = es.shard_map(body, in_specs=("b/dp h n/sp d",) * 2 + ("b/dp h n/sp e", "e", "b/dp h n/sp e"),
-                            out_specs="// dp-sp -> ", mesh=mesh, check_vma=check_vma)
+        b, dims = ("b/dp", "dp-sp") if "dp" in mesh.names else ("b", "sp")
+        step = es.shard_map(body, in_specs=(f"{b} h n/sp d",) * 2 + (f"{b} h n/sp e", "e", f"{b} h n/sp e"),
+                            out_specs=f"// {dims} -> ", mesh=mesh, check_vma=check_vma)
         if compile_:
             # dynamic=False: the graph breaks (fullgraph=False) resume in frames that must not go dynamic
             step = torch.compile(step, backend="aot_eager", fullgraph=fullgraph, dynamic=None if fullgraph else False)
@@ -134,7 +135,7 @@ def _shard_map_run(mesh, check_vma, compile_=False, fullgraph=True):
         with torch.no_grad():
             o = fn(q, k, v)
         if weighted:  # sum(o * g) over the whole tensors
-            want = es.psum((o * g).sum((0, 1, 2)), ("dp", "sp"), mesh=mesh)
+            want = es.psum((o * g).sum((0, 1, 2)), mesh.names, mesh=mesh)
             torch.testing.assert_close(w.grad, want, **TOL)
         return o
 
@@ -199,14 +200,14 @@ def run_on(mesh):
     return run
 
 
-@pytest.mark.ranks(2, timeout=600)  # compiles: minutes on a loaded 2-core machine
-def test_ring_attention_compiles_fullgraph_under_use_mesh():
-    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.ranks(n, timeout=600)) for n in (2, 4)])
+def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
+    mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
     run = run_on(mesh)
     for causal, layout, uneven in (CASES[0], CASES[3], CASES[5]):
         torch._dynamo.reset()
         _check("ring", mesh, causal, layout, uneven, run=run)
-    single = es.wrap_mesh(MeshSpec((2, 1), ("dp", "sp")).build())  # a ring of one rank: no transfers
+    single = es.wrap_mesh(MeshSpec((size, 1), ("dp", "sp")).build())  # a ring of one rank: no transfers
     torch._dynamo.reset()
     _check("ring", single, True, "zigzag", True, run=run_on(single))
 
@@ -223,6 +224,11 @@ def test_ulysses_attention_compiles_in_shard_map(check_vma):
     with es.use_mesh(mesh):
         torch._dynamo.reset()
         _check("ulysses", mesh, *CASES[5], run=run, batch_dim="dp")  # causal, zigzag, uneven
+    mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())  # 4 ranks of sp: 3 heads over 4 (one rank has none)
+    run = _shard_map_run(mesh, check_vma, compile_=True, fullgraph=False)
+    with es.use_mesh(mesh):
+        torch._dynamo.reset()
+        _check("ulysses", mesh, *CASES[1], run=run)  # not causal, contiguous, uneven
 
 
 # -- the zigzag layout ------------------------------------------------------------------------------
