@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import AotEagerAndRecordGraphs
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
@@ -72,13 +73,14 @@ def _length(size: int, uneven: bool) -> int:
     return 4 * size + 3 if uneven else 4 * size
 
 
-def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None):
+def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp"):
     """One case on this rank: the layer's block of the output and gradients against the whole reference.
 
     ``run(fn, q, k, v, g)``: how to call ``fn(q, k, v)`` and backpropagate ``g`` (default: under
-    ``es.use_mesh``); ``batch_dim``: the mesh dimension that splits the batch too.
+    ``es.use_mesh``); ``batch_dim``: the mesh dimension that splits the batch too; ``dim``: the one
+    that splits the sequence.
     """
-    size, block = mesh.size("sp"), mesh.index("sp")
+    size, block = mesh.size(dim), mesh.index(dim)
     n = _length(size, uneven)
     Q, K, V, G = _whole(n)
     O, dQ, dK, dV = _reference(Q, K, V, G, causal)
@@ -91,7 +93,7 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def fn(q, k, v):
-        return LAYERS[layer](q, k, v, "sp", causal=causal, layout=layout, shapes=shapes)
+        return LAYERS[layer](q, k, v, dim, causal=causal, layout=layout, shapes=shapes)
 
     if run is None:
         with es.use_mesh(mesh):
@@ -113,6 +115,28 @@ def test_layers_match_whole_attention(layer, size):
     mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
     for causal, layout, uneven in CASES:
         _check(layer, mesh, causal, layout, uneven)
+
+
+_PERMUTED: dict = {}
+
+
+def _permuted(ranks, names):
+    """A wrapped mesh on a permuted rank tensor (group ranks are not block order), built once per process."""
+    key = (str(ranks), names)
+    if key not in _PERMUTED or _PERMUTED[key][0] is not dist.group.WORLD:
+        _PERMUTED[key] = (dist.group.WORLD, es.wrap_mesh(DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)))
+    return _PERMUTED[key][1]
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_layers_on_permuted_meshes_and_compound_dimensions(layer):
+    for mesh, dim in ((_permuted([3, 1, 0, 2], ("sp",)), "sp"), (_permuted([[0, 2], [1, 3]], ("dp", "sp")), "dp-sp")):
+        assert mesh.order(dim) is not None  # blocks are not in group-rank order: the ring must translate
+        for causal, layout, uneven in CASES:
+            _check(layer, mesh, causal, layout, uneven, dim=dim)
+    if layer == "ring":  # and the zigzag conversions' exchange
+        _check_zigzag(_permuted([3, 1, 0, 2], ("sp",)), 19, True, False)
 
 
 def _shard_map_run(mesh, check_vma, compile_=False, fullgraph=True):
