@@ -477,7 +477,8 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     formulas move the data, ``... h n/dim d -> ... h/dim n d`` and back; in
     between every rank runs ``F.scaled_dot_product_attention`` on its heads
     and the whole sequence (a zigzag sequence is put in order first). Heads
-    that do not divide by the ranks are split unevenly (a rank may get none).
+    that do not divide by the ranks are split as evenly as possible (the
+    first ranks take one more; with fewer heads than ranks some get none).
     Backward: the formulas' adjoints around attention's own backward.
 
     >>> o = es.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
@@ -489,7 +490,8 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     _agree(what, seq.group, error or seq.error, (("dtype", q.dtype), ("device", q.device), ("layout", layout),
                                                   ("causal", bool(causal)), ("lengths", seq.lengths)))
     label, size = seq.label, seq.size
-    splits = {label: {"n": list(seq.lengths), "h": compute_split_shapes(q.shape[-3], size)}}
+    heads = q.shape[-3]  # as even as possible: the first ranks take one more
+    splits = {label: {"n": list(seq.lengths), "h": [heads // size + (i < heads % size) for i in range(size)]}}
     kw = {"shapes": splits} if mesh is None else {"shapes": splits, "mesh": mesh}
     to_heads, to_sequence = f"... h n/{label} d -> ... h/{label} n d", f"... h/{label} n d -> ... h n/{label} d"
     qh, kh, vh = einshard(to_heads, q, **kw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
