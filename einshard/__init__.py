@@ -32,6 +32,8 @@ from .named import (
 )
 from .tree import tree_gather, tree_shard
 from .vma import get_vma
+from . import attention
+from .attention import ring_attention, ulysses_attention
 from .recompute import install as _install_recompute
 
 _install_recompute()  # torch.utils.checkpoint recomputes regions in their forward's context (einshard.recompute)
@@ -80,6 +82,9 @@ __all__ = [
     "tree_shard",
     "tree_gather",
     "get_vma",
+    "attention",
+    "ring_attention",
+    "ulysses_attention",
 ]
 
 # -- parameter metadata (layouts and duties on nn.Parameter objects) --

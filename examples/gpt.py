@@ -16,7 +16,10 @@ layout string per parameter (``model_layouts()``):
   column-parallel formula (``b/dp n/sp-tp c, f/tp c -> b/dp n/sp f/tp``: in backward
   the input's gradient is reduce-scattered); leaving it reduce-scatters
   (``b/dp n/sp f/tp, c f/tp -> b/dp n/sp-tp c``). Attention keeps queries split over
-  ``sp`` and gathers keys and values over ``sp`` (context parallelism).
+  ``sp`` and gathers keys and values over ``sp`` (context parallelism); ``--attention ring``
+  passes them around the ``sp`` ring instead (``es.ring_attention``, the sequence in zigzag
+  order so that causal work is even) and ``--attention ulysses`` swaps the sequence split for
+  a head split and back (``es.ulysses_attention``).
 
 Every collective comes from a formula; there is no hand-written all-reduce. The training
 step comes in two styles (``--style``):
@@ -38,6 +41,7 @@ Run it from the repository root::
 
     python examples/gpt.py                               # starts 8 gloo ranks itself
     python examples/gpt.py --style einshard              # without shard_map, gradient hooks
+    python examples/gpt.py --attention ring              # ring attention (or: ulysses)
     torchrun --nproc-per-node 8 examples/gpt.py          # or under torchrun
 """
 
@@ -49,7 +53,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -58,6 +62,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
+from einshard.attention import zigzag_indices
 from einshard.testing import launch
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class Config:
     layers: int = 2
     batch: int = 8  # sequences per step
     dtype: torch.dtype = torch.float64
+    attention: str = "gather"  # context parallelism: "gather" keys and values, "ring" or "ulysses"
 
 
 CONFIG = Config()
@@ -112,6 +118,7 @@ class Block(nn.Module):
             return nn.Parameter(torch.empty(shape, dtype=cfg.dtype))
 
         self.scale = D**-0.5
+        self.attention = cfg.attention
         self.ln1, self.ln2 = nn.LayerNorm(C, dtype=cfg.dtype), nn.LayerNorm(C, dtype=cfg.dtype)
         self.wqkv, self.wo = param(3, H, D, C), param(C, H, D)
         self.w1, self.b1, self.w2, self.b2 = param(FF, C), param(FF), param(C, FF), param(C)
@@ -121,17 +128,22 @@ class Block(nn.Module):
         # in forward, and the input's gradient reduce-scattered back over tp in backward
         qkv = es.einshard(f"{X}, t h/tp d c -> t b/dp h/tp n/sp d", self.ln1(x), self.wqkv)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        # queries stay split over sp; the formula gathers the keys (and below the values) over sp
-        s = es.einshard("b/dp h/tp q/sp d, b/dp h/tp k/sp d -> b/dp h/tp q/sp k", q, k) * self.scale
-        p = (s + mask).softmax(-1)
-        o = es.einshard("b/dp h/tp q/sp k, b/dp h/tp k/sp d -> b/dp h/tp q/sp d", p, v)
+        if self.attention == "gather":
+            # queries stay split over sp; the formula gathers the keys (and below the values) over sp
+            s = es.einshard("b/dp h/tp q/sp d, b/dp h/tp k/sp d -> b/dp h/tp q/sp k", q, k) * self.scale
+            p = (s + mask).softmax(-1)
+            o = es.einshard("b/dp h/tp q/sp k, b/dp h/tp k/sp d -> b/dp h/tp q/sp d", p, v)
+        elif self.attention == "ring":  # keys and values travel around sp; the sequence is in zigzag order
+            o = es.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")
+        else:  # an all-to-all gives each sp rank whole sequences of some heads, and one takes them back
+            o = es.ulysses_attention(q, k, v, "sp", causal=True)
         x = x + es.einshard(f"b/dp h/tp n/sp d, c h/tp d -> {X}", o, self.wo)  # row-parallel: reduce-scatter
         u = F.gelu(es.einshard(f"{X}, f/tp c -> b/dp n/sp f/tp", self.ln2(x), self.w1) + self.b1)
         return x + es.einshard(f"b/dp n/sp f/tp, c f/tp -> {X}", u, self.w2) + self.b2
 
 
 class GPT(nn.Module):
-    """The language model; ``model(tokens, targets, mask)`` is the mean next-token loss."""
+    """The language model; ``model(tokens, targets, mask, positions)`` is the mean next-token loss."""
 
     def __init__(self, cfg: Config = CONFIG):
         super().__init__()
@@ -149,11 +161,16 @@ class GPT(nn.Module):
         e = F.embedding(local.clamp(0, rows - 1), self.wte) * mine[..., None]  # this rank's share
         return es.einshard(f"b/dp n/sp c // tp -> {X}", e)  # summed over tp, sequence split over tp
 
-    def forward(self, tokens, targets, mask):
-        """The mean next-token cross-entropy; ``tokens``/``targets`` are ``b/dp n/sp``."""
+    def forward(self, tokens, targets, mask, positions=None):
+        """The mean next-token cross-entropy; ``tokens``/``targets`` are ``b/dp n/sp``, the sequence in the order
+        of ``positions`` (``None``: its own)."""
         # this rank's positions; '// dp' (pvary) says they meet data that varies over dp, so the
         # gradient arriving in backward holds per-rank contributions that must be summed over dp
-        x = self.embed(tokens) + es.einshard("n c -> n/sp-tp c // dp", self.wpe)
+        if positions is None:
+            wpe = es.einshard("n c -> n/sp-tp c // dp", self.wpe)
+        else:  # the rows in the sequence's order (a formula on the parameter itself keeps its gradient duty)
+            wpe = es.einshard("n c -> n/sp-tp c", es.einshard("n c -> n c // dp", self.wpe)[positions])
+        x = self.embed(tokens) + wpe
         for block in self.blocks:
             x = block(x, mask)
         logits = es.einshard(f"{X}, v/tp c -> b/dp n/sp v/tp", self.ln_f(x), self.wte)  # tied head
@@ -258,13 +275,17 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False)
     gradients partial, and bucketed asynchronous all-reduces started during backward sum them.
     """
     mask = causal_mask(mesh, model.cfg)
+    # ring attention: the sequence in zigzag order (rank r of sp holds chunks r and 2sp-1-r), so that
+    # causal work is the same on every rank; the loss sums over positions, whatever their order
+    order = zigzag_indices(model.cfg.seq, mesh.size("sp")) if model.cfg.attention == "ring" else None
     if style == "einshard":
         handle = es.register_native_grad_reduction_hooks_(model, mesh)
 
         def step(tokens, targets):
+            tokens, targets = reorder(tokens, targets, order)
             with es.use_mesh(mesh):
                 tokens, targets = es.tree_shard((tokens, targets), "b/dp n/sp")  # this rank's part of the batch
-                loss = model(tokens, targets, mask)
+                loss = model(tokens, targets, mask, order)
                 loss.backward()
             handle.wait()  # the gradient sums still in flight
             return loss.detach()
@@ -278,17 +299,22 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False)
         check_vma=True,
     )
     def loss_fn(params, tokens, targets):
-        return torch.func.functional_call(model, params, (tokens, targets, mask), strict=True)
+        return torch.func.functional_call(model, params, (tokens, targets, mask, order), strict=True)
 
     if compile:  # inductor sums the many per-parameter gradients in a few bucketed all-reduces
         loss_fn = torch.compile(loss_fn, options={"bucket_all_reduces_fx": "all"})
 
     def step(tokens, targets):
-        loss = loss_fn(dict(model.named_parameters()), tokens, targets)
+        loss = loss_fn(dict(model.named_parameters()), *reorder(tokens, targets, order))
         loss.backward()  # the gradients land on the parameters' .grad, summed where they are replicated
         return loss.detach()
 
     return step
+
+
+def reorder(tokens, targets, order):
+    """Whole batches with their sequences in ``order`` (``None``: unchanged)."""
+    return (tokens, targets) if order is None else (tokens[:, order], targets[:, order])
 
 
 def train(mesh, model: GPT, optimizer, steps: range, style: str = "shard_map") -> list[float]:
@@ -372,10 +398,10 @@ def make_mesh(dims=MESH):
     return es.wrap_mesh(init_device_mesh("cpu", shape, mesh_dim_names=names))
 
 
-def on_rank(steps: int, style: str, path: str) -> list[str]:
+def on_rank(steps: int, style: str, path: str, attention: str = "gather") -> list[str]:
     """What every rank runs: train half the steps on the 2x2x2 mesh, save, resume on 4x1x2, compare."""
     torch.set_num_threads(1)
-    cfg = CONFIG
+    cfg = replace(CONFIG, attention=attention)
     half = steps // 2
     mesh = make_mesh()
     model = sharded_model(mesh, init_values(cfg), cfg, style)
@@ -389,7 +415,8 @@ def on_rank(steps: int, style: str, path: str) -> list[str]:
     elapsed = time.perf_counter() - start
     ref = reference_training(steps, cfg)
     lines = [f"GPT ({cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, vocabulary {cfg.vocab}), "
-             f"{steps} Adam steps, {cfg.dtype}, {style} style: steps 0-{half - 1} on mesh {dict(MESH)}, "
+             f"{steps} Adam steps, {cfg.dtype}, {style} style, {attention} attention: "
+             f"steps 0-{half - 1} on mesh {dict(MESH)}, "
              f"checkpointed with torch.distributed.checkpoint, steps {half}-{steps - 1} on mesh {dict(RESUME_MESH)}"]
     for i, (a, b) in enumerate(zip(losses + resumed, ref)):
         lines.append(f"step {i}: loss {a:.10f}   single process {b:.10f}" + ("   (resumed)" if i >= half else ""))
@@ -408,10 +435,14 @@ def main(argv=None) -> int:
                         help="the training step as one shard_map body, or plain formulas with gradient hooks")
     parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "einshard_gpt_checkpoint"),
                         help="where the half-way checkpoint goes (shared by all ranks)")
+    parser.add_argument("--attention", choices=("gather", "ring", "ulysses"), default="gather",
+                        help="context parallelism: gather keys and values over sp, pass them around the sp ring, "
+                             "or swap the sequence split for a head split (all-to-all)")
     args = parser.parse_args(argv)
-    path = os.path.join(args.checkpoint_dir, args.style)
+    path = os.path.join(args.checkpoint_dir, args.style if args.attention == "gather" else
+                        f"{args.style}-{args.attention}")
     # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(on_rank, 8, args=(args.steps, args.style, path), timeout=600)
+    results = launch(on_rank, 8, args=(args.steps, args.style, path, args.attention), timeout=600)
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

@@ -35,3 +35,16 @@ def test_gpt_example_matches_single_process_and_resumes_on_another_mesh(style, t
     assert found is not None and float(found.group(1)) < 1e-9, out
     found = re.fullmatch(r"max loss difference after resuming on another mesh: ([0-9.eE+-]+)", after)
     assert found is not None and float(found.group(1)) < 1e-9, out
+
+
+@pytest.mark.parametrize("attention,style", [("ring", "shard_map"), ("ring", "einshard"), ("ulysses", "shard_map")])
+def test_gpt_example_with_ring_and_ulysses_attention_matches_single_process(attention, style, tmp_path):
+    # 4 steps: 2 with sp=2 (ring: the sequence in zigzag order), 2 resumed with sp=1
+    out = run_example("--attention", attention, "--style", style, "--steps", "4", "--checkpoint-dir", str(tmp_path))
+    assert f"{attention} attention" in out, out
+    steps = re.findall(r"^step (\d+): loss ([0-9.]+)\s+single process ([0-9.]+)", out, re.M)
+    assert len(steps) == 4, out
+    for line in out.strip().splitlines()[-2:]:
+        found = re.fullmatch(r"max loss difference (?:from single-process training|after resuming on another mesh): "
+                             r"([0-9.eE+-]+)", line)
+        assert found is not None and float(found.group(1)) < 1e-9, out

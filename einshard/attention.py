@@ -1,0 +1,606 @@
+"""Attention over a sequence split across ranks: ring attention and Ulysses (all-to-all) attention.
+
+Both layers take this rank's block of queries, keys and values, ``(..., n, d)``
+with the sequence ``n`` split over one (possibly compound) mesh dimension, and
+return this rank's block of the attention output, the same as
+``F.scaled_dot_product_attention`` on the whole sequence would give:
+
+- :func:`ring_attention`: keys and values travel around the ring of the
+  dimension's ranks, one block per step, while the current block is
+  computed (the next transfer is started before the block's matmuls and
+  waited for after them); blocks are combined with an online log-sum-exp
+  softmax. A rank holds one block of scores at a time, never the whole
+  sequence's keys. Backward runs the ring again (keys and values travel once
+  more, their gradients travel with them and arrive home at the end), so
+  nothing of the size of the sequence is saved.
+- :func:`ulysses_attention`: one all-to-all swaps the sequence split for a
+  split of the heads (``... h n/sp d -> ... h/sp n d``, an ``es.einshard``
+  formula), attention runs on whole sequences, and a second all-to-all swaps
+  back. Backward is the formulas' adjoints.
+
+Causal attention on contiguous blocks leaves most of the work to the last
+ranks; the *zigzag* layout cuts the sequence into ``2 * P`` chunks and gives
+rank ``r`` chunks ``r`` and ``2P - 1 - r``, so every rank does the same work.
+:func:`zigzag_indices` orders a whole sequence that way (then split it
+contiguously with :func:`zigzag_shapes`); :func:`to_zigzag` and
+:func:`from_zigzag` convert distributed blocks.
+
+Eager transfers are batched ``isend``/``irecv`` (:func:`einshard.collectives.isend_irecv`);
+under ``torch.compile`` each is a functional ``all_to_all_single`` whose wait
+stands after the block's computation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import _trace
+from . import checks as _checks
+from . import collectives as C
+from . import vma as _vma
+from ._cache import BoundedCache
+from ._split import compute_split_shapes, is_size
+from .errors import EinshardError
+from .exchange import Exchange
+from .mesh import resolve_mesh
+from .ops.einshard import einshard
+
+__all__ = ["ring_attention", "ulysses_attention", "zigzag_shapes", "zigzag_indices", "to_zigzag", "from_zigzag"]
+
+_compiling = torch.compiler.is_compiling
+_functional = torch.ops._c10d_functional  # functional collectives as graph nodes: start, and wait where needed
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# -- sequence layouts ---------------------------------------------------------------------------
+
+
+def _zigzag_chunks(n: int, size: int) -> list[int]:
+    """The ``2 * size`` chunk lengths of a zigzag layout: as even as possible, the longer ones first."""
+    k = 2 * size
+    return [n // k + (i < n % k) for i in range(k)]
+
+
+def zigzag_shapes(n: int, size: int) -> list[int]:
+    """How many positions of an ``n``-long sequence each of ``size`` ranks holds in the zigzag layout.
+
+    >>> zigzag_shapes(10, 2)
+    [5, 5]
+    >>> zigzag_shapes(7, 2)
+    [3, 4]
+    """
+    c = _zigzag_chunks(n, size)
+    return [c[r] + c[2 * size - 1 - r] for r in range(size)]
+
+
+def zigzag_indices(n: int, size: int, device=None) -> torch.Tensor:
+    """The positions of an ``n``-long sequence in zigzag order: rank 0's block first, then rank 1's, ...
+
+    ``x[..., zigzag_indices(n, P), :]`` reorders a whole sequence so that its
+    contiguous blocks of :func:`zigzag_shapes` are the zigzag blocks (rank
+    ``r``: chunks ``r`` and ``2P - 1 - r`` of ``2P``).
+
+    >>> zigzag_indices(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    order = [p for block in _blocks("zigzag", zigzag_shapes(n, size)) for start, length, _ in block
+             for p in range(start, start + length)]
+    return torch.tensor(order, dtype=torch.long, device=device)
+
+
+def _blocks(layout: str, lengths) -> tuple:
+    """Per block: its chunks ``(global start, length, offset in the block)``, in storage order, empty ones left out."""
+    if layout == "contiguous":
+        out, start = [], 0
+        for n in lengths:
+            out.append(((start, n, 0),) if n else ())
+            start += n
+        return tuple(out)
+    size = len(lengths)
+    chunks = _zigzag_chunks(sum(lengths), size)
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    out = []
+    for r in range(size):
+        a, b = r, 2 * size - 1 - r
+        out.append(tuple((starts[i], chunks[i], off) for i, off in ((a, 0), (b, chunks[a])) if chunks[i]))
+    return tuple(out)
+
+
+def _shapes_arg(what: str, shapes):
+    """``shapes=`` as a tuple of lengths (``None`` stays)."""
+    if shapes is None:
+        return None
+    if isinstance(shapes, (str, bytes)) or not hasattr(shapes, "__len__") or not all(is_size(s) for s in shapes):
+        raise EinshardError(f"{what}: shapes must be a list of per-rank sequence lengths, got {shapes!r}")
+    return tuple(int(s) for s in shapes)
+
+
+class _Sequence:
+    """A sequence split over a mesh dimension, seen from this rank.
+
+    ``size`` ranks, this rank's ``block``, the ``group`` (``None`` for one
+    rank) and the group rank holding each block (``ranks``), every block's
+    ``lengths`` (``shapes=``, or this rank's length everywhere) and ``chunks``
+    (:func:`_blocks`); ``error``: a rank-local problem (this rank's length
+    differs from ``shapes``), raised on every rank before communicating.
+    """
+
+    __slots__ = ("what", "size", "block", "group", "ranks", "label", "layout", "lengths", "chunks", "error")
+
+    def __init__(self, what: str, mesh, dim, layout: str, local: int, shapes):
+        if layout not in LAYOUTS:
+            raise EinshardError(f"{what}: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        try:
+            dims = mesh.dims(dim)
+        except EinshardError as err:
+            raise EinshardError(f"{what}: {err}") from None
+        self.what, self.layout, self.label = what, layout, mesh.label(dims)
+        self.size, self.block = size, block = mesh.size(dims), mesh.index(dims)
+        order = mesh.order(dims) if size > 1 else None
+        self.ranks = tuple(range(size)) if order is None else tuple(order)
+        self.group = mesh.group(dims) if size > 1 else None
+        self.error = None
+        if shapes is None:
+            lengths = [local] * size
+        else:
+            lengths = list(shapes)
+            if len(lengths) != size:
+                raise EinshardError(f"{what}: shapes has {len(lengths)} entries but mesh dimension {self.label!r} "
+                                    f"has {size} ranks")
+            if lengths[block] != local:
+                self.error = (f"{what}: this rank (block {block} of {self.label!r}) holds {local} positions of the "
+                              f"sequence, but shapes says {lengths[block]} ({lengths})")
+        if layout == "zigzag" and lengths != zigzag_shapes(sum(lengths), size):
+            raise EinshardError(
+                f"{what}: zigzag blocks of a {sum(lengths)}-long sequence over {size} ranks hold "
+                f"{zigzag_shapes(sum(lengths), size)} positions, but the ranks hold {lengths}; "
+                f"pass shapes=zigzag_shapes(n, {size})"
+            )
+        self.lengths = tuple(lengths)
+        self.chunks = _blocks(layout, lengths)
+
+    def runs(self):
+        """The chunks of the whole sequence stored block after block, in the sequence's order: ``(offset in
+        that storage, length, position)``; ``None`` when that order is the sequence's."""
+        runs, offset = [], 0
+        for block in self.chunks:
+            for start, length, _ in block:
+                runs.append((start, length, offset))
+                offset += length
+        runs.sort()
+        if all(start == offset for start, _, offset in runs):
+            return None
+        return tuple((offset, length, start) for start, length, offset in runs)
+
+
+_PLANS = BoundedCache()
+
+
+def _plan(build, *args):
+    """``build(*args)``, made once per arguments; under ``torch.compile`` made while tracing (a constant)."""
+    if _compiling():
+        return _trace.lookup(_plan_name(build, *args))
+    return _cached(build, *args)
+
+
+def _cached(build, *args):
+    key = (build, args)
+    found = _PLANS.get(key)
+    if found is None:
+        found = _PLANS.put(key, build(*args))
+    return found
+
+
+@_trace.constant_result
+def _plan_name(build, *args) -> str:
+    return _trace.register(_cached(build, *args))
+
+
+def _dim_name(what: str, dim) -> str:
+    """A mesh dimension argument (a name, compound ``"dp-sp"`` or a tuple of names) as one name."""
+    if isinstance(dim, (tuple, list)) and dim and all(isinstance(d, str) for d in dim):
+        return "-".join(dim)
+    if not isinstance(dim, str) or not dim:
+        raise EinshardError(f"{what}: the sequence's mesh dimension must be a name like 'sp', got {dim!r}")
+    return dim
+
+
+def _check_qkv(what: str, q, k, v, min_dim: int) -> str | None:
+    """The first problem with ``q``, ``k``, ``v`` (``None``: fine); raised at once for non-tensors."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise EinshardError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() < min_dim:
+        return f"{what}: q must have at least {min_dim} dimensions ({'... h n d' if min_dim > 2 else '... n d'}), " \
+               f"got shape {tuple(q.shape)}"
+    if not q.is_floating_point():
+        return f"{what}: q, k and v must be floating point, got {q.dtype}"
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        return f"{what}: q, k and v must have one dtype and device, got {q.dtype}/{q.device}, " \
+               f"{k.dtype}/{k.device}, {v.dtype}/{v.device}"
+    if k.shape != q.shape:
+        return f"{what}: k must have q's shape {tuple(q.shape)} (self-attention: q, k and v split alike), " \
+               f"got {tuple(k.shape)}"
+    if v.shape[:-1] != q.shape[:-1]:
+        return f"{what}: v must have q's shape but for the last dimension, got {tuple(v.shape)} for q of " \
+               f"shape {tuple(q.shape)}"
+    return None
+
+
+def _agree(what: str, group, error: str | None, facts) -> None:
+    """Raise a local problem here (checks off) or on every rank of ``group`` (checks on), before the ring."""
+    err = None if error is None else EinshardError(error)
+    if _compiling() or group is None or not _checks.agreement_needed():
+        if err is not None:
+            raise err
+        return
+    _checks.agree(group, err, facts=facts, point=what)
+
+
+# -- ring attention: the plan ---------------------------------------------------------------------
+
+
+class _Ring:
+    """One ring of one call, bound to this rank: its neighbours and, per step, the block pairs it computes.
+
+    Step ``t`` holds the keys and values of block ``(b - t) % P`` (``b``: this
+    rank's block); every step sends them on to block ``b + 1`` and receives
+    those of block ``(b - t - 1) % P`` from block ``b - 1``. A pair is
+    ``(q offset, q length, k offset, k length, diagonal)``: rows of this rank's
+    queries against a run of the held keys, all visible, or (``diagonal``) one
+    chunk against itself under the causal mask.
+    """
+
+    __slots__ = ("size", "group", "group_name", "send_to", "recv_from", "steps")
+
+    def __init__(self, seq: _Sequence, causal: bool):
+        size, b, lengths, chunks = seq.size, seq.block, seq.lengths, seq.chunks
+        self.size, self.group = size, seq.group
+        self.group_name = seq.group.group_name if seq.group is not None else None
+        self.send_to, self.recv_from = seq.ranks[(b + 1) % size], seq.ranks[(b - 1) % size]
+        self.steps = []  # per step: (held block's length, pairs, length of the block received next)
+        for t in range(size):
+            j = (b - t) % size
+            self.steps.append((lengths[j], _pairs(chunks[b], chunks[j], lengths[b], lengths[j], causal),
+                               lengths[(j - 1) % size]))
+
+
+def _pairs(qs, ks, nq: int, nk: int, causal: bool) -> tuple:
+    """The ``(q offset, q length, k offset, k length, diagonal)`` pairs of query chunks ``qs`` against keys ``ks``."""
+    if not causal:
+        return ((0, nq, 0, nk, False),) if nq and nk else ()
+    out = []
+    for qstart, qlen, qoff in qs:
+        visible = []  # runs of whole chunks before this one: merged where adjacent in the block
+        for kstart, klen, koff in ks:
+            if kstart + klen <= qstart:
+                if visible and visible[-1][0] + visible[-1][1] == koff:
+                    visible[-1] = (visible[-1][0], visible[-1][1] + klen)
+                else:
+                    visible.append((koff, klen))
+            elif (kstart, klen) == (qstart, qlen):
+                out.append((qoff, qlen, koff, klen, True))
+            # else: wholly after the query chunk (chunks of one layout never overlap in part)
+        out.extend((qoff, qlen, koff, klen, False) for koff, klen in visible)
+    return tuple(out)
+
+
+# -- ring attention: the transfers ------------------------------------------------------------------
+
+
+def _start(ring: _Ring, x: torch.Tensor, n: int):
+    """Start sending ``x`` (``(..., m, w)``) to the next block and receiving ``n`` positions from the previous one.
+
+    Returns what :func:`_wait` needs: eager, a fresh buffer and the works of
+    batched ``isend``/``irecv``; traced, a functional ``all_to_all_single``
+    (with every other rank it exchanges nothing) and the received shape.
+    """
+    shape = x.shape[:-2] + (n, x.shape[-1])
+    if _compiling():
+        ins, outs = [0] * ring.size, [0] * ring.size
+        ins[ring.send_to] = x.numel()
+        outs[ring.recv_from] = math.prod(shape)
+        # the op itself: fc.all_to_all_single would wait at once while dynamo traces
+        return _functional.all_to_all_single(x.reshape(-1), outs, ins, ring.group_name), shape
+    buf = x.new_empty(shape)
+    sends = [(ring.send_to, x)] if x.numel() else []
+    recvs = [(ring.recv_from, buf)] if buf.numel() else []
+    return buf, C.isend_irecv(sends, recvs, ring.group, kind="ppermute")
+
+
+def _wait(pending) -> torch.Tensor:
+    """The tensor :func:`_start` receives, once it has arrived."""
+    got, rest = pending
+    if _compiling():
+        return _functional.wait_tensor(got).view(rest)
+    for work in rest:
+        work.wait()
+    return got
+
+
+# -- ring attention: the block computations ---------------------------------------------------------
+
+
+def _scores(q, k, scale: float, diagonal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if diagonal:  # a chunk against itself: position i sees positions <= i
+        n = s.shape[-1]
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    return s
+
+
+def _attend(q, k, v, scale: float, diagonal: bool):
+    """``(softmax(q k^T) v, logsumexp)`` of one block pair."""
+    s = _scores(q, k, scale, diagonal)
+    m = s.amax(-1, keepdim=True)
+    p = s.sub_(m).exp_()
+    total = p.sum(-1, keepdim=True)
+    return torch.matmul(p, v).div_(total), (m + total.log()).squeeze(-1)
+
+
+def _merge(acc, o, lse):
+    """Two partial attention results over disjoint keys combined (log-sum-exp weights)."""
+    if acc is None:
+        return o, lse
+    o0, lse0 = acc
+    new = torch.logaddexp(lse0, lse)
+    return o0 * (lse0 - new).exp().unsqueeze(-1) + o * (lse - new).exp().unsqueeze(-1), new
+
+
+def _ring_forward(ring: _Ring, q, k, v, scale: float):
+    """``(out, lse)`` of this rank's queries against every block of keys, the ring's transfers overlapped."""
+    d = q.shape[-1]
+    acc: dict[int, tuple] = {}  # q offset -> (out, lse) of that chunk of rows so far
+    kv = torch.cat([k, v], -1)
+    last = ring.size - 1
+    for t, (_, pairs, incoming) in enumerate(ring.steps):
+        pending = _start(ring, kv, incoming) if t < last else None  # in flight while this block computes
+        for qo, ql, ko, kl, diagonal in pairs:
+            o, lse = _attend(q[..., qo:qo + ql, :], kv[..., ko:ko + kl, :d], kv[..., ko:ko + kl, d:], scale, diagonal)
+            acc[qo] = _merge(acc.get(qo), o, lse)
+        if pending is not None:
+            kv = _wait(pending)
+    if not acc:  # this rank holds no positions
+        return v.new_zeros(q.shape[:-1] + (v.shape[-1],)), q.new_zeros(q.shape[:-1])
+    order = sorted(acc)
+    return torch.cat([acc[i][0] for i in order], -2), torch.cat([acc[i][1] for i in order], -1)
+
+
+def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, scale: float):
+    """``(dq, dk, dv)``: the ring once more, each block's key/value gradients travelling with it back home."""
+    d = q.shape[-1]
+    delta = (dout * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(q)
+    kv = torch.cat([k, v], -1)
+    last = ring.size - 1
+    travelling = None  # the gradient of the held block, summed over the ranks it has visited
+    for t, (held, pairs, incoming) in enumerate(ring.steps):
+        pending = _start(ring, kv, incoming) if t < last else None
+        grads = kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]))
+        for qo, ql, ko, kl, diagonal in pairs:
+            qq, kk, vv = q[..., qo:qo + ql, :], kv[..., ko:ko + kl, :d], kv[..., ko:ko + kl, d:]
+            g = dout[..., qo:qo + ql, :]
+            p = _scores(qq, kk, scale, diagonal).sub_(lse[..., qo:qo + ql, None]).exp_()
+            grads[..., ko:ko + kl, d:] += torch.matmul(p.transpose(-1, -2), g)
+            ds = p.mul_(torch.matmul(g, vv.transpose(-1, -2)).sub_(delta[..., qo:qo + ql, :])).mul_(scale)
+            dq[..., qo:qo + ql, :] += torch.matmul(ds, kk)
+            grads[..., ko:ko + kl, :d] += torch.matmul(ds.transpose(-1, -2), qq)
+        if travelling is not None:
+            grads = grads + _wait(travelling)
+        # on to the next rank; after the last step every block's gradient arrives at its owner
+        travelling = _start(ring, grads, incoming) if ring.size > 1 else None
+        if pending is not None:
+            kv = _wait(pending)
+    if travelling is not None:
+        grads = _wait(travelling)
+    return dq, grads[..., :d].contiguous(), grads[..., d:].contiguous()
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention on local blocks: the forward ring, and a backward that runs the ring again."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, scale):
+        out, lse = _ring_forward(ring, q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if torch.is_grad_enabled() and not _compiling():  # create_graph=True: the raw transfers have no graph
+            raise EinshardError("ring_attention: double backward (create_graph=True) is not supported")
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, dout.contiguous(), ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh):
+    what = "ring_attention"
+    error = _check_qkv(what, q, k, v, 2)
+    seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
+                _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
+    _agree(what, seq.group, error or seq.error,
+           (("dtype", q.dtype), ("device", q.device), ("leading dims", tuple(q.shape[:-2])),
+            ("head dims", (tuple(q.shape[-1:]), tuple(v.shape[-1:]))), ("layout", layout), ("causal", bool(causal)),
+            ("lengths", seq.lengths)))
+    ring = _plan(_Ring, seq, bool(causal))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, scale)
+
+
+def _formula(dim: str) -> str:
+    """The variance rule of a layer, as a formula: q, k and v split over ``dim`` along the sequence."""
+    return f"... n/{dim} d, ... n/{dim} d, ... n/{dim} e -> ... n/{dim} e"
+
+
+def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contiguous", scale=None, shapes=None,
+                   mesh=None):
+    """Attention of this rank's queries to the whole sequence, keys and values passed around a ring.
+
+    ``q``, ``k``: ``(..., n, d)``, ``v``: ``(..., n, e)``, this rank's block of
+    a sequence split over mesh dimension ``dim`` (``"sp"``, or compound
+    ``"dp-sp"``); returns this rank's block ``(..., n, e)`` of
+    ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)``
+    on the whole tensors. ``layout``: ``"contiguous"`` (block ``r`` holds the
+    ``r``-th run of positions) or ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r``
+    of ``2P``, so causal work is even: :func:`zigzag_indices`). ``shapes``:
+    every rank's number of positions (default: as many as this rank).
+    Works inside ``shard_map`` (the output varies over ``dim``), under
+    ``es.use_mesh`` and under ``torch.compile``; double backward is not
+    supported.
+
+    >>> o = es.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")  # doctest: +SKIP
+    """
+    return _vma.formula_op(_ring_op, _formula(_dim_text(dim)), (q, k, v), dim=dim, causal=causal,
+                           layout=layout, scale=scale, shapes=shapes, mesh=mesh)
+
+
+def _dim_text(dim) -> str:
+    if isinstance(dim, (tuple, list)) and dim and all(isinstance(d, str) for d in dim):
+        return "-".join(dim)
+    return dim if isinstance(dim, str) and dim else "?"
+
+
+# -- Ulysses attention ---------------------------------------------------------------------------
+
+
+def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contiguous", scale=None,
+                      shapes=None, mesh=None):
+    """Attention on whole sequences after an all-to-all swaps the sequence split for a head split.
+
+    Same interface as :func:`ring_attention`, with heads: ``q``, ``k``
+    ``(..., h, n, d)``, ``v`` ``(..., h, n, e)``. Two ``es.einshard``
+    formulas move the data, ``... h n/dim d -> ... h/dim n d`` and back; in
+    between every rank runs ``F.scaled_dot_product_attention`` on its heads
+    and the whole sequence (a zigzag sequence is put in order first). Heads
+    that do not divide by the ranks are split as evenly as possible (the
+    first ranks take one more; with fewer heads than ranks some get none).
+    Backward: the formulas' adjoints around attention's own backward.
+
+    >>> o = es.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
+    """
+    what = "ulysses_attention"
+    error = _check_qkv(what, q, k, v, 3)
+    seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
+                _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
+    _agree(what, seq.group, error or seq.error, (("dtype", q.dtype), ("device", q.device), ("layout", layout),
+                                                  ("causal", bool(causal)), ("lengths", seq.lengths)))
+    label, size = seq.label, seq.size
+    heads = q.shape[-3]  # as even as possible: the first ranks take one more
+    splits = {label: {"n": list(seq.lengths), "h": [heads // size + (i < heads % size) for i in range(size)]}}
+    kw = {"shapes": splits} if mesh is None else {"shapes": splits, "mesh": mesh}
+    to_heads, to_sequence = f"... h n/{label} d -> ... h/{label} n d", f"... h/{label} n d -> ... h n/{label} d"
+    qh, kh, vh = einshard(to_heads, q, **kw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
+    runs = seq.runs() if layout == "zigzag" else None
+    if runs is not None:  # attend in the sequence's own order: its chunks sorted
+        qh, kh, vh = _reorder(qh, runs), _reorder(kh, runs), _reorder(vh, runs)
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(causal), scale=scale)
+    if runs is not None:
+        o = _reorder(o, sorted(((pos, n, off) for off, n, pos in runs), key=lambda r: r[2]))  # back to storage
+    return einshard(to_sequence, o, **kw)
+
+
+def _reorder(x: torch.Tensor, runs) -> torch.Tensor:
+    """The runs ``(start, length, ...)`` of ``x`` along the sequence axis, concatenated in that order."""
+    return torch.cat([x.narrow(-2, start, n) for start, n, _ in runs], -2)
+
+
+# -- converting between layouts ----------------------------------------------------------------------
+
+
+def _pieces(src, dst) -> tuple:
+    """The runs ``(src offset, dst offset, length)`` where the chunks of ``src`` and ``dst`` overlap."""
+    runs = []
+    for s_start, s_len, s_off in src:
+        for d_start, d_len, d_off in dst:
+            lo, hi = max(s_start, d_start), min(s_start + s_len, d_start + d_len)
+            if hi > lo:
+                runs.append((s_off + lo - s_start, d_off + lo - d_start, hi - lo))
+    return tuple(runs)
+
+
+def _conversion(src: _Sequence, dst: _Sequence, shape: tuple, axis: int) -> Exchange:
+    """The exchange taking this rank's block of ``src`` (local ``shape``) to its block of ``dst``, along ``axis``."""
+    b = src.block
+    sends, recvs = [None] * src.size, [None] * src.size
+    other = tuple(((0, 0, n),) if n else () for n in shape)
+    for j, rank in enumerate(src.ranks):
+        for box, runs in ((sends, _pieces(src.chunks[b], dst.chunks[j])),
+                          (recvs, _pieces(src.chunks[j], dst.chunks[b]))):
+            if runs and all(other[i] for i in range(len(shape)) if i != axis):
+                box[rank] = tuple(runs if i == axis else other[i] for i in range(len(shape)))
+    out_shape = shape[:axis] + (dst.lengths[b],) + shape[axis + 1:]
+    return Exchange(src.group, shape, out_shape, sends, recvs)
+
+
+class _TracedExchange(torch.autograd.Function):
+    """An exchange under ``torch.compile``: one functional all-to-all forward, its adjoint backward."""
+
+    @staticmethod
+    def forward(ctx, x, ex):
+        ctx.ex = ex
+        return ex.run_traced(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _TracedExchange.apply(grad, ctx.ex.adjoint()), None
+
+
+def _convert_op(formula, x, *, dim, axis, zigzag, shapes, mesh):
+    what = "to_zigzag" if zigzag else "from_zigzag"
+    if not isinstance(x, torch.Tensor):
+        raise EinshardError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not -x.dim() <= axis < x.dim():
+        raise EinshardError(f"{what}: axis {axis} is out of range for a tensor with {x.dim()} dimensions")
+    axis %= x.dim()
+    shape, name, m = _trace.static_shape(x), _dim_name(what, dim), resolve_mesh(mesh)
+    src = _plan(_Sequence, what, m, name, "contiguous" if zigzag else "zigzag", shape[axis], _shapes_arg(what, shapes))
+    n = sum(src.lengths)
+    dst_lengths = zigzag_shapes(n, src.size) if zigzag else compute_split_shapes(n, src.size)
+    dst = _plan(_Sequence, what, m, name, "zigzag" if zigzag else "contiguous", dst_lengths[src.block],
+                tuple(dst_lengths))
+    _agree(what, src.group, src.error, (("dtype", x.dtype), ("device", x.device), ("lengths", src.lengths)))
+    ex = _plan(_conversion, src, dst, shape, axis)
+    if _compiling():
+        return _TracedExchange.apply(x, ex)
+    return ex(x)
+
+
+def _axis_formula(dim: str, ndim: int, axis: int) -> str:
+    if not isinstance(ndim, int) or ndim < 1 or not -ndim <= axis < ndim:
+        return f"... n/{dim}"
+    names = [f"x{i}" if i != axis % ndim else f"n/{dim}" for i in range(ndim)]
+    return " ".join(names) + " -> " + " ".join(names)
+
+
+def to_zigzag(x, dim, *, axis: int = -2, shapes=None, mesh=None):
+    """This rank's zigzag block of a sequence given as contiguous blocks over ``dim``.
+
+    ``x``: this rank's contiguous block along ``axis`` (``shapes``: every
+    rank's length, default: as many as this rank; uneven sizes otherwise
+    follow ``compute_split_shapes``). Returns chunks ``r`` and ``2P - 1 - r``
+    of the ``2P`` zigzag chunks (lengths :func:`zigzag_shapes`). One exchange
+    with the ranks that hold them; backward moves the gradient back.
+
+    >>> qz = es.attention.to_zigzag(q, "sp")  # doctest: +SKIP
+    """
+    ndim = x.dim() if isinstance(x, torch.Tensor) else 0
+    return _vma.formula_op(_convert_op, _axis_formula(_dim_text(dim), ndim, axis), (x,), dim=dim, axis=axis,
+                           zigzag=True, shapes=shapes, mesh=mesh)
+
+
+def from_zigzag(x, dim, *, axis: int = -2, shapes=None, mesh=None):
+    """The contiguous block (``compute_split_shapes`` of the whole length) of a sequence given as zigzag blocks.
+
+    The inverse of :func:`to_zigzag`; ``shapes``: every rank's zigzag length
+    (default: as many as this rank).
+
+    >>> o = es.attention.from_zigzag(o_zigzag, "sp")  # doctest: +SKIP
+    """
+    ndim = x.dim() if isinstance(x, torch.Tensor) else 0
+    return _vma.formula_op(_convert_op, _axis_formula(_dim_text(dim), ndim, axis), (x,), dim=dim, axis=axis,
+                           zigzag=False, shapes=shapes, mesh=mesh)

@@ -1,0 +1,485 @@
+"""Ring and Ulysses attention (``einshard.attention``) against attention on whole tensors in one process.
+
+Every rank builds the same whole ``Q``, ``K``, ``V`` (float64), takes its
+block of the sequence (contiguous or zigzag, even or uneven), runs the layer
+and compares its block of the output and of the gradients of ``q``, ``k``,
+``v`` with plain softmax attention on the whole tensors, to 1e-12. Meshes:
+``sp`` of 2 and 4 ranks, and ``dp x sp`` (the batch split over ``dp`` too);
+eager (under ``es.use_mesh`` and in ``shard_map`` with and without variance
+tracking) and compiled (``torch.compile(backend="aot_eager")``). The ring's
+overlap is shown by the order of operations: every transfer is started before
+the block computed while it travels, and waited for after that block's
+matmuls.
+"""
+
+from __future__ import annotations
+
+import doctest
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import AotEagerAndRecordGraphs
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import einshard as es
+from einshard import attention
+from einshard import collectives as C
+from einshard._split import compute_split_shapes
+from einshard.attention import from_zigzag, to_zigzag, zigzag_indices, zigzag_shapes
+from einshard.testing import MeshSpec
+
+DT = torch.float64
+TOL = dict(rtol=0, atol=1e-12)
+LAYERS = {"ring": es.ring_attention, "ulysses": es.ulysses_attention}
+# (causal, layout, uneven): every combination the layers support
+CASES = [(False, "contiguous", False), (False, "contiguous", True), (True, "contiguous", False),
+         (True, "contiguous", True), (True, "zigzag", False), (True, "zigzag", True), (False, "zigzag", True)]
+
+
+def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, n, w, generator=g, dtype=DT) for w in (d, d, e, e)]  # Q, K, V, cotangent
+
+
+def _reference(Q, K, V, G, causal: bool):
+    """Plain softmax attention on whole tensors: the output and the gradients of Q, K, V for cotangent G."""
+    Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
+    s = Q @ K.transpose(-1, -2) * Q.shape[-1] ** -0.5
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    O = s.softmax(-1) @ V
+    O.backward(G)
+    return O.detach(), Q.grad, K.grad, V.grad
+
+
+def _positions(n: int, size: int, block: int, layout: str, uneven: bool):
+    """``(global positions this block holds, shapes= to pass)``."""
+    if layout == "zigzag":
+        shapes = zigzag_shapes(n, size)
+        order = zigzag_indices(n, size)
+    else:
+        shapes = compute_split_shapes(n, size) if uneven else [n // size] * size
+        order = torch.arange(n)
+    start = sum(shapes[:block])
+    return order[start:start + shapes[block]], (shapes if uneven else None)
+
+
+def _length(size: int, uneven: bool) -> int:
+    return 4 * size + 3 if uneven else 4 * size
+
+
+def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp"):
+    """One case on this rank: the layer's block of the output and gradients against the whole reference.
+
+    ``run(fn, q, k, v, g)``: how to call ``fn(q, k, v)`` and backpropagate ``g`` (default: under
+    ``es.use_mesh``); ``batch_dim``: the mesh dimension that splits the batch too; ``dim``: the one
+    that splits the sequence.
+    """
+    size, block = mesh.size(dim), mesh.index(dim)
+    n = _length(size, uneven)
+    Q, K, V, G = _whole(n)
+    O, dQ, dK, dV = _reference(Q, K, V, G, causal)
+    pos, shapes = _positions(n, size, block, layout, uneven)
+    rows = slice(None)
+    if batch_dim is not None:
+        i = mesh.index(batch_dim)
+        rows = slice(i, i + 1)  # batch 2 over 2 ranks
+    q, k, v, g = (t[rows][:, :, pos].clone() for t in (Q, K, V, G))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def fn(q, k, v):
+        return LAYERS[layer](q, k, v, dim, causal=causal, layout=layout, shapes=shapes)
+
+    if run is None:
+        with es.use_mesh(mesh):
+            o = fn(q, k, v)
+        o.backward(g)
+    else:
+        o = run(fn, q, k, v, g)
+    what = f"{layer} causal={causal} {layout} uneven={uneven}"
+    for name, got, want in (("out", o, O), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
+        torch.testing.assert_close(got, want[rows][:, :, pos], **TOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+# -- values and gradients, eager -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.ranks(n)) for n in (2, 4)])
+def test_layers_match_whole_attention(layer, size):
+    mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
+    for causal, layout, uneven in CASES:
+        _check(layer, mesh, causal, layout, uneven)
+
+
+_PERMUTED: dict = {}
+
+
+def _permuted(ranks, names):
+    """A wrapped mesh on a permuted rank tensor (group ranks are not block order), built once per process."""
+    key = (str(ranks), names)
+    if key not in _PERMUTED or _PERMUTED[key][0] is not dist.group.WORLD:
+        _PERMUTED[key] = (dist.group.WORLD, es.wrap_mesh(DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)))
+    return _PERMUTED[key][1]
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_layers_on_permuted_meshes_and_compound_dimensions(layer):
+    for mesh, dim in ((_permuted([3, 1, 0, 2], ("sp",)), "sp"), (_permuted([[0, 2], [1, 3]], ("dp", "sp")), "dp-sp")):
+        assert mesh.order(dim) is not None  # blocks are not in group-rank order: the ring must translate
+        for causal, layout, uneven in CASES:
+            _check(layer, mesh, causal, layout, uneven, dim=dim)
+    if layer == "ring":  # and the zigzag conversions' exchange
+        _check_zigzag(_permuted([3, 1, 0, 2], ("sp",)), 19, True, False)
+
+
+def _shard_map_run(mesh, check_vma, compile_=False, fullgraph=True):
+    """Call the layer in a ``shard_map`` body; backward outside. Eager with variance tracking, the output
+    meets a replicated weight, whose gradient is then summed over ``dp`` and ``sp``."""
+    weighted = check_vma and not compile_
+
+    def run(fn, q, k, v, g):
+        w = torch.ones(v.shape[-1], dtype=DT, requires_grad=True)
+
+        def body(q, k, v, w, g):
+            o = fn(q, k, v)
+            return ((o * w if weighted else o) * g).sum()  # partial over dp and sp
+
+        b, dims = ("b/dp", "dp-sp") if "dp" in mesh.names else ("b", "sp")
+        step = es.shard_map(body, in_specs=(f"{b} h n/sp d",) * 2 + (f"{b} h n/sp e", "e", f"{b} h n/sp e"),
+                            out_specs=f"// {dims} -> ", mesh=mesh, check_vma=check_vma)
+        if compile_:
+            # dynamic=False: the graph breaks (fullgraph=False) resume in frames that must not go dynamic
+            step = torch.compile(step, backend="aot_eager", fullgraph=fullgraph, dynamic=None if fullgraph else False)
+        step(q, k, v, w, g).backward()
+        with torch.no_grad():
+            o = fn(q, k, v)
+        if weighted:  # sum(o * g) over the whole tensors
+            want = es.psum((o * g).sum((0, 1, 2)), mesh.names, mesh=mesh)
+            torch.testing.assert_close(w.grad, want, **TOL)
+        return o
+
+    return run
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_layers_in_shard_map_on_a_2d_mesh(layer, check_vma):
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
+    run = _shard_map_run(mesh, check_vma)
+    with es.use_mesh(mesh):  # the reference output call inside run() needs the mesh
+        for causal, layout, uneven in CASES:
+            _check(layer, mesh, causal, layout, uneven, run=run, batch_dim="dp")
+
+
+@pytest.mark.ranks(4)
+def test_outputs_vary_over_the_sequence_dimension_and_the_batch_one():
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
+    seen = []
+
+    @es.shard_map(("b/dp h n/sp d", "h n/sp d"), "// dp-sp", mesh=mesh)
+    def f(x, y):
+        for t in (x, y):
+            seen.extend(es.get_vma(layer(t, t, t, "sp")) for layer in LAYERS.values())
+        return x.sum()
+
+    f(torch.randn(1, 2, 3, 4, dtype=DT), torch.randn(2, 3, 4, dtype=DT))
+    assert seen == [frozenset({"dp", "sp"})] * 2 + [frozenset({"sp"})] * 2
+
+
+# -- compiled ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_ring_attention_compiles_fullgraph_in_shard_map(check_vma):
+    # no replicated weight in the compiled body: a traced body multiplying varying data by an invariant
+    # tensor that requires grad fails in einshard.vma's tracking under dynamo (str.endswith on the op's
+    # name in _is_inplace), with or without these layers
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
+    run = _shard_map_run(mesh, check_vma, compile_=True)
+    with es.use_mesh(mesh):
+        for causal, layout, uneven in (CASES[1], CASES[5]):
+            torch._dynamo.reset()
+            _check("ring", mesh, causal, layout, uneven, run=run, batch_dim="dp")
+
+
+def run_on(mesh):
+    """Call the layer compiled (``fullgraph=True``) under ``es.use_mesh(mesh)``."""
+
+    def run(fn, q, k, v, g):
+        def step(q, k, v):
+            with es.use_mesh(mesh):
+                return fn(q, k, v)
+
+        o = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
+        o.backward(g)
+        return o
+
+    return run
+
+
+@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.ranks(n, timeout=600)) for n in (2, 4)])
+def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
+    mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
+    run = run_on(mesh)
+    for causal, layout, uneven in (CASES[0], CASES[3], CASES[5]):
+        torch._dynamo.reset()
+        _check("ring", mesh, causal, layout, uneven, run=run)
+    single = es.wrap_mesh(MeshSpec((size, 1), ("dp", "sp")).build())  # a ring of one rank: no transfers
+    torch._dynamo.reset()
+    _check("ring", single, True, "zigzag", True, run=run_on(single))
+
+
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_ulysses_attention_compiles_in_shard_map(check_vma):
+    # fullgraph=False: dynamo cannot yet trace einshard's functional all-to-all inside its autograd Function
+    # (math.prod of a generator in _traced_collectives.all_to_all), so the formulas' all-to-alls break the
+    # graph there and run as functional collectives outside it; the rest of the body is compiled
+    # (dynamic=False: the frames resumed after those breaks fail to trace with dynamic shapes).
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
+    run = _shard_map_run(mesh, check_vma, compile_=True, fullgraph=False)
+    with es.use_mesh(mesh):
+        torch._dynamo.reset()
+        _check("ulysses", mesh, *CASES[5], run=run, batch_dim="dp")  # causal, zigzag, uneven
+    mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())  # 4 ranks of sp: 3 heads over 4 (one rank has none)
+    run = _shard_map_run(mesh, check_vma, compile_=True, fullgraph=False)
+    with es.use_mesh(mesh):
+        torch._dynamo.reset()
+        _check("ulysses", mesh, *CASES[1], run=run)  # not causal, contiguous, uneven
+
+
+# -- the zigzag layout ------------------------------------------------------------------------------
+
+
+def test_zigzag_indices_and_shapes():
+    assert zigzag_indices(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert zigzag_indices(12, 3).tolist() == [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7]
+    assert zigzag_shapes(7, 2) == [3, 4] and zigzag_shapes(5, 4) == [1, 1, 1, 2]
+    for n, p in ((7, 2), (5, 4), (19, 4), (0, 3)):
+        assert sorted(zigzag_indices(n, p).tolist()) == list(range(n))
+        assert sum(zigzag_shapes(n, p)) == n
+
+
+def _check_zigzag(mesh, n, uneven, compiled):
+    size, block = mesh.size("sp"), mesh.index("sp")
+    X, G = (torch.randn(2, n, 3, generator=torch.Generator().manual_seed(s), dtype=DT) for s in (1, 2))
+    contiguous = compute_split_shapes(n, size) if uneven else [n // size] * size
+    zz = zigzag_shapes(n, size)
+    c0, z0 = sum(contiguous[:block]), sum(zz[:block])
+    mine = zigzag_indices(n, size)[z0:z0 + zz[block]]
+    x = X[:, c0:c0 + contiguous[block]].clone().requires_grad_()
+
+    def there(x):
+        return to_zigzag(x, "sp", axis=1, shapes=contiguous if uneven else None, mesh=mesh)
+
+    def back(z):
+        return from_zigzag(z, "sp", axis=1, shapes=zz if uneven else None, mesh=mesh)
+
+    if compiled:
+        there, back = (torch.compile(f, backend="aot_eager", fullgraph=True) for f in (there, back))
+    z = there(x)
+    torch.testing.assert_close(z, X[:, mine], rtol=0, atol=0)
+    z.backward(G[:, mine])  # the adjoint: each gradient row back at its contiguous place
+    torch.testing.assert_close(x.grad, G[:, c0:c0 + contiguous[block]], rtol=0, atol=0)
+    y = back(z.detach())
+    split = compute_split_shapes(n, size)
+    s0 = sum(split[:block])
+    torch.testing.assert_close(y, X[:, s0:s0 + split[block]], rtol=0, atol=0)
+
+
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
+@pytest.mark.parametrize("compiled", [False, True])
+def test_to_and_from_zigzag(compiled):
+    mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())
+    for n, uneven in ((16, False), (8, False), (19, True), (5, True)):
+        torch._dynamo.reset()
+        _check_zigzag(mesh, n, uneven, compiled)
+
+
+@pytest.mark.ranks(4)
+def test_zigzag_conversion_on_a_2d_mesh_in_shard_map():
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
+    X = torch.randn(2, 8, 3, dtype=DT)
+
+    @es.shard_map("b n c -> b/dp n/sp c", "b/dp n/sp c -> b n c", mesh=mesh)
+    def roundtrip(x):
+        z = to_zigzag(x, "sp", axis=1)
+        assert es.get_vma(z) == frozenset({"dp", "sp"})
+        return from_zigzag(z * 2, "sp", axis=1)
+
+    torch.testing.assert_close(roundtrip(X), 2 * X, rtol=0, atol=0)
+
+
+# -- overlap: every transfer is in flight while a block computes --------------------------------------
+
+
+class _Trace(TorchDispatchMode):
+    """The order of matmuls and of the ring's transfers: ``("post", i)`` when batch ``i`` of point-to-point
+    transfers has been started (``einshard.collectives.isend_irecv``), ``("wait", i)`` when it is waited for."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.events.append((func.overloadpacket.__name__, None))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.original, events = C.isend_irecv, self.events
+
+        def recording(*args, **kwargs):
+            batch = sum(name == "post" for name, _ in events)
+            works = [_Recorded(w, events, batch) for w in self.original(*args, **kwargs)]
+            events.append(("post", batch))
+            return works
+
+        C.isend_irecv = recording
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        C.isend_irecv = self.original
+        return super().__exit__(*exc)
+
+
+class _Recorded:
+    """A ``Work`` whose ``wait`` is recorded."""
+
+    def __init__(self, work, events, batch):
+        self.work, self.events, self.batch = work, events, batch
+
+    def wait(self, timeout=None):
+        self.events.append(("wait", self.batch))
+        return self.work.wait()
+
+
+def _check_overlap(events, posts: int, final_exempt: bool):
+    """Every batch of transfers is started before a block's matmuls and waited for after them."""
+    names = [name for name, _ in events]
+    assert names.count("post") == posts, names
+    for batch in range(posts):
+        start = events.index(("post", batch))
+        end = events.index(("wait", batch))
+        if final_exempt and batch == posts - 1:
+            continue  # the last gradient's way home: nothing is left to compute
+        between = names[start + 1:end]
+        assert between.count("bmm") >= 2, (batch, between)  # the block's q k^T and p v (or its gradients)
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
+def test_ring_transfers_overlap_the_block_computations(causal, layout):
+    mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=DT, requires_grad=True) for _ in range(3))
+    with es.use_mesh(mesh):
+        with _Trace() as forward:
+            o = es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+        _check_overlap(forward.events, 3, final_exempt=False)  # P - 1 transfers of keys and values
+        with _Trace() as backward:
+            o.backward(torch.ones_like(o))
+        _check_overlap(backward.events, 3 + 4, final_exempt=True)  # keys and values again, gradients' 4 hops
+
+
+@pytest.mark.ranks(2, timeout=600)  # compiles: minutes on a loaded 2-core machine
+def test_compiled_ring_waits_after_the_block_computations():
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    backend = AotEagerAndRecordGraphs()
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=DT, requires_grad=True) for _ in range(3))
+
+    def step(q, k, v):
+        with es.use_mesh(mesh):
+            return es.ring_attention(q, k, v, "sp")
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=backend, fullgraph=True)(q, k, v).sum().backward()
+    for graph in backend.fw_graphs + backend.bw_graphs:
+        nodes = list(graph.graph.nodes)
+        names = [str(n.target) for n in nodes]
+        sends = [i for i, s in enumerate(names) if "all_to_all_single" in s]
+        assert sends, names
+        for i in sends:
+            wait = next(j for j in range(i + 1, len(nodes)) if "wait_tensor" in names[j] and nodes[i] in
+                        nodes[j].all_input_nodes)
+            if i == sends[-1] and graph in backend.bw_graphs:
+                continue  # the last gradient's way home
+            assert sum("bmm" in s for s in names[i + 1:wait]) >= 2, names[i:wait + 1]
+
+
+# -- what raises ------------------------------------------------------------------------------------
+
+
+@pytest.mark.ranks(2)
+def test_refusals_before_any_transfer():
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    q = torch.randn(1, 2, 4, 3, dtype=DT)
+    with es.use_mesh(mesh):
+        for layer in LAYERS.values():
+            with pytest.raises(ValueError, match="layout must be one of"):
+                layer(q, q, q, "sp", layout="strided")
+            with pytest.raises(ValueError, match="shapes has 3 entries"):
+                layer(q, q, q, "sp", shapes=[4, 4, 4])
+            with pytest.raises(ValueError, match="not in the mesh"):
+                layer(q, q, q, "cp")
+            with pytest.raises(ValueError, match="k must have q's shape"):
+                layer(q, q[:, :, :3], q[:, :, :3], "sp")
+            with pytest.raises(ValueError, match="one dtype"):
+                layer(q, q.float(), q, "sp")
+            with pytest.raises(ValueError, match="zigzag blocks of a 7-long sequence"):
+                layer(q, q, q, "sp", layout="zigzag", shapes=[4, 3])
+        with pytest.raises(ValueError, match="at least 3 dimensions"):
+            es.ulysses_attention(q[0, 0], q[0, 0], q[0, 0], "sp")
+        with pytest.raises(ValueError, match="must be a torch.Tensor"):
+            es.ring_attention(q, None, q, "sp")
+
+
+@pytest.mark.ranks(2)
+def test_a_rank_whose_length_disagrees_raises_on_every_rank():
+    # checks are on in the harness: the ranks agree before the ring starts, so none waits in it
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    n = 3 + dist.get_rank()  # 3 and 4 positions
+    q = torch.randn(1, 2, n, 3, dtype=DT)
+    with es.use_mesh(mesh):
+        for layer in LAYERS.values():
+            with pytest.raises(ValueError, match="holds 3 positions of the sequence, but shapes says 4"):
+                layer(q, q, q, "sp", shapes=[4, 4])
+            with pytest.raises(ValueError, match="lengths"):  # uneven blocks without shapes=
+                layer(q, q, q, "sp")
+        with pytest.raises(ValueError, match="lengths"):
+            to_zigzag(q, "sp")
+
+
+@pytest.mark.ranks(2)
+def test_double_backward_through_the_ring_is_refused():
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    q = torch.randn(1, 2, 4, 3, dtype=DT, requires_grad=True)
+    with es.use_mesh(mesh):
+        o = es.ring_attention(q, q, q, "sp")
+    with pytest.raises(ValueError, match="double backward"):
+        torch.autograd.grad(o.sum(), q, create_graph=True)
+    (g,) = torch.autograd.grad(o.sum(), q)  # a first-order gradient still works after the refusal
+    assert g.shape == q.shape
+
+
+def test_docstring_examples():
+    result = doctest.testmod(attention)
+    assert result.failed == 0 and result.attempted >= 3
+
+
+@pytest.mark.ranks(4)
+def test_the_guide_s_shard_map_example_runs_as_written():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "attention.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "@es.shard_map" in c)
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
+    namespace = {"es": es, "mesh": mesh}
+    exec(code, namespace)
+    Q, K, V, G = _whole(8)
+    torch.testing.assert_close(namespace["attend"](Q, K, V), _reference(Q, K, V, G, True)[0], **TOL)
