@@ -20,6 +20,7 @@ variables, and hands a result back under a :func:`fresh_name` with
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import operator
 import sys
@@ -30,7 +31,7 @@ import torch.distributed.distributed_c10d as _c10d
 from .errors import EinshardError
 
 __all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
-           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error"]
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "keep_collectives_apart"]
 
 #: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
 traced = torch.compiler.is_dynamo_compiling
@@ -83,9 +84,42 @@ _OBJECTS = _Registry()
 _NAMES: dict = {}  # id(obj) -> (obj, name)
 
 
+#: the functional collectives no graph pass may merge (``(namespace, op)``; those this torch lacks are left out)
+_COLLECTIVE_OPS = [(ns, op) for ns in ("_c10d_functional", "_c10d_functional_autograd")
+                   for op in ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor",
+                              "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+                              "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast",
+                              "batch_p2p_ops", "isend", "irecv")]
+_APART: list = []  # [True] once the collectives are kept apart
+
+
+def keep_collectives_apart() -> None:
+    """Tell AOTAutograd's common-subexpression pass never to merge two functional collectives.
+
+    The pass merges nodes with the same op and the same input nodes. For a
+    collective that is wrong whenever the merge happens on some ranks only:
+    a rank whose block is empty gets its inputs from decompositions that make
+    equal empty results one node (two heads' gradients of an attention over
+    zero heads), the others do not, and that rank then runs one collective
+    fewer: every rank hangs. A collective's result depends on the other
+    ranks, not only on its inputs, so it is kept out of the pass the way
+    random ops are (``torch._functorch.compile_utils.rand_ops``); a test
+    checks that the pass still reads that list.
+    """
+    if _APART:
+        return
+    rand_ops = importlib.import_module("torch._functorch.compile_utils").rand_ops
+    for ns, op in _COLLECTIVE_OPS:
+        packet = getattr(getattr(torch.ops, ns), op, None) if hasattr(torch.ops, ns) else None
+        if packet is not None and packet not in rand_ops:
+            rand_ops.append(packet)
+    _APART.append(True)
+
+
 def register(obj) -> str:
     """The name under which ``obj`` is kept (registered once; kept for the life of the process)."""
     _leave_planners_alone()
+    keep_collectives_apart()
     found = _NAMES.get(id(obj))
     if found is None or found[0] is not obj:
         found = (obj, f"obj{len(_NAMES)}")

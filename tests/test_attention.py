@@ -139,10 +139,10 @@ def test_layers_on_permuted_meshes_and_compound_dimensions(layer):
         _check_zigzag(_permuted([3, 1, 0, 2], ("sp",)), 19, True, False)
 
 
-def _shard_map_run(mesh, check_vma, compile_=False, fullgraph=True):
-    """Call the layer in a ``shard_map`` body; backward outside. Eager with variance tracking, the output
-    meets a replicated weight, whose gradient is then summed over ``dp`` and ``sp``."""
-    weighted = check_vma and not compile_
+def _shard_map_run(mesh, check_vma, compile_=False):
+    """Call the layer in a ``shard_map`` body; backward outside. With variance tracking the output meets a
+    replicated weight, whose gradient is then summed over ``dp`` and ``sp``."""
+    weighted = check_vma
 
     def run(fn, q, k, v, g):
         w = torch.ones(v.shape[-1], dtype=DT, requires_grad=True)
@@ -155,8 +155,7 @@ def _shard_map_run(mesh, check_vma, compile_=False, fullgraph=True):
         step = es.shard_map(body, in_specs=(f"{b} h n/sp d",) * 2 + (f"{b} h n/sp e", "e", f"{b} h n/sp e"),
                             out_specs=f"// {dims} -> ", mesh=mesh, check_vma=check_vma)
         if compile_:
-            # dynamic=False: the graph breaks (fullgraph=False) resume in frames that must not go dynamic
-            step = torch.compile(step, backend="aot_eager", fullgraph=fullgraph, dynamic=None if fullgraph else False)
+            step = torch.compile(step, backend="aot_eager", fullgraph=True)
         step(q, k, v, w, g).backward()
         with torch.no_grad():
             o = fn(q, k, v)
@@ -241,17 +240,13 @@ def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
 @pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_ulysses_attention_compiles_in_shard_map(check_vma):
-    # fullgraph=False: dynamo cannot yet trace einshard's functional all-to-all inside its autograd Function
-    # (math.prod of a generator in _traced_collectives.all_to_all), so the formulas' all-to-alls break the
-    # graph there and run as functional collectives outside it; the rest of the body is compiled
-    # (dynamic=False: the frames resumed after those breaks fail to trace with dynamic shapes).
     mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
-    run = _shard_map_run(mesh, check_vma, compile_=True, fullgraph=False)
+    run = _shard_map_run(mesh, check_vma, compile_=True)
     with es.use_mesh(mesh):
         torch._dynamo.reset()
         _check("ulysses", mesh, *CASES[5], run=run, batch_dim="dp")  # causal, zigzag, uneven
     mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())  # 4 ranks of sp: 3 heads over 4 (one rank has none)
-    run = _shard_map_run(mesh, check_vma, compile_=True, fullgraph=False)
+    run = _shard_map_run(mesh, check_vma, compile_=True)
     with es.use_mesh(mesh):
         torch._dynamo.reset()
         _check("ulysses", mesh, *CASES[1], run=run)  # not causal, contiguous, uneven

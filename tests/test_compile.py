@@ -250,3 +250,22 @@ def test_compiles_before_any_eager_call(fullgraph):
     from einshard import testing
 
     assert testing.spawn(_first_call_compiled, 2, args=(fullgraph,), timeout=600, checks=False) == [True, True]
+
+
+def test_common_subexpression_pass_keeps_collectives_apart():
+    # AOTAutograd's CSE merges nodes with equal ops and inputs. Two collectives merged on some ranks only
+    # (a rank whose empty block makes two inputs one node) leave that rank a collective short: all hang.
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+    import torch.fx as fx
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    from einshard import _trace
+
+    _trace.keep_collectives_apart()
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    ops = (torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_to_all_single.default)
+    args = ((x, "sum", "0"), (x, [1, 1], [1, 1], "0"))
+    graph.output(tuple(graph.call_function(op, a) for op, a in zip(ops, args) for _ in range(2)))
+    kept = [n.target for n in fx_graph_cse(graph).nodes if n.op == "call_function"]
+    assert kept == [op for op in ops for _ in range(2)]
