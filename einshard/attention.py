@@ -375,6 +375,8 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, scale: float):
     delta = (dout * out).sum(-1, keepdim=True)
     dq = torch.zeros_like(q)
     kv = torch.cat([k, v], -1)
+    if _compiling():  # tied to dout (a sum of none of its elements): the partitioner cannot move the
+        kv = kv + dout.reshape(-1)[:0].sum()  # backward's transfers into the forward, away from their matmuls
     last = ring.size - 1
     travelling = None  # the gradient of the held block, summed over the ranks it has visited
     for t, (held, pairs, incoming) in enumerate(ring.steps):

@@ -401,12 +401,14 @@ def test_compiled_ring_waits_after_the_block_computations():
         names = [str(n.target) for n in nodes]
         sends = [i for i, s in enumerate(names) if "all_to_all_single" in s]
         assert sends, names
+        if graph in backend.fw_graphs:  # one transfer on 2 ranks: none of backward's moved here to be kept
+            assert len(sends) == 1, names
         for i in sends:
             wait = next(j for j in range(i + 1, len(nodes)) if "wait_tensor" in names[j] and nodes[i] in
                         nodes[j].all_input_nodes)
             if i == sends[-1] and graph in backend.bw_graphs:
                 continue  # the last gradient's way home
-            assert sum("bmm" in s for s in names[i + 1:wait]) >= 2, names[i:wait + 1]
+            assert sum("bmm" in s for s in names[i + 1:wait]) >= 2, ("backward" if graph in backend.bw_graphs else "forward", i, names)
 
 
 # -- what raises ------------------------------------------------------------------------------------
