@@ -15,8 +15,6 @@ matmuls.
 from __future__ import annotations
 
 import doctest
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -470,13 +468,3 @@ def test_docstring_examples():
     result = doctest.testmod(attention)
     assert result.failed == 0 and result.attempted >= 3
 
-
-@pytest.mark.ranks(4)
-def test_the_guide_s_shard_map_example_runs_as_written():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "attention.md").read_text()
-    code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "@es.shard_map" in c)
-    mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
-    namespace = {"es": es, "mesh": mesh}
-    exec(code, namespace)
-    Q, K, V, G = _whole(8)
-    torch.testing.assert_close(namespace["attend"](Q, K, V), _reference(Q, K, V, G, True)[0], **TOL)
