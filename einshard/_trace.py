@@ -31,7 +31,7 @@ import torch.distributed.distributed_c10d as _c10d
 from .errors import EinshardError
 
 __all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
-           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "keep_collectives_apart"]
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "keep_collectives_apart", "static_value"]
 
 #: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
 traced = torch.compiler.is_dynamo_compiling
@@ -186,6 +186,19 @@ def trace_error(message: str) -> EinshardError:
 def static_shape(t) -> tuple:
     """``t.shape`` as ints: plans depend on shapes, so dynamic ones are specialised (guarded)."""
     return tuple(operator.index(s) for s in t.shape)
+
+
+def static_value(obj):
+    """``obj`` (ints in dicts, lists and tuples) with every int a constant: a compiled function called again
+    with other ints there may get them as dynamic values, which plans cannot take (they are specialised)."""
+    if isinstance(obj, dict):
+        return {k: static_value(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        values = [static_value(v) for v in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
+    if isinstance(obj, (int, torch.SymInt)) and not isinstance(obj, bool):
+        return operator.index(obj)
+    return obj
 
 
 def group_name(group):

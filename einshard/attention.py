@@ -182,7 +182,7 @@ _PLANS = BoundedCache()
 def _plan(build, *args):
     """``build(*args)``, made once per arguments; under ``torch.compile`` made while tracing (a constant)."""
     if _compiling():
-        return _trace.lookup(_plan_name(build, *args))
+        return _trace.lookup(_plan_name(build, *_trace.static_value(args)))
     return _cached(build, *args)
 
 

@@ -252,7 +252,8 @@ def traced_plan(build, *args):
     """
     ambient = _context.current()
     # checks.ENABLED read here, in traced code: the graph is traced again when checks are turned on or off
-    return _trace.lookup(_built_at_trace_time(build, ambient.mesh, ambient.shapes, checks.ENABLED, *args))
+    return _trace.lookup(_built_at_trace_time(build, ambient.mesh, ambient.shapes, checks.ENABLED,
+                                              *_trace.static_value(args)))
 
 
 @_trace.constant_result

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
+from einshard.testing import MeshSpec
 
 DT = torch.float64
 
@@ -269,3 +270,16 @@ def test_common_subexpression_pass_keeps_collectives_apart():
     graph.output(tuple(graph.call_function(op, a) for op, a in zip(ops, args) for _ in range(2)))
     kept = [n.target for n in fx_graph_cse(graph).nodes if n.op == "call_function"]
     assert kept == [op for op in ops for _ in range(2)]
+
+
+@pytest.mark.ranks(2)
+def test_called_again_with_other_split_shapes():
+    # dynamo passes ints that changed since the last compile as dynamic values; plans take them as constants
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    rank = mesh.index("sp")
+    step = torch.compile(lambda x, shapes: es.einshard("h n/sp d -> h/sp n d", x, shapes=shapes, mesh=mesh),
+                         backend="aot_eager", fullgraph=True)
+    for heads in ([1, 1], [2, 1], [3, 2], [0, 2]):
+        whole = torch.randn(sum(heads), 4, 3, generator=torch.Generator().manual_seed(sum(heads)))
+        got = step(whole[:, 2 * rank:2 * rank + 2], {"sp": {"n": [2, 2], "h": heads}})
+        torch.testing.assert_close(got, whole[sum(heads[:rank]):sum(heads[:rank + 1])])
