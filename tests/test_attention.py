@@ -195,7 +195,7 @@ def test_outputs_vary_over_the_sequence_dimension_and_the_batch_one():
 
 
 @pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.matrix)])  # (the long matrix: -m matrix)
 def test_ring_attention_compiles_fullgraph_in_shard_map(check_vma):
     # no replicated weight in the compiled body: a traced body multiplying varying data by an invariant
     # tensor that requires grad fails in einshard.vma's tracking under dynamo (str.endswith on the op's
@@ -223,7 +223,8 @@ def run_on(mesh):
     return run
 
 
-@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.ranks(n, timeout=600)) for n in (2, 4)])
+@pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.ranks(2, timeout=600)),
+                                  pytest.param(4, marks=[pytest.mark.ranks(4, timeout=600), pytest.mark.matrix])])
 def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
     mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
     run = run_on(mesh)
@@ -236,7 +237,7 @@ def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
 
 
 @pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.matrix)])
 def test_ulysses_attention_compiles_in_shard_map(check_vma):
     mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
     run = _shard_map_run(mesh, check_vma, compile_=True)

@@ -37,7 +37,9 @@ def test_gpt_example_matches_single_process_and_resumes_on_another_mesh(style, t
     assert found is not None and float(found.group(1)) < 1e-9, out
 
 
-@pytest.mark.parametrize("attention,style", [("ring", "shard_map"), ("ring", "einshard"), ("ulysses", "shard_map")])
+@pytest.mark.parametrize("attention,style", [("ring", "shard_map"),
+                                             pytest.param("ring", "einshard", marks=pytest.mark.matrix),
+                                             pytest.param("ulysses", "shard_map", marks=pytest.mark.matrix)])
 def test_gpt_example_with_ring_and_ulysses_attention_matches_single_process(attention, style, tmp_path):
     # 4 steps: 2 with sp=2 (ring: the sequence in zigzag order), 2 resumed with sp=1
     out = run_example("--attention", attention, "--style", style, "--steps", "4", "--checkpoint-dir", str(tmp_path))
