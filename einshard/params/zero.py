@@ -1,0 +1,305 @@
+"""Parameters stored sharded over data parallelism (ZeRO-3): gathered before use, gradients reduce-scattered.
+
+A parameter registered with ``store="dp"`` holds a ``1/|dp|`` slice of its
+compute block (its state's ``layout`` is the storage layout ``f/tp c/dp``,
+``compute_layout`` the layout its computations see, ``f/tp c``). One formula
+moves it, in both training styles::
+
+    f/tp c/dp -> f/tp c // dp      # forward: all-gather over dp; backward: reduce-scatter over dp
+
+The gathered block carries the compute layout and the duty over ``dp``, so the
+formulas that use it leave its gradient partial over ``dp`` (and the torch
+ops on per-rank rows do by themselves); the gather's backward reduce-scatters
+it into the shard's ``.grad``, once. With a duty over more groups
+(``grad="dp-sp"``, a norm weight replicated over ``sp`` too) the gather is
+partial over all of them and its backward sums over each.
+
+:func:`register_native_grad_reduction_hooks_` installs the gathers on a
+module: each module that owns stored parameters gathers them when its
+forward starts (the module's forward sees whole compute blocks under the
+parameters' names) and puts the shards back when it ends. By default the
+gathered blocks are not kept for backward (``reshard_after_forward=True``):
+what autograd saves of them is a reference to the shard, gathered again when
+backward needs it.
+
+>>> gather_formula(ParameterState.from_layout("f/tp c", mesh_dim_names=("dp", "tp"), store="dp"))
+'f/tp c/dp -> f/tp c // dp'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import EinshardError
+from ..ops.einshard import einshard
+from .buckets import DEFAULT_BUCKET_BYTES
+from .names import runtime_mesh
+from .reduce import NativeGradReductionHandle
+from .reduce import register_native_grad_reduction_hooks_ as _register_reduction_hooks
+from .state import ParameterGradComm, ParameterState
+from .store import PARAM_STATE_ATTR, get_parameter_state
+
+__all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter",
+           "register_native_grad_reduction_hooks_"]
+
+
+def _partial(groups) -> str:
+    return groups[0] if len(groups) == 1 else "(" + ", ".join(groups) + ")"
+
+
+def gather_formula(state: ParameterState) -> str:
+    """The formula that gathers a stored parameter: storage layout to compute layout, partial over its duty."""
+    return f"{state.layout} -> {state.compute_layout} // {_partial(state.grad_comm.mesh_dims)}"
+
+
+def scatter_formula(state: ParameterState) -> str:
+    """The gather's adjoint: the compute block's partial gradient summed and scattered to the shard."""
+    return f"{state.compute_layout} // {_partial(state.grad_comm.mesh_dims)} -> {state.layout}"
+
+
+_INSTALLED = "_einshard_zero_units"  # the attribute naming a stored parameter's installed ZeroUnits
+
+
+class GatheredParameter(torch.Tensor):
+    """A gathered compute block: a plain tensor for torch ops, carrying the compute layout and the duty
+    (attribute ``einshard_state``) for the formulas."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+@dataclass
+class _Plan:
+    """How one stored parameter is gathered and scattered."""
+
+    state: ParameterState  # the stored one
+    compute: ParameterState  # what the gathered block carries
+    mesh: object
+    sizes: dict
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None) -> "_Plan":
+        state = get_parameter_state(p)
+        compute = ParameterState.from_layout(state.compute_layout, mesh_dim_names=state.mesh_dim_names)
+        compute = replace(compute, grad_comm=ParameterGradComm("explicit", state.grad_comm.mesh_dims, "native"),
+                          global_shape=state.global_shape)
+        sizes = {}
+        if state.global_shape is not None:
+            sizes = {a.name: n for a, n in zip(state.spec.axes, state.global_shape) if a.mesh}
+        return cls(state, compute, mesh, sizes, param_dtype, reduce_dtype)
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The compute block of ``shard`` (no autograd), in ``param_dtype``."""
+        with torch.no_grad():
+            x = shard.detach()
+            if self.param_dtype is not None and x.dtype != self.param_dtype:
+                x = x.to(self.param_dtype)
+            return einshard(gather_formula(self.state), x, mesh=self.mesh, sizes=self.sizes)
+
+    def scatter(self, grad: torch.Tensor, dtype) -> torch.Tensor:
+        """The shard's gradient: ``grad`` (partial) summed in ``reduce_dtype`` and scattered, in ``dtype``."""
+        with torch.no_grad():
+            if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+                grad = grad.to(self.reduce_dtype)
+            out = einshard(scatter_formula(self.state), grad, mesh=self.mesh, sizes=self.sizes)
+            return out if out.dtype == dtype else out.to(dtype)
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: the gathered compute block; backward: the reduce-scattered gradient of the shard."""
+
+    @staticmethod
+    def forward(ctx, shard, plan):
+        ctx.plan, ctx.dtype = plan, shard.dtype
+        return plan.gather(shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.plan.scatter(grad, ctx.dtype), None
+
+
+def gather_parameter(p: torch.nn.Parameter, plan: _Plan) -> GatheredParameter:
+    """``p``'s compute block, gathered (its gradient reduce-scattered back into ``p.grad``)."""
+    out = _Gather.apply(p, plan).as_subclass(GatheredParameter)
+    setattr(out, PARAM_STATE_ATTR, plan.compute)
+    return out
+
+
+# -- freeing after forward: saved gathered blocks are gathered again in backward -------------------------
+
+
+class _Saved:
+    """What autograd keeps of a gathered block: the shard, and the view of the block it saved."""
+
+    __slots__ = ("param", "plan", "unit", "size", "stride", "offset")
+
+    def __init__(self, param, plan, unit, t, base):
+        self.param, self.plan, self.unit = param, plan, unit
+        self.size, self.stride = tuple(t.size()), tuple(t.stride())
+        self.offset = t.storage_offset() - base.storage_offset()
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (a fake or functional tensor)
+        return None
+
+
+class ZeroUnits:
+    """The gathers installed on a module (see the module docstring); a part of the hooks' handle.
+
+    ``live``: the gathered blocks alive now, as weak references (for tests and memory checks);
+    ``order``: the parameters in the order of their first gather (the first step records it).
+    """
+
+    def __init__(self, module, mesh, *, reshard_after_forward=True, param_dtype=None, reduce_dtype=None):
+        self.mesh = runtime_mesh(mesh)
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self._units = []  # (module, [(name, p, plan)])
+        self._handles = []
+        self._gathered: dict = {}  # storage key -> (p, plan, block) while a unit's forward runs
+        self._cache: dict = {}  # id(p) -> weakref of the block gathered again in backward
+        self._contexts: list = []
+        self.live: list = []
+        self.order: list = []
+        for m in module.modules():
+            stored = []
+            for name, p in m.named_parameters(recurse=False):
+                state = get_parameter_state(p)
+                if state is not None and state.store is not None:
+                    stored.append((name, p, _Plan.of(p, self.mesh, param_dtype, reduce_dtype)))
+            if stored:
+                self._units.append((m, stored))
+        for p in self.parameters:
+            setattr(p, _INSTALLED, self)
+        for m, stored in self._units:
+            self._handles.append(m.register_forward_pre_hook(self._pre(stored)))
+            self._handles.append(m.register_forward_hook(self._post(stored), always_call=True))
+
+    @property
+    def parameters(self) -> list:
+        """The stored parameters whose gathers are installed."""
+        return [p for _, stored in self._units for _, p, _ in stored]
+
+    def _pre(self, stored):
+        def hook(m, args):
+            for name, p, plan in stored:
+                block = gather_parameter(p, plan)
+                m._parameters[name] = block
+                self.live.append(weakref.ref(block))
+                if id(p) not in {id(q) for q in self.order}:
+                    self.order.append(p)
+                if self.reshard_after_forward:
+                    self._gathered[_storage_key(block)] = (p, plan, block)
+            if self.reshard_after_forward:
+                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                ctx.__enter__()
+                self._contexts.append(ctx)
+
+        return hook
+
+    def _post(self, stored):
+        def hook(m, args, out):
+            for name, p, _ in stored:
+                block = m._parameters[name]
+                m._parameters[name] = p
+                self._gathered.pop(_storage_key(block), None)
+            if self.reshard_after_forward:
+                self._contexts.pop().__exit__(None, None, None)
+            self.live = [r for r in self.live if r() is not None]
+
+        return hook
+
+    def _pack(self, t):
+        if not self._gathered or not isinstance(t, torch.Tensor):
+            return t
+        found = self._gathered.get(_storage_key(t))
+        if found is None:
+            return t
+        p, plan, block = found
+        return _Saved(p, plan, self, t, block)
+
+    @staticmethod
+    def _unpack(x):
+        if type(x) is not _Saved:
+            return x
+        return x.unit.regather(x)
+
+    def regather(self, saved: _Saved) -> torch.Tensor:
+        """The saved view of a freed block, from the block gathered again (once per backward and parameter)."""
+        ref = self._cache.get(id(saved.param))
+        block = None if ref is None else ref()
+        if block is None:
+            block = saved.plan.gather(saved.param)
+            self._cache[id(saved.param)] = weakref.ref(block)
+            self.live.append(weakref.ref(block))
+        return block.as_strided(saved.size, saved.stride, block.storage_offset() + saved.offset)
+
+    # the handle's part interface (einshard.params.reduce.NativeGradReductionHandle)
+    @property
+    def pending(self) -> int:
+        return 0
+
+    def wait(self) -> "ZeroUnits":
+        self._cache.clear()
+        self.live = [r for r in self.live if r() is not None]
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield self
+
+    def remove(self) -> "ZeroUnits":
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for p in self.parameters:
+            if getattr(p, _INSTALLED, None) is self:
+                delattr(p, _INSTALLED)
+        return self
+
+
+def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                                          reshard_after_forward=True, param_dtype=None, reduce_dtype=None):
+    """Hooks that SUM each native-duty gradient over its groups during backward, and gather the
+    parameters stored sharded (``store=``) before use; returns a handle.
+
+    ``async`` duties are bucketed (about ``bucket_bytes`` per all-reduce) and
+    start during backward; call ``handle.wait()`` before the optimizer step
+    (with every schedule). Every rank must run backward over the same
+    parameters in the same order. A parameter that gets no gradient keeps
+    ``.grad is None``; one frozen now is hooked once it requires gradients;
+    ``torch.autograd.grad`` returns summed gradients. A parameter whose
+    gradient hooks sum already is refused.
+
+    Stored parameters are gathered when the forward of the module that owns
+    them starts, and their gradients reduce-scattered into their shards'
+    ``.grad`` (see :doc:`params`). ``reshard_after_forward``: free the gathered
+    blocks after forward and gather them again in backward (default), or keep
+    them until backward.
+
+    >>> handle = es.register_native_grad_reduction_hooks_(model, mesh)   # doctest: +SKIP
+    >>> loss.backward(); handle.wait(); opt.step()                       # doctest: +SKIP
+    """
+    for name, p in module.named_parameters():
+        state = get_parameter_state(p)
+        if state is not None and state.store is not None and getattr(p, _INSTALLED, None) is not None:
+            raise EinshardError(
+                f"native gradient hooks ({name!r}): the parameter's gathers are installed already (an earlier "
+                "register_native_grad_reduction_hooks_); remove them first (handle.remove())"
+            )
+    handle = _register_reduction_hooks(module, mesh, bucket_bytes=bucket_bytes)
+    try:
+        units = ZeroUnits(module, mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                          reduce_dtype=reduce_dtype)
+    except BaseException:
+        handle.remove()
+        raise
+    handle.adopt(units)
+    return handle

@@ -1,0 +1,171 @@
+"""Parameters stored sharded over data parallelism (``store=``, ZeRO-3): values, gradients and optimizer steps.
+
+Every rank holds its rows of the batch (``b/dp``, and ``n/sp`` on the 3-d mesh) and a ``tp`` block of the
+weights; the stored parameters hold a ``1/|dp|`` slice of that block. The losses, the sharded gradients and
+the parameters after Adam steps are compared with the same model trained in one process on whole tensors
+(float64), on (2, 2), (4,) and (2, 2, 2) meshes, with even and uneven blocks.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import einshard as es
+from einshard.testing import MeshSpec, local_block
+
+DT = torch.float64
+MESHES = [MeshSpec((2, 2), ("dp", "tp")), MeshSpec((4,), ("dp",))]
+SIZES = [(4, 6, 8), (5, 7, 8)]  # (C, F, B): even parameter blocks, and uneven ones on every mesh (C=5, F=7)
+
+
+def _names(mesh):
+    t = "/tp" if "tp" in mesh.names else ""
+    rows = "b/dp n/sp c" if "sp" in mesh.names else "b/dp n c"
+    hidden = rows.replace(" c", f" f{t}")
+    return t, rows, hidden
+
+
+def _whole(C, F_, B):
+    g = torch.Generator().manual_seed(3)
+    return {
+        "ln.weight": 1 + 0.1 * torch.randn(C, generator=g, dtype=DT),
+        "ln.bias": 0.1 * torch.randn(C, generator=g, dtype=DT),
+        "mlp.w1": torch.randn(F_, C, generator=g, dtype=DT) / C,
+        "mlp.b1": 0.1 * torch.randn(F_, generator=g, dtype=DT),
+        "mlp.w2": torch.randn(C, F_, generator=g, dtype=DT) / F_,
+    }
+
+
+def _batches(C, B, steps=2):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randn(B, 2, C, generator=g, dtype=DT) for _ in range(steps)]
+
+
+def _layouts(mesh):
+    t, _, _ = _names(mesh)
+    return {"ln.weight": "c", "ln.bias": "c", "mlp.w1": f"f{t} c", "mlp.b1": f"f{t}", "mlp.w2": f"c f{t}"}
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, mesh, blocks):
+        super().__init__()
+        _, self.rows, self.hidden = _names(mesh)
+        self.t = "/tp" if "tp" in mesh.names else ""
+        self.w1 = torch.nn.Parameter(blocks["mlp.w1"])
+        self.b1 = torch.nn.Parameter(blocks["mlp.b1"])
+        self.w2 = torch.nn.Parameter(blocks["mlp.w2"])
+
+    def forward(self, x):
+        h = es.einshard(f"{self.rows}, f{self.t} c -> {self.hidden}", x, self.w1) + self.b1
+        return es.einshard(f"{self.hidden}, c f{self.t} -> {self.rows}", torch.tanh(h), self.w2)
+
+
+class Net(torch.nn.Module):
+    """A norm (torch ops on stored parameters) and an MLP (formulas on stored parameters)."""
+
+    def __init__(self, mesh, whole):
+        super().__init__()
+        layouts = _layouts(mesh)
+        blocks = {k: local_block(v, layouts[k], mesh).clone() for k, v in whole.items()}
+        self.ln = torch.nn.LayerNorm(whole["ln.weight"].shape[0], dtype=DT)
+        with torch.no_grad():
+            self.ln.weight.copy_(blocks["ln.weight"])
+            self.ln.bias.copy_(blocks["ln.bias"])
+        self.mlp = MLP(mesh, blocks)
+
+    def forward(self, x):
+        return self.mlp(self.ln(x))
+
+
+def _reference(whole, batches, steps):
+    """Whole-tensor training in one process: the losses and the parameters after ``steps`` Adam steps."""
+    p = {k: v.clone().requires_grad_() for k, v in whole.items()}
+    opt = torch.optim.Adam(p.values(), lr=0.05)
+    losses, grads = [], None
+    for x in batches[:steps]:
+        h = F.layer_norm(x, x.shape[-1:], p["ln.weight"], p["ln.bias"])
+        y = torch.tanh(h @ p["mlp.w1"].T + p["mlp.b1"]) @ p["mlp.w2"].T
+        loss = (y**2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = {k: v.grad.clone() for k, v in p.items()}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {k: v.detach() for k, v in p.items()}
+
+
+def _setup(mesh, sizes, **hooks):
+    C, F_, B = sizes
+    m = es.wrap_mesh(mesh)
+    whole = _whole(C, F_, B)
+    net = Net(m, whole)
+    layouts = _layouts(m)
+    rows = "dp-sp" if "sp" in m.names else "dp"
+    stored = [k for k in layouts if not (k == "mlp.b1" and "tp" in m.names)]  # f/tp: no axis left for dp
+    es.register_module_parameter_layouts_(
+        net, layouts, mesh=m, grad={k: rows if k in stored else f"{rows}:async" for k in layouts},
+        store={k: "dp" for k in stored}, sizes={"c": C, "f": F_},
+    )
+    handle = es.register_native_grad_reduction_hooks_(net, m, **hooks)
+    return m, whole, net, handle, stored
+
+
+def _local_loss(net, m, x):
+    _, rows, _ = _names(m)
+    y = net(es.tree_shard(x, rows, mesh=m))
+    return (y**2).sum()
+
+
+def _total(loss, m):
+    t = loss.detach().clone()
+    torch.distributed.all_reduce(t)
+    return t.item() / (m.size("tp") if "tp" in m.names else 1)
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES, ids=["2x2", "4"])
+@pytest.mark.parametrize("sizes", SIZES, ids=["even", "uneven"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_stored_parameters_train_like_one_process(mesh, sizes, reshard):
+    _train_and_compare(mesh, sizes, reshard_after_forward=reshard)
+
+
+@pytest.mark.ranks(8)
+@pytest.mark.parametrize("sizes", SIZES, ids=["even", "uneven"])
+def test_stored_parameters_train_like_one_process_3d(mesh_2x2x2, sizes):
+    _train_and_compare(mesh_2x2x2, sizes)
+
+
+def _train_and_compare(mesh, sizes, **hooks):
+    m, whole, net, handle, stored = _setup(mesh, sizes, **hooks)
+    layouts = _layouts(m)
+    specs = es.param_specs(net)
+    for k in layouts:  # the parameters hold their storage blocks; the specs say so
+        want = layouts[k] if k not in stored else es.get_parameter_state(net.get_parameter(k)).layout
+        assert specs[k] == want
+        assert net.get_parameter(k).shape == local_block(whole[k], specs[k], m).shape
+    batches = _batches(sizes[0], sizes[2])
+    losses, grads, final = _reference(whole, batches, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    with es.use_mesh(m):
+        for step, x in enumerate(batches):
+            loss = _local_loss(net, m, x)
+            loss.backward()
+            handle.wait()
+            assert abs(_total(loss, m) - losses[step]) < 1e-9 * max(1.0, abs(losses[step]))
+            if step == 0:
+                for k in layouts:
+                    got = net.get_parameter(k).grad
+                    torch.testing.assert_close(got, local_block(grads[k], specs[k], m), rtol=1e-10, atol=1e-12)
+            opt.step()
+            opt.zero_grad()
+    for k in layouts:  # Adam stepped on the shards: the same parameters as whole-tensor training
+        torch.testing.assert_close(net.get_parameter(k).detach(), local_block(final[k], specs[k], m),
+                                   rtol=1e-9, atol=1e-11)
+    handle.remove()
