@@ -169,3 +169,115 @@ def _train_and_compare(mesh, sizes, **hooks):
         torch.testing.assert_close(net.get_parameter(k).detach(), local_block(final[k], specs[k], m),
                                    rtol=1e-9, atol=1e-11)
     handle.remove()
+
+
+def _alive(refs):
+    gc.collect()
+    return [r for r in refs if r() is not None]
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_no_gathered_parameter_outlives_its_use(mesh, reshard):
+    """Weak references to every gathered block: after forward none is alive (they are gathered again in
+    backward) unless kept; after backward none is, either way."""
+    m, whole, net, handle, stored = _setup(mesh, SIZES[1], reshard_after_forward=reshard)
+    seen = []
+
+    def capture(module, args):  # runs after the gather: the module's parameters are the gathered blocks
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(p, es.GatheredParameter):
+                seen.append((name, weakref.ref(p)))
+
+    for mod in (net.ln, net.mlp):
+        mod.register_forward_pre_hook(capture)
+    units = es.params.zero.units_of(net.mlp.w1)
+    x = _batches(SIZES[1][0], SIZES[1][2])[0]
+    with es.use_mesh(m):
+        loss = _local_loss(net, m, x)
+        assert sorted(n for n, _ in seen) == sorted(k.split(".")[1] for k in stored)
+        assert all(isinstance(net.get_parameter(k), torch.nn.Parameter) for k in stored)  # shards back in place
+        alive = _alive([r for _, r in seen])
+        if reshard:
+            assert alive == []  # what autograd saved of them is a reference to the shard
+        else:
+            assert alive  # kept for backward (what autograd saved: the weights, not the bias)
+        loss.backward()
+        handle.wait()
+    assert _alive([r for _, r in seen]) == [] and _alive(units.live) == []
+    for k in stored:  # each freed block was gathered again for backward: the gradients are still exact
+        assert net.get_parameter(k).grad.shape == net.get_parameter(k).shape
+    handle.remove()
+    assert es.params.zero.units_of(net.mlp.w1) is None
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
+def test_gathers_and_reduce_scatters_are_counted(mesh):
+    """count_communication: one all-gather over dp per stored parameter forward, again in backward (freed
+    after forward), one reduce-scatter over dp each backward; es.explain of the gather formula shows both."""
+    m, whole, net, handle, stored = _setup(mesh, SIZES[0])
+    x = _batches(SIZES[0][0], SIZES[0][2])[0]
+    with es.use_mesh(m):
+        with es.count_communication() as stats:
+            loss = _local_loss(net, m, x)
+            loss.backward()
+            handle.wait()
+    data = stats.data
+    fwd, bwd = data.forward.filter(label="dp"), data.backward.filter(label="dp")
+    assert fwd.filter(kind="all_gather").calls == len(stored)
+    assert bwd.filter(kind="all_gather").calls == len(stored)  # gathered again
+    assert bwd.filter(kind="reduce_scatter").calls == len(stored)
+    assert bwd.filter(kind="all_reduce").calls == 1  # the one unstored parameter (b1, f/tp), bucketed
+    state = es.get_parameter_state(net.mlp.w1)
+    assert es.gather_formula(state) == "f/tp c/dp -> f/tp c // dp"
+    text = str(es.explain(es.gather_formula(state), net.mlp.w1, mesh=m, sizes={"f": SIZES[0][1], "c": SIZES[0][0]}))
+    assert "all-gather" in text and "reduce-scatter" in text
+    handle.remove()
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
+def test_bad_storage_raises_before_any_collective(mesh):
+    m = es.wrap_mesh(mesh)
+    C, F_, B = SIZES[1]
+    w = lambda *shape: torch.nn.Parameter(torch.zeros(*shape, dtype=DT))  # noqa: E731
+    with es.count_communication() as stats:
+        with pytest.raises(ValueError, match="splits over \\['tp'\\] already"):  # a dimension the layout uses
+            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="tp")
+        with pytest.raises(ValueError, match="every axis .* is split already"):
+            es.register_parameter_layout(w(3), "f/tp", mesh=m, store="dp")
+        with pytest.raises(ValueError, match="ddp backend would sum it a second time"):  # reduce twice
+            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="dp:ddp")
+        with pytest.raises(ValueError, match="external backend would sum it a second time"):
+            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="dp:external")
+        with pytest.raises(ValueError, match="name those groups in grad="):
+            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="tp")
+        with pytest.raises(ValueError, match="needs the mesh"):  # stored without a mesh
+            es.register_parameter_layout(w(3, 5), "f/tp c", mesh_dim_names=("dp", "tp"), store="dp")
+        with pytest.raises(ValueError, match="unevenly over 'dp'"):  # no global shape: blocks unknown
+            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp")
+        p = es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", sizes={"f": 6})
+        assert p.shape == ((3, 3) if m.coordinate[0] == 0 else (3, 2))
+        with pytest.raises(ValueError, match="used without its gather"):  # no hooks: the shard itself
+            es.einshard("b/dp c, f/tp c -> b/dp f/tp", torch.zeros(2, 5, dtype=DT), p, mesh=m)
+        with pytest.raises(ValueError, match="used without its gather"):  # outside a mesh: a local formula
+            es.einshard("f c -> c f", p)
+        with pytest.raises(ValueError, match="reduce-scatters this gradient"):
+            es.register_parameter_layout(p, "f/tp c", mesh=m, store="dp", grad="dp:ddp")
+        es.register_parameter_layout(p, "f/tp c", mesh=m, grad="dp:async")  # the compute layout again: merged
+        assert p.shape == ((3, 3) if m.coordinate[0] == 0 else (3, 2))  # not cut twice
+        with pytest.raises(ValueError, match="DDP would all-reduce it a second time"):
+            es.register_grad_reduction_hook_(_Holder(p), m)
+    assert stats.data.calls == 0
+    hooks = es.register_native_grad_reduction_hooks_(torch.nn.ModuleDict({"p": _Holder(p)}), m)
+    with pytest.raises(ValueError, match="installed already"):
+        es.register_native_grad_reduction_hooks_(torch.nn.ModuleDict({"p": _Holder(p)}), m)
+    hooks.remove()
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.p = p

@@ -43,7 +43,7 @@ from .reduce import register_native_grad_reduction_hooks_ as _register_reduction
 from .state import ParameterGradComm, ParameterState
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
-__all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter",
+__all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter", "units_of",
            "register_native_grad_reduction_hooks_"]
 
 
@@ -62,6 +62,11 @@ def scatter_formula(state: ParameterState) -> str:
 
 
 _INSTALLED = "_einshard_zero_units"  # the attribute naming a stored parameter's installed ZeroUnits
+
+
+def units_of(p) -> "ZeroUnits | None":
+    """The installed gathers of stored parameter ``p`` (``None`` when none are installed)."""
+    return getattr(p, _INSTALLED, None)
 
 
 class GatheredParameter(torch.Tensor):
