@@ -281,3 +281,58 @@ class _Holder(torch.nn.Module):
     def __init__(self, p):
         super().__init__()
         self.p = p
+
+
+def _shard_map_step(net, m, x, vma):
+    _, rows, _ = _names(m)
+
+    @es.shard_map((es.param_specs(net), f"{rows.replace('/dp', '').replace('/sp', '')} -> {rows}"), rows, mesh=m,
+                  check_vma=vma)
+    def forward(params, x):  # the model code runs unchanged on the compute blocks
+        return torch.func.functional_call(net, params, (x,))
+
+    return (forward(dict(net.named_parameters()), x) ** 2).sum()
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES, ids=["2x2", "4"])
+@pytest.mark.parametrize("sizes", SIZES, ids=["even", "uneven"])
+@pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
+def test_stored_parameters_in_shard_map_train_like_one_process(mesh, sizes, vma):
+    """es.param_specs gives the storage specs; shard_map gathers stored parameters on entry. With
+    check_vma=True the body sums their gradients (sliced back to the shards); a per-rank body leaves them
+    partial and they are reduce-scattered, as with the hooks."""
+    _shard_map_train(mesh, sizes, vma)
+
+
+@pytest.mark.ranks(8)
+@pytest.mark.parametrize("sizes", SIZES, ids=["even", "uneven"])
+def test_stored_parameters_in_shard_map_3d(mesh_2x2x2, sizes):
+    _shard_map_train(mesh_2x2x2, sizes, True)
+
+
+def _shard_map_train(mesh, sizes, vma):
+    m, whole, net, handle, stored = _setup(mesh, sizes)
+    handle.remove()  # the shard_map body gathers and sums: no hooks
+    layouts, specs = _layouts(m), es.param_specs(net)
+    batches = _batches(sizes[0], sizes[2])
+    losses, grads, final = _reference(whole, batches, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for step, x in enumerate(batches):
+        with es.count_communication() as stats:
+            loss = _shard_map_step(net, m, x, vma)
+            loss.backward()
+        if not vma:
+            es.reduce_module_grads_(net, m)  # the unstored parameters' duties (stored ones: reduce-scattered)
+            back = stats.data.backward.filter(label="dp")  # uneven blocks: summed by an all-reduce, then cut
+            assert back.filter(kind="reduce_scatter").calls + back.filter(kind="all_reduce").calls == len(stored)
+        assert abs(_total(loss, m) - losses[step]) < 1e-9 * max(1.0, abs(losses[step]))
+        if step == 0:
+            for k in layouts:
+                torch.testing.assert_close(net.get_parameter(k).grad, local_block(grads[k], specs[k], m),
+                                           rtol=1e-10, atol=1e-12)
+        opt.step()
+        opt.zero_grad()
+    for k in layouts:
+        torch.testing.assert_close(net.get_parameter(k).detach(), local_block(final[k], specs[k], m),
+                                   rtol=1e-9, atol=1e-11)

@@ -44,6 +44,7 @@ from .state import ParameterGradComm, ParameterState
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
 __all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter", "units_of",
+           "shard_map_entry",
            "register_native_grad_reduction_hooks_"]
 
 
@@ -86,9 +87,10 @@ class _Plan:
     sizes: dict
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    summed: bool = False  # the gradient arrives summed (a shard_map body with check_vma=True): sliced, not scattered
 
     @classmethod
-    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None) -> "_Plan":
+    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False) -> "_Plan":
         state = get_parameter_state(p)
         compute = ParameterState.from_layout(state.compute_layout, mesh_dim_names=state.mesh_dim_names)
         compute = replace(compute, grad_comm=ParameterGradComm("explicit", state.grad_comm.mesh_dims, "native"),
@@ -96,7 +98,7 @@ class _Plan:
         sizes = {}
         if state.global_shape is not None:
             sizes = {a.name: n for a, n in zip(state.spec.axes, state.global_shape) if a.mesh}
-        return cls(state, compute, mesh, sizes, param_dtype, reduce_dtype)
+        return cls(state, compute, mesh, sizes, param_dtype, reduce_dtype, summed)
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The compute block of ``shard`` (no autograd), in ``param_dtype``."""
@@ -111,7 +113,8 @@ class _Plan:
         with torch.no_grad():
             if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
                 grad = grad.to(self.reduce_dtype)
-            out = einshard(scatter_formula(self.state), grad, mesh=self.mesh, sizes=self.sizes)
+            formula = f"{self.state.compute_layout} -> {self.state.layout}" if self.summed else scatter_formula(self.state)
+            out = einshard(formula, grad, mesh=self.mesh, sizes=self.sizes)
             return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -133,6 +136,16 @@ def gather_parameter(p: torch.nn.Parameter, plan: _Plan) -> GatheredParameter:
     out = _Gather.apply(p, plan).as_subclass(GatheredParameter)
     setattr(out, PARAM_STATE_ATTR, plan.compute)
     return out
+
+
+def shard_map_entry(p: torch.nn.Parameter, mesh, summed: bool) -> GatheredParameter:
+    """A stored parameter given to ``es.shard_map`` with its storage spec: its compute block for the body.
+
+    ``summed``: the body sums the gradient itself (``check_vma=True``: its ``pvary`` all-reduces over the
+    groups the parameter meets varying data on), so the shard's gradient is the block's slice; else (a
+    per-rank body) the body's formulas leave it partial and it is reduce-scattered, as with the hooks.
+    """
+    return gather_parameter(p, _Plan.of(p, mesh, summed=summed))
 
 
 # -- freeing after forward: saved gathered blocks are gathered again in backward -------------------------
