@@ -56,6 +56,7 @@ __all__ = [
     "split",
     "all_gather",
     "reduce_scatter",
+    "reduce_scatter_rows",
     "all_to_all",
     "all_to_all_v",
     "isend_irecv",
@@ -444,6 +445,27 @@ def reduce_scatter(
     if mine == m:
         return out
     return out.narrow(d, 0, mine).contiguous()
+
+
+def reduce_scatter_rows(rows: torch.Tensor, group, *, async_op: bool = False):
+    """Row ``j`` of the sum over ranks of ``rows`` (shape ``(P, M)``) on group rank ``j``: a flat
+    reduce-scatter (the buckets of :mod:`einshard.grad_sums`). With ``async_op=True``: ``(row, work)``.
+
+    >>> reduce_scatter_rows(torch.ones(2, 3), group)  # 2 ranks  # doctest: +SKIP
+    tensor([2., 2., 2.])
+    """
+    size = _size(group)
+    if rows.dim() != 2 or rows.shape[0] != size:
+        raise EinshardError(f"reduce_scatter_rows: rows must have shape ({size}, M), got {tuple(rows.shape)}")
+    rows = rows.detach().contiguous()
+    if size == 1:
+        out = rows[0].clone()
+        return (out, _CompletedWork()) if async_op else out
+    out = rows.new_empty(rows.shape[1:])
+    if _stats.is_active():
+        _record("reduce_scatter", group, size, out.numel() * out.element_size())
+    work = _reduce_scatter_tensor(out, rows.reshape(-1), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 # -- all_to_all ------------------------------------------------------------------

@@ -212,24 +212,47 @@ def test_no_gathered_parameter_outlives_its_use(mesh, reshard):
     assert es.params.zero.units_of(net.mlp.w1) is None
 
 
+class _Marker(torch.autograd.Function):
+    """Identity on the input; its backward (the last step of backward here) records the scatters in flight."""
+
+    @staticmethod
+    def forward(ctx, x, box):
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.box["pending"] = ctx.box["handle"].pending
+        return grad, None
+
+
 @pytest.mark.ranks(4)
 @pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
-def test_gathers_and_reduce_scatters_are_counted(mesh):
+@pytest.mark.parametrize("bucket_bytes", [1, 2**20], ids=["one-each", "one-bucket"])
+def test_gathers_and_reduce_scatters_are_counted(mesh, bucket_bytes):
     """count_communication: one all-gather over dp per stored parameter forward, again in backward (freed
-    after forward), one reduce-scatter over dp each backward; es.explain of the gather formula shows both."""
-    m, whole, net, handle, stored = _setup(mesh, SIZES[0])
+    after forward); the reduce-scatters are bucketed (one per bucket) and start during backward, before the
+    input's gradient is computed; es.explain of the gather formula shows both moves."""
+    m, whole, net, handle, stored = _setup(mesh, SIZES[0], bucket_bytes=bucket_bytes)
     x = _batches(SIZES[0][0], SIZES[0][2])[0]
+    units = es.params.zero.units_of(net.mlp.w1)
+    box = {"handle": units}
+    _, rows, _ = _names(m)
     with es.use_mesh(m):
         with es.count_communication() as stats:
-            loss = _local_loss(net, m, x)
+            xs = es.tree_shard(x, rows, mesh=m).requires_grad_()
+            loss = (net(_Marker.apply(xs, box)) ** 2).sum()
             loss.backward()
+            assert units.pending == 0  # every scatter is written into .grad when backward returns
             handle.wait()
     data = stats.data
     fwd, bwd = data.forward.filter(label="dp"), data.backward.filter(label="dp")
     assert fwd.filter(kind="all_gather").calls == len(stored)
     assert bwd.filter(kind="all_gather").calls == len(stored)  # gathered again
-    assert bwd.filter(kind="reduce_scatter").calls == len(stored)
+    assert bwd.filter(kind="reduce_scatter").calls == (len(stored) if bucket_bytes == 1 else 1)
     assert bwd.filter(kind="all_reduce").calls == 1  # the one unstored parameter (b1, f/tp), bucketed
+    # started during backward: one bucket per parameter is in flight before the input's gradient exists
+    assert box["pending"] >= (len(stored) - 1 if bucket_bytes == 1 else 0)
     state = es.get_parameter_state(net.mlp.w1)
     assert es.gather_formula(state) == "f/tp c/dp -> f/tp c // dp"
     text = str(es.explain(es.gather_formula(state), net.mlp.w1, mesh=m, sizes={"f": SIZES[0][1], "c": SIZES[0][0]}))
@@ -324,7 +347,8 @@ def _shard_map_train(mesh, sizes, vma):
             loss.backward()
         if not vma:
             es.reduce_module_grads_(net, m)  # the unstored parameters' duties (stored ones: reduce-scattered)
-            back = stats.data.backward.filter(label="dp")  # uneven blocks: summed by an all-reduce, then cut
+            back = stats.data.backward  # uneven blocks: summed by an all-reduce, then cut
+            back = back.filter(label="dp") if "tp" in m.names else back  # (on (4,): the world, however labelled)
             assert back.filter(kind="reduce_scatter").calls + back.filter(kind="all_reduce").calls == len(stored)
         assert abs(_total(loss, m) - losses[step]) < 1e-9 * max(1.0, abs(losses[step]))
         if step == 0:

@@ -34,10 +34,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .._split import compute_split_shapes_for_factors
 from ..errors import EinshardError
+from ..grad_sums import DeferredSums, accumulates
 from ..ops.einshard import einshard
 from .buckets import DEFAULT_BUCKET_BYTES
-from .names import runtime_mesh
+from .names import components, runtime_mesh
 from .reduce import NativeGradReductionHandle
 from .reduce import register_native_grad_reduction_hooks_ as _register_reduction_hooks
 from .state import ParameterGradComm, ParameterState
@@ -88,9 +90,10 @@ class _Plan:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     summed: bool = False  # the gradient arrives summed (a shard_map body with check_vma=True): sliced, not scattered
+    sums: DeferredSums | None = None  # where the reduce-scatters are bucketed (None: one formula each, at once)
 
     @classmethod
-    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False) -> "_Plan":
+    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> "_Plan":
         state = get_parameter_state(p)
         compute = ParameterState.from_layout(state.compute_layout, mesh_dim_names=state.mesh_dim_names)
         compute = replace(compute, grad_comm=ParameterGradComm("explicit", state.grad_comm.mesh_dims, "native"),
@@ -98,7 +101,7 @@ class _Plan:
         sizes = {}
         if state.global_shape is not None:
             sizes = {a.name: n for a, n in zip(state.spec.axes, state.global_shape) if a.mesh}
-        return cls(state, compute, mesh, sizes, param_dtype, reduce_dtype, summed)
+        return cls(state, compute, mesh, sizes, param_dtype, reduce_dtype, summed, sums)
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The compute block of ``shard`` (no autograd), in ``param_dtype``."""
@@ -117,6 +120,24 @@ class _Plan:
             out = einshard(formula, grad, mesh=self.mesh, sizes=self.sizes)
             return out if out.dtype == dtype else out.to(dtype)
 
+    def deferrable(self, node, p) -> bool:
+        """Whether this backward's reduce-scatter can join a bucket (a plain scatter over the storage group,
+        into a leaf the running backward accumulates into, with no hook reading its gradient first)."""
+        if self.sums is None or self.summed or self.state.grad_comm.mesh_dims != (self.state.store,):
+            return False
+        if torch.is_grad_enabled() or not accumulates(node):
+            return False
+        return not p._backward_hooks and not getattr(p, "_post_accumulate_grad_hooks", None)
+
+    def defer(self, p, grad) -> None:
+        """Cut ``grad`` (the compute block's partial gradient) into the group ranks' slices and bucket them."""
+        if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
+        dim = self.state.store_axis
+        dims = tuple(n for n in self.mesh.names if n in components(self.state.store))
+        splits = compute_split_shapes_for_factors(grad.shape[dim], self.mesh.size(dims), 1)
+        self.sums.add_scatter(p, torch.split(grad.detach(), splits, dim), self.mesh.group(dims))
+
 
 class _Gather(torch.autograd.Function):
     """Forward: the gathered compute block; backward: the reduce-scattered gradient of the shard."""
@@ -128,6 +149,10 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        leaf = ctx.next_functions[0][0]  # the shard's AccumulateGrad
+        if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
+            ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
+            return None, None
         return ctx.plan.scatter(grad, ctx.dtype), None
 
 
@@ -176,8 +201,10 @@ class ZeroUnits:
     ``order``: the parameters in the order of their first gather (the first step records it).
     """
 
-    def __init__(self, module, mesh, *, reshard_after_forward=True, param_dtype=None, reduce_dtype=None):
+    def __init__(self, module, mesh, *, reshard_after_forward=True, param_dtype=None, reduce_dtype=None,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES):
         self.mesh = runtime_mesh(mesh)
+        self.sums = DeferredSums(bucket_bytes)  # the reduce-scatters, bucketed and started during backward
         self.reshard_after_forward = bool(reshard_after_forward)
         self._units = []  # (module, [(name, p, plan)])
         self._handles = []
@@ -191,7 +218,7 @@ class ZeroUnits:
             for name, p in m.named_parameters(recurse=False):
                 state = get_parameter_state(p)
                 if state is not None and state.store is not None:
-                    stored.append((name, p, _Plan.of(p, self.mesh, param_dtype, reduce_dtype)))
+                    stored.append((name, p, _Plan.of(p, self.mesh, param_dtype, reduce_dtype, sums=self.sums)))
             if stored:
                 self._units.append((m, stored))
         for p in self.parameters:
@@ -262,7 +289,8 @@ class ZeroUnits:
     # the handle's part interface (einshard.params.reduce.NativeGradReductionHandle)
     @property
     def pending(self) -> int:
-        return 0
+        """Reduce-scatters started and not yet written (they all are when backward returns)."""
+        return self.sums.pending
 
     def wait(self) -> "ZeroUnits":
         self._cache.clear()
@@ -315,7 +343,7 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
     handle = _register_reduction_hooks(module, mesh, bucket_bytes=bucket_bytes)
     try:
         units = ZeroUnits(module, mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-                          reduce_dtype=reduce_dtype)
+                          reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
     except BaseException:
         handle.remove()
         raise
