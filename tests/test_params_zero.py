@@ -72,7 +72,7 @@ class Net(torch.nn.Module):
         super().__init__()
         layouts = _layouts(mesh)
         blocks = {k: local_block(v, layouts[k], mesh).clone() for k, v in whole.items()}
-        self.ln = torch.nn.LayerNorm(whole["ln.weight"].shape[0], dtype=DT)
+        self.ln = torch.nn.LayerNorm(whole["ln.weight"].shape[0], dtype=whole["ln.weight"].dtype)
         with torch.no_grad():
             self.ln.weight.copy_(blocks["ln.weight"])
             self.ln.bias.copy_(blocks["ln.bias"])
@@ -100,10 +100,10 @@ def _reference(whole, batches, steps):
     return losses, grads, {k: v.detach() for k, v in p.items()}
 
 
-def _setup(mesh, sizes, **hooks):
+def _setup(mesh, sizes, dtype=DT, **hooks):
     C, F_, B = sizes
     m = es.wrap_mesh(mesh)
-    whole = _whole(C, F_, B)
+    whole = {k: v.to(dtype) for k, v in _whole(C, F_, B).items()}
     net = Net(m, whole)
     layouts = _layouts(m)
     rows = "dp-sp" if "sp" in m.names else "dp"
@@ -360,3 +360,54 @@ def _shard_map_train(mesh, sizes, vma):
     for k in layouts:
         torch.testing.assert_close(net.get_parameter(k).detach(), local_block(final[k], specs[k], m),
                                    rtol=1e-9, atol=1e-11)
+
+
+def _mixed_reference(whole, x):
+    """The same mixed-precision recipe in one process: fp32 masters, bf16 compute, fp32 gradients."""
+    p = {k: v.clone().requires_grad_() for k, v in whole.items()}
+    q = {k: v.to(torch.bfloat16) for k, v in p.items()}
+    h = F.layer_norm(x, x.shape[-1:], q["ln.weight"], q["ln.bias"])
+    y = torch.tanh(h @ q["mlp.w1"].T + q["mlp.b1"]) @ q["mlp.w2"].T
+    loss = (y.float() ** 2).sum()
+    loss.backward()
+    return loss.item(), {k: v.grad for k, v in p.items()}
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES, ids=["2x2", "4"])
+def test_mixed_precision_matches_the_same_recipe_in_one_process(mesh):
+    """param_dtype=bf16: the modules compute with bf16 blocks (stored ones gathered in bf16, the others
+    cast); reduce_dtype=fp32: the stored gradients are reduce-scattered in fp32 (twice the bytes of bf16);
+    masters, .grad and Adam states stay fp32. Equal to the one-process recipe to bf16 rounding
+    (rtol 2e-2: a few bf16 ulps, the sums run in another order)."""
+    sizes = SIZES[1]
+    bytes_ = {}
+    for reduce_dtype in (torch.float32, None):
+        m, whole, net, handle, stored = _setup(mesh, sizes, dtype=torch.float32, param_dtype=torch.bfloat16,
+                                               reduce_dtype=reduce_dtype)
+        seen = []
+        net.mlp.register_forward_pre_hook(lambda mod, args: seen.append(mod.w1.dtype))
+        x = _batches(sizes[0], sizes[2])[0].to(torch.bfloat16)
+        _, rows, _ = _names(m)
+        with es.use_mesh(m), es.count_communication() as stats:
+            y = net(es.tree_shard(x, rows, mesh=m))
+            loss = (y.float() ** 2).sum()
+            loss.backward()
+            handle.wait()
+        assert seen == [torch.bfloat16] and y.dtype == torch.bfloat16
+        bytes_[reduce_dtype] = stats.data.backward.filter(kind="reduce_scatter").sent_bytes
+        gathered = stats.data.forward.filter(kind="all_gather")
+        assert gathered.calls + stats.data.forward.filter(kind="all_to_all_v").calls >= 1
+        want_loss, want = _mixed_reference(whole, x)
+        assert abs(_total(loss, m) - want_loss) < 2e-2 * abs(want_loss)
+        specs = es.param_specs(net)
+        for k in want:
+            got = net.get_parameter(k).grad
+            assert got.dtype == torch.float32
+            scale = want[k].abs().max().item()
+            torch.testing.assert_close(got, local_block(want[k], specs[k], m), rtol=2e-2, atol=2e-2 * scale)
+        opt = torch.optim.Adam(net.parameters(), lr=0.05)
+        opt.step()
+        assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values() if v.dim())
+        handle.remove()
+    assert bytes_[torch.float32] == 2 * bytes_[None]  # the reduce-scatters ran in fp32, not in bf16

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -67,6 +68,15 @@ def scatter_formula(state: ParameterState) -> str:
 _INSTALLED = "_einshard_zero_units"  # the attribute naming a stored parameter's installed ZeroUnits
 
 
+def _per_name(value, name: str, what: str):
+    """A dtype for every parameter, or a Mapping from parameter names to dtypes (absent: ``None``)."""
+    if isinstance(value, Mapping):
+        value = value.get(name)
+    if value is not None and not isinstance(value, torch.dtype):
+        raise TypeError(f"{what}= must be a torch.dtype or a Mapping from parameter names to dtypes, got {value!r}")
+    return value
+
+
 def units_of(p) -> "ZeroUnits | None":
     """The installed gathers of stored parameter ``p`` (``None`` when none are installed)."""
     return getattr(p, _INSTALLED, None)
@@ -81,7 +91,8 @@ class GatheredParameter(torch.Tensor):
 
 @dataclass
 class _Plan:
-    """How one stored parameter is gathered and scattered."""
+    """How one parameter is prepared for its module's forward: a stored one gathered (and its gradient
+    scattered), any one cast to ``param_dtype`` (``cast_only``: not stored, just cast; its hooks sum it)."""
 
     state: ParameterState  # the stored one
     compute: ParameterState  # what the gathered block carries
@@ -91,10 +102,13 @@ class _Plan:
     reduce_dtype: torch.dtype | None = None
     summed: bool = False  # the gradient arrives summed (a shard_map body with check_vma=True): sliced, not scattered
     sums: DeferredSums | None = None  # where the reduce-scatters are bucketed (None: one formula each, at once)
+    cast_only: bool = False
 
     @classmethod
     def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> "_Plan":
         state = get_parameter_state(p)
+        if state is None or state.store is None:
+            return cls(state, state, mesh, {}, param_dtype, reduce_dtype, cast_only=True)
         compute = ParameterState.from_layout(state.compute_layout, mesh_dim_names=state.mesh_dim_names)
         compute = replace(compute, grad_comm=ParameterGradComm("explicit", state.grad_comm.mesh_dims, "native"),
                           global_shape=state.global_shape)
@@ -109,11 +123,15 @@ class _Plan:
             x = shard.detach()
             if self.param_dtype is not None and x.dtype != self.param_dtype:
                 x = x.to(self.param_dtype)
+            if self.cast_only:
+                return x
             return einshard(gather_formula(self.state), x, mesh=self.mesh, sizes=self.sizes)
 
     def scatter(self, grad: torch.Tensor, dtype) -> torch.Tensor:
         """The shard's gradient: ``grad`` (partial) summed in ``reduce_dtype`` and scattered, in ``dtype``."""
         with torch.no_grad():
+            if self.cast_only:  # summed by the hooks, in the parameter's own dtype
+                return grad.to(dtype)
             if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
                 grad = grad.to(self.reduce_dtype)
             formula = f"{self.state.compute_layout} -> {self.state.layout}" if self.summed else scatter_formula(self.state)
@@ -123,7 +141,7 @@ class _Plan:
     def deferrable(self, node, p) -> bool:
         """Whether this backward's reduce-scatter can join a bucket (a plain scatter over the storage group,
         into a leaf the running backward accumulates into, with no hook reading its gradient first)."""
-        if self.sums is None or self.summed or self.state.grad_comm.mesh_dims != (self.state.store,):
+        if self.sums is None or self.summed or self.cast_only or self.state.grad_comm.mesh_dims != (self.state.store,):
             return False
         if torch.is_grad_enabled() or not accumulates(node):
             return False
@@ -159,7 +177,8 @@ class _Gather(torch.autograd.Function):
 def gather_parameter(p: torch.nn.Parameter, plan: _Plan) -> GatheredParameter:
     """``p``'s compute block, gathered (its gradient reduce-scattered back into ``p.grad``)."""
     out = _Gather.apply(p, plan).as_subclass(GatheredParameter)
-    setattr(out, PARAM_STATE_ATTR, plan.compute)
+    if plan.compute is not None:
+        setattr(out, PARAM_STATE_ATTR, plan.compute)
     return out
 
 
@@ -213,12 +232,16 @@ class ZeroUnits:
         self._contexts: list = []
         self.live: list = []
         self.order: list = []
-        for m in module.modules():
+        for prefix, m in module.named_modules():
             stored = []
             for name, p in m.named_parameters(recurse=False):
+                full = f"{prefix}.{name}" if prefix else name
                 state = get_parameter_state(p)
-                if state is not None and state.store is not None:
-                    stored.append((name, p, _Plan.of(p, self.mesh, param_dtype, reduce_dtype, sums=self.sums)))
+                dtype = _per_name(param_dtype, full, "param_dtype")
+                cast = dtype is not None and p.is_floating_point() and p.dtype != dtype
+                if (state is not None and state.store is not None) or cast:
+                    plan = _Plan.of(p, self.mesh, dtype, _per_name(reduce_dtype, full, "reduce_dtype"), sums=self.sums)
+                    stored.append((name, p, plan))
             if stored:
                 self._units.append((m, stored))
         for p in self.parameters:
@@ -230,7 +253,7 @@ class ZeroUnits:
     @property
     def parameters(self) -> list:
         """The stored parameters whose gathers are installed."""
-        return [p for _, stored in self._units for _, p, _ in stored]
+        return [p for _, stored in self._units for _, p, plan in stored if not plan.cast_only]
 
     def _pre(self, stored):
         def hook(m, args):
@@ -328,7 +351,13 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
     them starts, and their gradients reduce-scattered into their shards'
     ``.grad`` (see :doc:`params`). ``reshard_after_forward``: free the gathered
     blocks after forward and gather them again in backward (default), or keep
-    them until backward.
+    them until backward. Mixed precision (a dtype for every parameter, or a
+    Mapping from parameter names to dtypes): ``param_dtype`` is what each
+    module's forward sees (parameters are cast there, stored ones gathered in
+    it), ``reduce_dtype`` what stored parameters' gradients are summed in
+    (by default the compute dtype); the master parameters, their ``.grad`` and
+    the optimizer states keep the parameters' own dtype, and the hooks sum the
+    other parameters' gradients in it.
 
     >>> handle = es.register_native_grad_reduction_hooks_(model, mesh)   # doctest: +SKIP
     >>> loss.backward(); handle.wait(); opt.step()                       # doctest: +SKIP
