@@ -411,3 +411,60 @@ def test_mixed_precision_matches_the_same_recipe_in_one_process(mesh):
         assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values() if v.dim())
         handle.remove()
     assert bytes_[torch.float32] == 2 * bytes_[None]  # the reduce-scatters ran in fp32, not in bf16
+
+
+class _InFlight(torch.autograd.Function):
+    """Identity between the norm and the MLP; its backward runs after the MLP's: it records the gathers
+    then in flight (the norm's, issued while the MLP's backward computed)."""
+
+    @staticmethod
+    def forward(ctx, x, box):
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.box["backward"] = list(ctx.box["units"].in_flight)
+        return grad, None
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES, ids=["2x2", "4"])
+def test_gathers_are_prefetched_in_the_recorded_order(mesh):
+    """The first step records the modules' order; from the second on, the norm's forward has the MLP's
+    gathers in flight before it computes, and backward has the norm's saved weight in flight before the
+    norm's backward runs. The values stay those of one process."""
+    m, whole, net, handle, stored = _setup(mesh, SIZES[1], bucket_bytes=1)
+    units = es.params.zero.units_of(net.mlp.w1)
+    box = {"units": units}
+    mlp_stored = {id(net.get_parameter(k)) for k in stored if k.startswith("mlp.")}
+    net.ln.register_forward_pre_hook(lambda mod, args: box.__setitem__("forward", list(units.in_flight)))
+    batches = _batches(SIZES[1][0], SIZES[1][2])
+    losses, _, final = _reference(whole, batches, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    _, rows, _ = _names(m)
+    with es.use_mesh(m):
+        for step, x in enumerate(batches):
+            y = net.mlp(_InFlight.apply(net.ln(es.tree_shard(x, rows, mesh=m)), box))
+            loss = (y**2).sum()
+            if step == 0:  # recording: nothing issued ahead
+                assert box["forward"] == [] and units.order == [units.modules.index(net.ln),
+                                                                 units.modules.index(net.mlp)]
+            else:  # the MLP's gathers fly while the norm computes
+                assert {id(p) for p in box["forward"]} == mlp_stored
+            loss.backward()
+            if step == 0:
+                assert box["backward"] == []
+            else:  # the norm's saved parameters gathered ahead of the norm's backward
+                got = {id(p) for p in box["backward"]}
+                assert id(net.ln.weight) in got and got <= {id(net.ln.weight), id(net.ln.bias)}
+            handle.wait()
+            assert units.in_flight == []
+            assert abs(_total(loss, m) - losses[step]) < 1e-9 * max(1.0, abs(losses[step]))
+            opt.step()
+            opt.zero_grad()
+    specs = es.param_specs(net)
+    for k in final:
+        torch.testing.assert_close(net.get_parameter(k).detach(), local_block(final[k], specs[k], m),
+                                   rtol=1e-9, atol=1e-11)
+    handle.remove()

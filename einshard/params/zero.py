@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._split import compute_split_shapes_for_factors
+from .. import collectives as C
 from ..errors import EinshardError
 from ..grad_sums import DeferredSums, accumulates
 from ..ops.einshard import einshard
@@ -117,15 +118,30 @@ class _Plan:
             sizes = {a.name: n for a, n in zip(state.spec.axes, state.global_shape) if a.mesh}
         return cls(state, compute, mesh, sizes, param_dtype, reduce_dtype, summed, sums)
 
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The compute block of ``shard`` (no autograd), in ``param_dtype``."""
+    def _dims(self) -> tuple:
+        return tuple(n for n in self.mesh.names if n in components(self.state.store))
+
+    def start(self, shard: torch.Tensor):
+        """Start gathering ``shard``'s compute block in ``param_dtype`` (no autograd): a
+        :class:`~einshard.collectives.PendingGather` (the block itself for a cast-only plan). The forward of
+        :func:`gather_formula` is an all-gather over the storage group alone (its partial groups are a
+        ``pvary``, the identity), so it may be issued ahead of its use (prefetch)."""
         with torch.no_grad():
             x = shard.detach()
             if self.param_dtype is not None and x.dtype != self.param_dtype:
                 x = x.to(self.param_dtype)
             if self.cast_only:
                 return x
-            return einshard(gather_formula(self.state), x, mesh=self.mesh, sizes=self.sizes)
+            dim, dims = self.state.store_axis, self._dims()
+            n = self.mesh.size(dims)
+            whole = self.state.global_shape[dim] if self.state.global_shape is not None else x.shape[dim] * n
+            splits = compute_split_shapes_for_factors(whole, n, 1)
+            return C.all_gather_start(x, self.mesh.group(dims), dim, splits)
+
+    def gather(self, shard: torch.Tensor, pending=None) -> torch.Tensor:
+        """The compute block of ``shard`` (no autograd), in ``param_dtype``; ``pending``: its prefetched gather."""
+        pending = self.start(shard) if pending is None else pending
+        return pending.wait() if isinstance(pending, C.PendingGather) else pending
 
     def scatter(self, grad: torch.Tensor, dtype) -> torch.Tensor:
         """The shard's gradient: ``grad`` (partial) summed in ``reduce_dtype`` and scattered, in ``dtype``."""
@@ -161,22 +177,23 @@ class _Gather(torch.autograd.Function):
     """Forward: the gathered compute block; backward: the reduce-scattered gradient of the shard."""
 
     @staticmethod
-    def forward(ctx, shard, plan):
+    def forward(ctx, shard, plan, pending=None):
         ctx.plan, ctx.dtype = plan, shard.dtype
-        return plan.gather(shard)
+        return plan.gather(shard, pending)
 
     @staticmethod
     def backward(ctx, grad):
         leaf = ctx.next_functions[0][0]  # the shard's AccumulateGrad
         if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
             ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
-            return None, None
-        return ctx.plan.scatter(grad, ctx.dtype), None
+            return None, None, None
+        return ctx.plan.scatter(grad, ctx.dtype), None, None
 
 
-def gather_parameter(p: torch.nn.Parameter, plan: _Plan) -> GatheredParameter:
-    """``p``'s compute block, gathered (its gradient reduce-scattered back into ``p.grad``)."""
-    out = _Gather.apply(p, plan).as_subclass(GatheredParameter)
+def gather_parameter(p: torch.nn.Parameter, plan: _Plan, pending=None) -> GatheredParameter:
+    """``p``'s compute block, gathered (its gradient reduce-scattered back into ``p.grad``); ``pending``:
+    its prefetched gather (:meth:`_Plan.start`)."""
+    out = _Gather.apply(p, plan, pending).as_subclass(GatheredParameter)
     if plan.compute is not None:
         setattr(out, PARAM_STATE_ATTR, plan.compute)
     return out
@@ -217,11 +234,15 @@ class ZeroUnits:
     """The gathers installed on a module (see the module docstring); a part of the hooks' handle.
 
     ``live``: the gathered blocks alive now, as weak references (for tests and memory checks);
-    ``order``: the parameters in the order of their first gather (the first step records it).
+    ``order``: the modules (indices into ``modules``) in the order their forwards first ran, recorded up to
+    the first :meth:`wait` (the first step); ``in_flight``: the parameters whose prefetched gathers are
+    issued and not yet used. With ``prefetch``, once the order is known each module's forward issues the
+    next module's gathers before it computes, and backward, gathering a freed block again, issues the
+    previous module's.
     """
 
     def __init__(self, module, mesh, *, reshard_after_forward=True, param_dtype=None, reduce_dtype=None,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, prefetch=True):
         self.mesh = runtime_mesh(mesh)
         self.sums = DeferredSums(bucket_bytes)  # the reduce-scatters, bucketed and started during backward
         self.reshard_after_forward = bool(reshard_after_forward)
@@ -232,6 +253,11 @@ class ZeroUnits:
         self._contexts: list = []
         self.live: list = []
         self.order: list = []
+        self.prefetch = bool(prefetch)
+        self._recording = True
+        self._ahead: dict = {}  # id(p) -> (p, pending gather) issued ahead of its use (forward or backward)
+        self._unit_of: dict = {}  # id(p) -> the index of the module that gathers it
+        self._saved: set = set()  # id(p) of the parameters whose blocks autograd saved (gathered again in backward)
         for prefix, m in module.named_modules():
             stored = []
             for name, p in m.named_parameters(recurse=False):
@@ -246,23 +272,59 @@ class ZeroUnits:
                 self._units.append((m, stored))
         for p in self.parameters:
             setattr(p, _INSTALLED, self)
-        for m, stored in self._units:
-            self._handles.append(m.register_forward_pre_hook(self._pre(stored)))
+        for i, (m, stored) in enumerate(self._units):
+            for _, p, _ in stored:
+                self._unit_of[id(p)] = i
+            self._handles.append(m.register_forward_pre_hook(self._pre(i, stored)))
             self._handles.append(m.register_forward_hook(self._post(stored), always_call=True))
+
+    @property
+    def modules(self) -> list:
+        """The modules whose forwards gather (or cast) parameters."""
+        return [m for m, _ in self._units]
+
+    @property
+    def in_flight(self) -> list:
+        """The parameters whose gathers were issued ahead of their use and not used yet."""
+        return [p for p, pending in self._ahead.values() if getattr(pending, "in_flight", False)]
+
+    def _issue(self, unit: int | None, saved_only: bool = False) -> None:
+        """Start the gathers of module ``unit`` (by index) ahead of its use, unless started already
+        (``saved_only``: those backward gathers again)."""
+        if unit is None or not self.prefetch:
+            return
+        for _, p, plan in self._units[unit][1]:
+            if saved_only and id(p) not in self._saved:
+                continue
+            if id(p) not in self._ahead and not plan.cast_only:
+                self._ahead[id(p)] = (p, plan.start(p))
+
+    def _neighbour(self, unit: int, step: int) -> int | None:
+        """The module after (``step=1``) or before (``-1``) ``unit`` in the recorded order."""
+        if self._recording or unit not in self.order:
+            return None
+        k = self.order.index(unit) + step
+        return self.order[k] if 0 <= k < len(self.order) else None
+
+    def _take(self, p):
+        found = self._ahead.pop(id(p), None)
+        return None if found is None else found[1]
 
     @property
     def parameters(self) -> list:
         """The stored parameters whose gathers are installed."""
         return [p for _, stored in self._units for _, p, plan in stored if not plan.cast_only]
 
-    def _pre(self, stored):
+    def _pre(self, unit, stored):
         def hook(m, args):
+            if self._recording and unit not in self.order:
+                self.order.append(unit)
+            self._issue(unit)
+            self._issue(self._neighbour(unit, 1))  # the next module's gathers fly while this one computes
             for name, p, plan in stored:
-                block = gather_parameter(p, plan)
+                block = gather_parameter(p, plan, self._take(p))
                 m._parameters[name] = block
                 self.live.append(weakref.ref(block))
-                if id(p) not in {id(q) for q in self.order}:
-                    self.order.append(p)
                 if self.reshard_after_forward:
                     self._gathered[_storage_key(block)] = (p, plan, block)
             if self.reshard_after_forward:
@@ -291,6 +353,7 @@ class ZeroUnits:
         if found is None:
             return t
         p, plan, block = found
+        self._saved.add(id(p))
         return _Saved(p, plan, self, t, block)
 
     @staticmethod
@@ -304,7 +367,10 @@ class ZeroUnits:
         ref = self._cache.get(id(saved.param))
         block = None if ref is None else ref()
         if block is None:
-            block = saved.plan.gather(saved.param)
+            unit = self._unit_of.get(id(saved.param))
+            pending = self._take(saved.param)
+            self._issue(self._neighbour(unit, -1), saved_only=True)  # backward runs the modules in reverse
+            block = saved.plan.gather(saved.param, pending)
             self._cache[id(saved.param)] = weakref.ref(block)
             self.live.append(weakref.ref(block))
         return block.as_strided(saved.size, saved.stride, block.storage_offset() + saved.offset)
@@ -316,6 +382,12 @@ class ZeroUnits:
         return self.sums.pending
 
     def wait(self) -> "ZeroUnits":
+        """End of a step: the order is recorded (after the first), unused prefetches are waited for and dropped."""
+        self._recording = False
+        for _, pending in self._ahead.values():
+            if isinstance(pending, C.PendingGather):
+                pending.wait()
+        self._ahead.clear()
         self._cache.clear()
         self.live = [r for r in self.live if r() is not None]
         return self
@@ -335,7 +407,8 @@ class ZeroUnits:
 
 
 def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                                          reshard_after_forward=True, param_dtype=None, reduce_dtype=None):
+                                          reshard_after_forward=True, param_dtype=None, reduce_dtype=None,
+                                          prefetch=True):
     """Hooks that SUM each native-duty gradient over its groups during backward, and gather the
     parameters stored sharded (``store=``) before use; returns a handle.
 
@@ -372,7 +445,7 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
     handle = _register_reduction_hooks(module, mesh, bucket_bytes=bucket_bytes)
     try:
         units = ZeroUnits(module, mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-                          reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+                          reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes, prefetch=prefetch)
     except BaseException:
         handle.remove()
         raise
