@@ -8,6 +8,7 @@ the parameters after Adam steps are compared with the same model trained in one 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -467,4 +468,32 @@ def test_gathers_are_prefetched_in_the_recorded_order(mesh):
     for k in final:
         torch.testing.assert_close(net.get_parameter(k).detach(), local_block(final[k], specs[k], m),
                                    rtol=1e-9, atol=1e-11)
+    handle.remove()
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES, ids=["2x2", "4"])
+@pytest.mark.parametrize("mode", ["every", "no_sync"])
+def test_micro_batches_accumulate_in_both_modes(mesh, mode):
+    """Three micro-batches: reduce-scattered every backward into the sharded .grad (default), or kept
+    unreduced under handle.no_sync() and reduce-scattered once by the last backward. Both give the
+    gradient of the summed loss."""
+    m, whole, net, handle, stored = _setup(mesh, SIZES[1], bucket_bytes=1)
+    batches = _batches(SIZES[1][0], SIZES[1][2], steps=3)
+    p = {k: v.clone().requires_grad_() for k, v in whole.items()}
+    for x in batches:
+        h = F.layer_norm(x, x.shape[-1:], p["ln.weight"], p["ln.bias"])
+        (torch.tanh(h @ p["mlp.w1"].T + p["mlp.b1"]) @ p["mlp.w2"].T).pow(2).sum().backward()
+    with es.use_mesh(m), es.count_communication() as stats:
+        for i, x in enumerate(batches):
+            last = i == len(batches) - 1
+            with handle.no_sync() if mode == "no_sync" and not last else contextlib.nullcontext():
+                _local_loss(net, m, x).backward()
+        handle.wait()
+    scatters = stats.data.backward.filter(kind="reduce_scatter").calls
+    assert scatters == len(stored) * (len(batches) if mode == "every" else 1)
+    specs = es.param_specs(net)
+    for k in whole:
+        torch.testing.assert_close(net.get_parameter(k).grad, local_block(p[k].grad, specs[k], m),
+                                   rtol=1e-10, atol=1e-12)
     handle.remove()

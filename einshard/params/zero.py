@@ -104,6 +104,7 @@ class _Plan:
     summed: bool = False  # the gradient arrives summed (a shard_map body with check_vma=True): sliced, not scattered
     sums: DeferredSums | None = None  # where the reduce-scatters are bucketed (None: one formula each, at once)
     cast_only: bool = False
+    owner: "ZeroUnits | None" = None  # the installed gathers (their no_sync accumulation), or None
 
     @classmethod
     def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> "_Plan":
@@ -178,11 +179,16 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, plan, pending=None):
-        ctx.plan, ctx.dtype = plan, shard.dtype
+        ctx.plan, ctx.dtype, ctx.shard = plan, shard.dtype, shard
         return plan.gather(shard, pending)
 
     @staticmethod
     def backward(ctx, grad):
+        owner = ctx.plan.owner
+        if owner is not None and not ctx.plan.cast_only:
+            grad = owner.accumulated(ctx.shard, grad)
+            if grad is None:  # inside no_sync: kept unreduced until the first backward after it
+                return None, None, None
         leaf = ctx.next_functions[0][0]  # the shard's AccumulateGrad
         if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
             ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
@@ -258,6 +264,8 @@ class ZeroUnits:
         self._ahead: dict = {}  # id(p) -> (p, pending gather) issued ahead of its use (forward or backward)
         self._unit_of: dict = {}  # id(p) -> the index of the module that gathers it
         self._saved: set = set()  # id(p) of the parameters whose blocks autograd saved (gathered again in backward)
+        self._no_sync = 0
+        self._unreduced: dict = {}  # id(p) -> (p, plan, the compute block's gradient summed locally in no_sync)
         for prefix, m in module.named_modules():
             stored = []
             for name, p in m.named_parameters(recurse=False):
@@ -267,6 +275,7 @@ class ZeroUnits:
                 cast = dtype is not None and p.is_floating_point() and p.dtype != dtype
                 if (state is not None and state.store is not None) or cast:
                     plan = _Plan.of(p, self.mesh, dtype, _per_name(reduce_dtype, full, "reduce_dtype"), sums=self.sums)
+                    plan.owner = self
                     stored.append((name, p, plan))
             if stored:
                 self._units.append((m, stored))
@@ -384,6 +393,7 @@ class ZeroUnits:
     def wait(self) -> "ZeroUnits":
         """End of a step: the order is recorded (after the first), unused prefetches are waited for and dropped."""
         self._recording = False
+        self._flush_unreduced()
         for _, pending in self._ahead.values():
             if isinstance(pending, C.PendingGather):
                 pending.wait()
@@ -392,9 +402,37 @@ class ZeroUnits:
         self.live = [r for r in self.live if r() is not None]
         return self
 
+    def accumulated(self, p, grad):
+        """``grad`` (a stored parameter's partial compute-block gradient) plus what ``no_sync`` kept of it;
+        ``None`` inside ``no_sync`` (it is kept, unreduced, instead)."""
+        held = self._unreduced.pop(id(p), None)
+        if held is not None:
+            grad = held[2].add_(grad) if held[2].dtype == grad.dtype else held[2] + grad.to(held[2].dtype)
+        if self._no_sync:
+            self._unreduced[id(p)] = (p, self._plan_of(p), grad if held is not None else grad.clone())
+            return None
+        return grad
+
+    def _plan_of(self, p):
+        return next(plan for _, stored in self._units for _, q, plan in stored if q is p)
+
+    def _flush_unreduced(self) -> None:
+        """Reduce-scatter what ``no_sync`` kept into the shards' ``.grad`` (no backward came after it)."""
+        held, self._unreduced = self._unreduced, {}
+        for p, plan, grad in held.values():
+            with torch.no_grad():
+                part = plan.scatter(grad, p.dtype)
+                p.grad = part if p.grad is None else p.grad.add_(part)
+
     @contextlib.contextmanager
     def no_sync(self):
-        yield self
+        """Accumulate the stored parameters' gradients unreduced (a compute block each, in the gradient's
+        dtype); the first backward after the block (or :meth:`wait`) reduce-scatters the sum, once."""
+        self._no_sync += 1
+        try:
+            yield self
+        finally:
+            self._no_sync -= 1
 
     def remove(self) -> "ZeroUnits":
         for h in self._handles:
