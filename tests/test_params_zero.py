@@ -14,10 +14,11 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.testing import MeshSpec, local_block
+from einshard.testing import MeshSpec, local_block, make_mesh
 
 DT = torch.float64
 MESHES = [MeshSpec((2, 2), ("dp", "tp")), MeshSpec((4,), ("dp",))]
@@ -497,3 +498,43 @@ def test_micro_batches_accumulate_in_both_modes(mesh, mode):
         torch.testing.assert_close(net.get_parameter(k).grad, local_block(p[k].grad, specs[k], m),
                                    rtol=1e-10, atol=1e-12)
     handle.remove()
+
+
+@pytest.mark.ranks(8)
+def test_checkpoint_saved_stored_loads_unstored_and_whole(tmp_path):
+    """Saved with ZeRO on dp 4 x tp 2 (parameters and Adam states sharded over dp), loaded without ZeRO on
+    dp 2 x tp 2 (an extra dimension x replicates it) and whole in one process: exactly the same tensors."""
+    src = es.wrap_mesh(make_mesh((4, 2), ("dp", "tp")))
+    m, whole, net, handle, stored = _setup(src, SIZES[1])
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    with es.use_mesh(m):
+        _local_loss(net, m, _batches(SIZES[1][0], SIZES[1][2])[0]).backward()
+    handle.wait()
+    opt.step()
+    specs = es.param_specs(net)
+    moments = {k: {s: opt.state[p][s] for s in ("exp_avg", "exp_avg_sq")} for k, p in net.named_parameters()}
+    saved = es.tree_gather(net, mesh=m)
+    saved_moments = es.tree_gather(moments, {k: {s: specs[k] for s in ("exp_avg", "exp_avg_sq")} for k in specs},
+                                   mesh=m)
+    path = str(tmp_path / "zero")
+    dcp.save({"model": es.to_dtensor(net, mesh=m), "adam": es.to_dtensor(moments, specs, mesh=m)}, checkpoint_id=path)
+    handle.remove()
+    other = es.wrap_mesh(make_mesh((2, 2, 2), ("x", "dp", "tp")))  # dp 2 x tp 2, replicated over x
+    plain = Net(other, {k: torch.zeros_like(v) for k, v in whole.items()})
+    es.register_module_parameter_layouts_(plain, _layouts(other), mesh=other)
+    pspecs = es.param_specs(plain)
+    zeros = {k: {s: torch.zeros_like(p) for s in ("exp_avg", "exp_avg_sq")} for k, p in plain.named_parameters()}
+    state = {"model": es.to_dtensor(plain, mesh=other), "adam": es.to_dtensor(zeros, pspecs, mesh=other)}
+    dcp.load(state, checkpoint_id=path)
+    es.load_from_dtensor_(plain, state["model"], mesh=other)
+    loaded = es.from_dtensor(state["adam"], pspecs, mesh=other)
+    for k, layout in _layouts(other).items():
+        assert torch.equal(plain.get_parameter(k).detach(), local_block(saved[k], layout, other)), k
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded[k][s], local_block(saved_moments[k][s], layout, other)), (k, s)
+    one = {"model": {k: torch.zeros_like(v) for k, v in whole.items()},
+           "adam": {k: {s: torch.zeros_like(v) for s in ("exp_avg", "exp_avg_sq")} for k, v in whole.items()}}
+    dcp.load(one, checkpoint_id=path)  # one process's whole tensors
+    for k in whole:
+        assert torch.equal(one["model"][k], saved[k]) and torch.equal(one["adam"][k]["exp_avg"], saved_moments[k]["exp_avg"])
+    torch.distributed.barrier()
