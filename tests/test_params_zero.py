@@ -538,3 +538,42 @@ def test_checkpoint_saved_stored_loads_unstored_and_whole(tmp_path):
     for k in whole:
         assert torch.equal(one["model"][k], saved[k]) and torch.equal(one["adam"][k]["exp_avg"], saved_moments[k]["exp_avg"])
     torch.distributed.barrier()
+
+
+class _Parent(torch.nn.Module):
+    """Uses its child's weight in its own forward (the child's forward never runs)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.up = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=DT)
+        with torch.no_grad():
+            self.up.weight.copy_(w)
+
+    def forward(self, x):
+        return es.einshard("b/dp c, f/tp c -> b/dp f/tp", x, self.up.weight)
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
+def test_units_gather_a_subtree(mesh):
+    """units=[model]: the model's forward gathers the stored parameters of its whole subtree (as fully_shard's
+    module does); without it the child's weight is used as its slice and the formula refuses it."""
+    m = es.wrap_mesh(mesh)
+    g = torch.Generator().manual_seed(5)
+    W, X = torch.randn(7, 5, generator=g, dtype=DT), torch.randn(4, 5, generator=g, dtype=DT)
+    for units in (None, "model"):
+        model = _Parent(local_block(W, "f/tp c", m))
+        es.register_parameter_layout(model.up.weight, "f/tp c", mesh=m, store="dp", sizes={"f": 7})
+        handle = es.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
+        x = local_block(X, "b/dp c", m)
+        with es.use_mesh(m):
+            if units is None:
+                with pytest.raises(ValueError, match="used without its gather"):
+                    model(x)
+            else:
+                (model(x) ** 2).sum().backward()
+                handle.wait()
+                w = W.clone().requires_grad_()
+                ((X @ w.T) ** 2).sum().backward()
+                torch.testing.assert_close(model.up.weight.grad, local_block(w.grad, "f/tp c/dp", m))
+        handle.remove()

@@ -78,6 +78,21 @@ def _per_name(value, name: str, what: str):
     return value
 
 
+def _check_units(module, units) -> set:
+    """The ids of the modules given as ``units=`` (each a submodule of ``module``, or ``module`` itself)."""
+    if units is None:
+        return set()
+    if isinstance(units, torch.nn.Module):
+        units = [units]
+    members = {id(m) for m in module.modules()}
+    out = set()
+    for u in units:
+        if not isinstance(u, torch.nn.Module) or id(u) not in members:
+            raise EinshardError(f"units= must list the module or its submodules, got {type(u).__name__}")
+        out.add(id(u))
+    return out
+
+
 def units_of(p) -> "ZeroUnits | None":
     """The installed gathers of stored parameter ``p`` (``None`` when none are installed)."""
     return getattr(p, _INSTALLED, None)
@@ -248,7 +263,7 @@ class ZeroUnits:
     """
 
     def __init__(self, module, mesh, *, reshard_after_forward=True, param_dtype=None, reduce_dtype=None,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, prefetch=True):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, prefetch=True, units=None):
         self.mesh = runtime_mesh(mesh)
         self.sums = DeferredSums(bucket_bytes)  # the reduce-scatters, bucketed and started during backward
         self.reshard_after_forward = bool(reshard_after_forward)
@@ -266,8 +281,13 @@ class ZeroUnits:
         self._saved: set = set()  # id(p) of the parameters whose blocks autograd saved (gathered again in backward)
         self._no_sync = 0
         self._unreduced: dict = {}  # id(p) -> (p, plan, the compute block's gradient summed locally in no_sync)
+        given = _check_units(module, units)
+        unit_of: dict = {}  # module name -> the unit (module) whose forward gathers its parameters
+        grouped: dict = {}  # id(unit) -> (unit, [((owner, name), p, plan)])
         for prefix, m in module.named_modules():
-            stored = []
+            parent = unit_of.get(prefix.rpartition(".")[0]) if prefix else None
+            unit = m if id(m) in given or parent is None else parent
+            unit_of[prefix] = unit if id(m) in given or parent is not None else None  # inherited below a unit
             for name, p in m.named_parameters(recurse=False):
                 full = f"{prefix}.{name}" if prefix else name
                 state = get_parameter_state(p)
@@ -276,9 +296,8 @@ class ZeroUnits:
                 if (state is not None and state.store is not None) or cast:
                     plan = _Plan.of(p, self.mesh, dtype, _per_name(reduce_dtype, full, "reduce_dtype"), sums=self.sums)
                     plan.owner = self
-                    stored.append((name, p, plan))
-            if stored:
-                self._units.append((m, stored))
+                    grouped.setdefault(id(unit), (unit, []))[1].append(((m, name), p, plan))
+        self._units = list(grouped.values())
         for p in self.parameters:
             setattr(p, _INSTALLED, self)
         for i, (m, stored) in enumerate(self._units):
@@ -330,9 +349,9 @@ class ZeroUnits:
                 self.order.append(unit)
             self._issue(unit)
             self._issue(self._neighbour(unit, 1))  # the next module's gathers fly while this one computes
-            for name, p, plan in stored:
+            for (owner, name), p, plan in stored:
                 block = gather_parameter(p, plan, self._take(p))
-                m._parameters[name] = block
+                owner._parameters[name] = block
                 self.live.append(weakref.ref(block))
                 if self.reshard_after_forward:
                     self._gathered[_storage_key(block)] = (p, plan, block)
@@ -345,9 +364,9 @@ class ZeroUnits:
 
     def _post(self, stored):
         def hook(m, args, out):
-            for name, p, _ in stored:
-                block = m._parameters[name]
-                m._parameters[name] = p
+            for (owner, name), p, _ in stored:
+                block = owner._parameters[name]
+                owner._parameters[name] = p
                 self._gathered.pop(_storage_key(block), None)
             if self.reshard_after_forward:
                 self._contexts.pop().__exit__(None, None, None)
@@ -446,7 +465,7 @@ class ZeroUnits:
 
 def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES,
                                           reshard_after_forward=True, param_dtype=None, reduce_dtype=None,
-                                          prefetch=True):
+                                          prefetch=True, units=None):
     """Hooks that SUM each native-duty gradient over its groups during backward, and gather the
     parameters stored sharded (``store=``) before use; returns a handle.
 
@@ -459,7 +478,9 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
     gradient hooks sum already is refused.
 
     Stored parameters are gathered when the forward of the module that owns
-    them starts, and their gradients reduce-scattered into their shards'
+    them starts (``units=``: the modules whose forwards gather every stored
+    parameter of their subtree, like ``fully_shard``'s modules; the others
+    still gather their own), and their gradients reduce-scattered into their shards'
     ``.grad`` (see :doc:`params`). ``reshard_after_forward``: free the gathered
     blocks after forward and gather them again in backward (default), or keep
     them until backward. Mixed precision (a dtype for every parameter, or a
@@ -483,7 +504,7 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
     handle = _register_reduction_hooks(module, mesh, bucket_bytes=bucket_bytes)
     try:
         units = ZeroUnits(module, mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-                          reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes, prefetch=prefetch)
+                          reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes, prefetch=prefetch, units=units)
     except BaseException:
         handle.remove()
         raise
