@@ -180,6 +180,12 @@ class DeferredSums:
             del self._filling[key]
             self._start(bucket)
 
+    def start_filling(self) -> None:
+        """Start every partly filled bucket now (a unit of work is complete: its sums need not wait)."""
+        filling, self._filling = self._filling, {}
+        for bucket in filling.values():
+            self._start(bucket)
+
     def _start(self, bucket: _Filling) -> None:
         if bucket.scatter:
             me = C.group_rank(bucket.group)

@@ -207,6 +207,8 @@ class _Gather(torch.autograd.Function):
         leaf = ctx.next_functions[0][0]  # the shard's AccumulateGrad
         if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
             ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
+            if owner is not None:
+                owner.deferred(leaf.variable)
             return None, None, None
         return ctx.plan.scatter(grad, ctx.dtype), None, None
 
@@ -259,7 +261,7 @@ class ZeroUnits:
     the first :meth:`wait` (the first step); ``in_flight``: the parameters whose prefetched gathers are
     issued and not yet used. With ``prefetch``, once the order is known each module's forward issues the
     next module's gathers before it computes, and backward, gathering a freed block again, issues the
-    previous module's.
+    next one in the order the first step's backward gathered them.
     """
 
     def __init__(self, module, mesh, *, reshard_after_forward=True, param_dtype=None, reduce_dtype=None,
@@ -278,7 +280,8 @@ class ZeroUnits:
         self._recording = True
         self._ahead: dict = {}  # id(p) -> (p, pending gather) issued ahead of its use (forward or backward)
         self._unit_of: dict = {}  # id(p) -> the index of the module that gathers it
-        self._saved: set = set()  # id(p) of the parameters whose blocks autograd saved (gathered again in backward)
+        self._back_order: list = []  # the parameters in the order backward first gathered them again
+        self._pending_in_unit: dict = {}  # unit index -> its parameters' gradients not yet bucketed (this backward)
         self._no_sync = 0
         self._unreduced: dict = {}  # id(p) -> (p, plan, the compute block's gradient summed locally in no_sync)
         given = _check_units(module, units)
@@ -316,16 +319,44 @@ class ZeroUnits:
         """The parameters whose gathers were issued ahead of their use and not used yet."""
         return [p for p, pending in self._ahead.values() if getattr(pending, "in_flight", False)]
 
-    def _issue(self, unit: int | None, saved_only: bool = False) -> None:
-        """Start the gathers of module ``unit`` (by index) ahead of its use, unless started already
-        (``saved_only``: those backward gathers again)."""
+    def _issue(self, unit: int | None) -> None:
+        """Start the gathers of module ``unit`` (by index) ahead of its use, unless started already."""
         if unit is None or not self.prefetch:
             return
         for _, p, plan in self._units[unit][1]:
-            if saved_only and id(p) not in self._saved:
-                continue
             if id(p) not in self._ahead and not plan.cast_only:
                 self._ahead[id(p)] = (p, plan.start(p))
+
+    def _issue_next_in_backward(self, p) -> None:
+        """Record (first step) or follow the order backward gathers freed blocks again in: the next one's
+        gather is issued before this one's block is used."""
+        if self._recording:
+            if all(q is not p for q in self._back_order):
+                self._back_order.append(p)
+            return
+        if not self.prefetch:
+            return
+        k = next((i for i, q in enumerate(self._back_order) if q is p), None)
+        if k is None or k + 1 >= len(self._back_order):
+            return
+        q = self._back_order[k + 1]
+        if id(q) not in self._ahead:
+            self._ahead[id(q)] = (q, self._plan_of(q).start(q))
+
+    def deferred(self, p) -> None:
+        """``p``'s gradient joined a bucket: once every stored parameter of its module has, the module's
+        buckets start (as FSDP2 reduce-scatters per module), so no whole gradient waits for others."""
+        unit = self._unit_of.get(id(p))
+        if unit is None:
+            return
+        left = self._pending_in_unit.get(unit)
+        if left is None:
+            left = {id(q) for _, q, plan in self._units[unit][1] if not plan.cast_only}
+            self._pending_in_unit[unit] = left
+        left.discard(id(p))
+        if not left:
+            del self._pending_in_unit[unit]
+            self.sums.start_filling()
 
     def _neighbour(self, unit: int, step: int) -> int | None:
         """The module after (``step=1``) or before (``-1``) ``unit`` in the recorded order."""
@@ -381,7 +412,6 @@ class ZeroUnits:
         if found is None:
             return t
         p, plan, block = found
-        self._saved.add(id(p))
         return _Saved(p, plan, self, t, block)
 
     @staticmethod
@@ -395,9 +425,8 @@ class ZeroUnits:
         ref = self._cache.get(id(saved.param))
         block = None if ref is None else ref()
         if block is None:
-            unit = self._unit_of.get(id(saved.param))
             pending = self._take(saved.param)
-            self._issue(self._neighbour(unit, -1), saved_only=True)  # backward runs the modules in reverse
+            self._issue_next_in_backward(saved.param)
             block = saved.plan.gather(saved.param, pending)
             self._cache[id(saved.param)] = weakref.ref(block)
             self.live.append(weakref.ref(block))
@@ -412,6 +441,7 @@ class ZeroUnits:
     def wait(self) -> "ZeroUnits":
         """End of a step: the order is recorded (after the first), unused prefetches are waited for and dropped."""
         self._recording = False
+        self._pending_in_unit.clear()
         self._flush_unreduced()
         for _, pending in self._ahead.values():
             if isinstance(pending, C.PendingGather):
