@@ -274,6 +274,8 @@ def test_bad_storage_raises_before_any_collective(mesh):
             es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="tp")
         with pytest.raises(ValueError, match="every axis .* is split already"):
             es.register_parameter_layout(w(3), "f/tp", mesh=m, store="dp")
+        with pytest.raises(ValueError, match="'f' is not an unsplit axis"):
+            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="f/dp")
         with pytest.raises(ValueError, match="ddp backend would sum it a second time"):  # reduce twice
             es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="dp:ddp")
         with pytest.raises(ValueError, match="external backend would sum it a second time"):
@@ -284,6 +286,8 @@ def test_bad_storage_raises_before_any_collective(mesh):
             es.register_parameter_layout(w(3, 5), "f/tp c", mesh_dim_names=("dp", "tp"), store="dp")
         with pytest.raises(ValueError, match="unevenly over 'dp'"):  # no global shape: blocks unknown
             es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp")
+        q = es.register_parameter_layout(w(4, 5), "g c", mesh=m, store="dp")  # the first axis dp divides
+        assert es.get_parameter_state(q).layout == "g/dp c" and q.shape == (2, 5)
         p = es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", sizes={"f": 6})
         assert p.shape == ((3, 3) if m.coordinate[0] == 0 else (3, 2))
         with pytest.raises(ValueError, match="used without its gather"):  # no hooks: the shard itself

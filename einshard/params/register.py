@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import EinshardError
-from .metadata import global_shape_from_sizes, storage_slice
+from .metadata import global_shape_from_sizes, group_size, storage_slice
 from .names import mesh_names
 from .state import ParameterState
 from .store import Registration, get_parameter_state, per_name, set_parameter_state
@@ -34,10 +34,29 @@ __all__ = [
 _UNSET = object()
 
 
-def _layout_state(layout, names, grad, init_sync, source, p=None, sizes=None, store=None) -> ParameterState:
+def _store_axis(layout: str, group: str, shape, mesh) -> str:
+    """``store=group`` as ``"axis/group"``: the first axis the layout leaves unsplit whose size the group
+    divides (no padded slices), else the first unsplit one (``group`` itself when there is none, or when
+    the layout is not plain: the state reports it)."""
+    try:
+        spec = ParameterState.from_layout(layout).spec
+        n = group_size(mesh, group)
+    except ValueError:
+        return group
+    free = [(a.name, size) for a, size in zip(spec.axes, shape) if a.mesh is None] if len(spec.axes) == len(shape) else []
+    if not free:
+        return group
+    even = [name for name, size in free if size % n == 0 and size >= n]
+    return f"{(even or [free[0][0]])[0]}/{group}"
+
+
+def _layout_state(layout, names, grad, init_sync, source, p=None, sizes=None, store=None, mesh=None) -> ParameterState:
     """The state of ``layout``; with ``sizes=`` (``{axis: whole size}``) it records ``p``'s global shape.
 
-    ``store=``: stored sharded over that group; ``p`` holds its compute block (``layout``) until attached."""
+    ``store=``: stored sharded over that group (``"c/dp"``: along ``c``; a bare group picks the axis, see
+    :func:`_store_axis`); ``p`` holds its compute block (``layout``) until attached."""
+    if store is not None and mesh is not None and p is not None and isinstance(store, str) and "/" not in store:
+        store = _store_axis(layout, store, tuple(p.shape), mesh)
     state = ParameterState.from_layout(layout, mesh_dim_names=names, grad=grad, init_sync=init_sync, source=source,
                                        store=store)
     if sizes and p is not None:
@@ -110,7 +129,7 @@ def register_parameter_layout(
     if not isinstance(p, torch.nn.Parameter):
         raise TypeError(f"p must be a torch.nn.Parameter, got {type(p).__name__}")
     sizes = _check_sizes(sizes, [layout] if isinstance(layout, str) else None)
-    reg.add(p, _layout_state(layout, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, p, sizes, store))
+    reg.add(p, _layout_state(layout, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, p, sizes, store, mesh))
     _attach(reg, mesh)
     return p
 
@@ -155,7 +174,7 @@ def register_module_parameter_layouts_(
             raise EinshardError(f"unknown parameter names: {name!r} is not a parameter of the module") from None
         try:
             reg.add(p, _layout_state(layouts[name], mesh_dims, grads[name], syncs[name], source, p, sizes,
-                                     stores[name]), name)
+                                     stores[name], mesh), name)
         except ValueError as err:
             raise EinshardError(f"parameter {name!r}: {err}") from None
     _attach(reg, mesh)
@@ -197,7 +216,7 @@ def _register_pair(
     check(weight, bias)
     sizes = _check_sizes(sizes, [weight_layout])
     reg = Registration()
-    w_state = _layout_state(weight_layout, names, grads[0], syncs[0], source, weight, sizes, stores[0])
+    w_state = _layout_state(weight_layout, names, grads[0], syncs[0], source, weight, sizes, stores[0], mesh)
     reg.add(weight, w_state, "weight")
     if bias is not None:
         if bias_must_match_first_axis:
@@ -210,7 +229,8 @@ def _register_pair(
         elif _layout_state(bias_layout, names, None, None, source).layout != w_state.compute_layout:
             raise EinshardError(f"{what}: the bias layout {bias_layout!r} must match the weight layout "
                                 f"{w_state.compute_layout!r} (the same axes, sharded the same way)")
-        reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source, bias, sizes, stores[1]), "bias")
+        reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source, bias, sizes, stores[1], mesh),
+                "bias")
     _attach(reg, mesh)
     return module
 

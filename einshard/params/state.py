@@ -273,7 +273,8 @@ class ParameterState:
         """A layout (axes only): no gradient duty unless ``grad=``; init sync inferred unless ``init_sync=``.
 
         ``store="dp"``: stored sharded over ``dp`` on top of the compute ``layout`` (ZeRO-3, see
-        :func:`storage_spec`); the gradient duty then includes ``dp`` (``grad=`` defaults to it).
+        :func:`storage_spec`; ``store="c/dp"`` names the axis); the gradient duty then includes ``dp``
+        (``grad=`` defaults to it).
 
         >>> ParameterState.from_layout("out/tp in", mesh_dim_names=("dp", "tp")).init_sync.mesh_dims
         ('dp',)
@@ -300,7 +301,9 @@ class ParameterState:
         if any(isinstance(i, (Family, Zip)) for i in spec.items):
             raise EinshardError(f"layout {layout!r} cannot use families")
         if store is not None:
-            spec = storage_spec(spec, store)
+            axis, _, group = store.rpartition("/")
+            store = group
+            spec = storage_spec(spec, store, axis or None)
             grad = _store_duty(grad, store, layout)
         return cls._build(spec, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, False, store)
 
@@ -324,12 +327,13 @@ class ParameterState:
         return state
 
 
-def storage_spec(spec: TensorSpec, store: str) -> TensorSpec:
+def storage_spec(spec: TensorSpec, store: str, axis: str | None = None) -> TensorSpec:
     """The storage layout of a parameter computed as ``spec`` and stored over ``store`` (ZeRO-3).
 
     ``store`` is a mesh group (``"dp"``, ``"dp-sp"``) that ``spec`` does not use: it splits the first axis the
     compute layout leaves unsplit (``f/tp c`` stored over ``dp`` is ``f/tp c/dp``), so every rank holds a
-    ``1/|dp|`` slice of its compute block and an all-gather over ``dp`` alone rebuilds the block.
+    ``1/|dp|`` slice of its compute block and an all-gather over ``dp`` alone rebuilds the block. ``axis``
+    names another unsplit axis instead (``store="c/dp"`` at registration).
 
     >>> str(storage_spec(parse_sharding("f/tp c").inputs[0], "dp"))
     'f/tp c/dp'
@@ -346,6 +350,11 @@ def storage_spec(spec: TensorSpec, store: str) -> TensorSpec:
             "mesh dimensions its compute layout does not use (the data-parallel ones)"
         )
     free = [k for k, i in enumerate(spec.items) if isinstance(i, Axis) and i.mesh is None]
+    if axis is not None:
+        named = [k for k, i in enumerate(spec.items) if isinstance(i, Axis) and i.name == axis]
+        if not named or named[0] not in free:
+            raise EinshardError(f"store={axis}/{store}: {axis!r} is not an unsplit axis of the compute layout {text!r}")
+        free = named
     if not free:
         raise EinshardError(
             f"store={store!r}: every axis of the compute layout {text!r} is split already, so no axis is left for "

@@ -171,20 +171,25 @@ class _Plan:
             return out if out.dtype == dtype else out.to(dtype)
 
     def deferrable(self, node, p) -> bool:
-        """Whether this backward's reduce-scatter can join a bucket (a plain scatter over the storage group,
-        into a leaf the running backward accumulates into, with no hook reading its gradient first)."""
-        if self.sums is None or self.summed or self.cast_only or self.state.grad_comm.mesh_dims != (self.state.store,):
+        """Whether this backward's reduce-scatter can join a bucket (into a leaf the running backward
+        accumulates into, with no hook reading its gradient first)."""
+        if self.sums is None or self.summed or self.cast_only:
             return False
         if torch.is_grad_enabled() or not accumulates(node):
             return False
         return not p._backward_hooks and not getattr(p, "_post_accumulate_grad_hooks", None)
 
     def defer(self, p, grad) -> None:
-        """Cut ``grad`` (the compute block's partial gradient) into the group ranks' slices and bucket them."""
+        """Cut ``grad`` (the compute block's partial gradient) into the group ranks' slices and bucket them;
+        the duty's groups besides the storage group (a norm weight's ``sp``, ``tp``) are all-reduced first."""
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
         dim = self.state.store_axis
-        dims = tuple(n for n in self.mesh.names if n in components(self.state.store))
+        dims = self._dims()
+        extra = tuple(n for n in self.mesh.names if n not in dims and any(
+            n in components(g) for g in self.state.grad_comm.mesh_dims))
+        if extra and self.mesh.size(extra) > 1:  # the duty's other groups (sp, tp): summed here, at once
+            grad = C.all_reduce(grad.detach(), self.mesh.group(extra))
         splits = compute_split_shapes_for_factors(grad.shape[dim], self.mesh.size(dims), 1)
         self.sums.add_scatter(p, torch.split(grad.detach(), splits, dim), self.mesh.group(dims))
 
