@@ -260,6 +260,13 @@ def test_gathers_and_reduce_scatters_are_counted(mesh, bucket_bytes):
     assert es.gather_formula(state) == "f/tp c/dp -> f/tp c // dp"
     text = str(es.explain(es.gather_formula(state), net.mlp.w1, mesh=m, sizes={"f": SIZES[0][1], "c": SIZES[0][0]}))
     assert "all-gather" in text and "reduce-scatter" in text
+    # a formula that uses it: explained as its module runs it, the gather first (rows "operand 1: gather")
+    used = es.explain("b/dp n c, f/tp c -> b/dp n f/tp", (4, 2, SIZES[0][0]), net.mlp.w1, mesh=m,
+                      sizes={"f": SIZES[0][1]})
+    gather = [r for r in used.rows if r.tensor.startswith("operand 1: gather")]
+    assert {(r.phase, r.move.split()[0], r.mesh_dims) for r in gather} == {("forward", "all-gather", "dp"),
+                                                                            ("backward", "reduce-scatter", "dp")}
+    assert "operand 1: gradient left partial over dp" in str(used)
     handle.remove()
 
 

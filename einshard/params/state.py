@@ -35,6 +35,7 @@ __all__ = [
     "derive_tensor_state",
     "derive_init_sync",
     "storage_spec",
+    "gather_formula",
 ]
 
 INIT_MODES = ("none", "external", "explicit", "inferred")
@@ -387,6 +388,17 @@ def _store_duty(grad, store: str, layout: str):
             f"is summed over {store!r} (a reduce-scatter); name those groups in grad= (e.g. grad={store!r})"
         )
     return grad
+
+
+def gather_formula(state: ParameterState) -> str:
+    """The formula that gathers a stored parameter: storage layout to compute layout, partial over its duty.
+
+    >>> gather_formula(ParameterState.from_layout("f/tp c", mesh_dim_names=("dp", "tp"), store="dp"))
+    'f/tp c/dp -> f/tp c // dp'
+    """
+    groups = state.grad_comm.mesh_dims
+    partial = groups[0] if len(groups) == 1 else "(" + ", ".join(groups) + ")"
+    return f"{state.layout} -> {state.compute_layout} // {partial}"
 
 
 def _check_diagonal(spec: TensorSpec) -> None:

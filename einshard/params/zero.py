@@ -44,7 +44,7 @@ from .buckets import DEFAULT_BUCKET_BYTES
 from .names import components, runtime_mesh
 from .reduce import NativeGradReductionHandle
 from .reduce import register_native_grad_reduction_hooks_ as _register_reduction_hooks
-from .state import ParameterGradComm, ParameterState
+from .state import ParameterGradComm, ParameterState, gather_formula
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
 __all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter", "units_of",
@@ -52,18 +52,10 @@ __all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits"
            "register_native_grad_reduction_hooks_"]
 
 
-def _partial(groups) -> str:
-    return groups[0] if len(groups) == 1 else "(" + ", ".join(groups) + ")"
-
-
-def gather_formula(state: ParameterState) -> str:
-    """The formula that gathers a stored parameter: storage layout to compute layout, partial over its duty."""
-    return f"{state.layout} -> {state.compute_layout} // {_partial(state.grad_comm.mesh_dims)}"
-
-
 def scatter_formula(state: ParameterState) -> str:
     """The gather's adjoint: the compute block's partial gradient summed and scattered to the shard."""
-    return f"{state.compute_layout} // {_partial(state.grad_comm.mesh_dims)} -> {state.layout}"
+    source, target = gather_formula(state).split(" -> ")
+    return f"{target} -> {source}"
 
 
 _INSTALLED = "_einshard_zero_units"  # the attribute naming a stored parameter's installed ZeroUnits
