@@ -589,3 +589,31 @@ def test_units_gather_a_subtree(mesh):
                 ((X @ w.T) ** 2).sum().backward()
                 torch.testing.assert_close(model.up.weight.grad, local_block(w.grad, "f/tp c/dp", m))
         handle.remove()
+
+
+class _Failing(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+    def forward(self, x):
+        assert isinstance(self.w, es.GatheredParameter)
+        raise RuntimeError("the forward fails")
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
+def test_a_failing_forward_leaves_the_shards_in_place(mesh):
+    """A module's forward that raises: its stored parameters are the shards again, nothing gathered is kept,
+    and no saved-tensor hook stays installed; the next forward works."""
+    m = es.wrap_mesh(mesh)
+    model = _Failing(torch.ones(4, 6, dtype=DT))
+    es.register_parameter_layout(model.w, "f c", mesh=m, store="dp")
+    handle = es.register_native_grad_reduction_hooks_(model, m)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="the forward fails"):
+            model(torch.ones(1))
+        assert type(model.w) is torch.nn.Parameter and model.w.shape == (2, 6)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        assert _alive(es.params.zero.units_of(model.w).live) == []
+    handle.remove()
