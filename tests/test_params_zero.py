@@ -337,8 +337,8 @@ def _shard_map_step(net, m, x, vma):
 @pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
 def test_stored_parameters_in_shard_map_train_like_one_process(mesh, sizes, vma):
     """es.param_specs gives the storage specs; shard_map gathers stored parameters on entry. With
-    check_vma=True the body sums their gradients (sliced back to the shards); a per-rank body leaves them
-    partial and they are reduce-scattered, as with the hooks."""
+    check_vma=True the body's pvary of a gathered block leaves its contribution partial for the gather,
+    which reduce-scatters it; a per-rank body leaves them partial too; both reduce-scatter, as the hooks do."""
     _shard_map_train(mesh, sizes, vma)
 
 
@@ -359,11 +359,16 @@ def _shard_map_train(mesh, sizes, vma):
         with es.count_communication() as stats:
             loss = _shard_map_step(net, m, x, vma)
             loss.backward()
+        back = stats.data.backward
+        back = back.filter(label="dp") if len(m.names) > 1 else back  # (on (4,): the world, however labelled)
         if not vma:
             es.reduce_module_grads_(net, m)  # the unstored parameters' duties (stored ones: reduce-scattered)
-            back = stats.data.backward  # uneven blocks: summed by an all-reduce, then cut
-            back = back.filter(label="dp") if "tp" in m.names else back  # (on (4,): the world, however labelled)
+            # uneven blocks: summed by an all-reduce, then cut
             assert back.filter(kind="reduce_scatter").calls + back.filter(kind="all_reduce").calls == len(stored)
+        else:  # the body's pvary of a gathered block leaves it partial: reduce-scattered, never all-reduced
+            assert back.filter(kind="reduce_scatter").calls >= len(stored)
+            if "tp" not in m.names:
+                assert back.filter(kind="all_reduce").calls == 0
         assert abs(_total(loss, m) - losses[step]) < 1e-9 * max(1.0, abs(losses[step]))
         if step == 0:
             for k in layouts:

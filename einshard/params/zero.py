@@ -92,9 +92,34 @@ def units_of(p) -> "ZeroUnits | None":
 
 class GatheredParameter(torch.Tensor):
     """A gathered compute block: a plain tensor for torch ops, carrying the compute layout and the duty
-    (attribute ``einshard_state``) for the formulas."""
+    (attribute ``einshard_state``) for the formulas.
+
+    In a ``shard_map(check_vma=True)`` body, the variance tracking's ``pvary`` of the block over ``dims``
+    calls :meth:`einshard_pvary` (when the block has a side accumulator): the contribution then reaches the
+    gather's backward partial, which reduce-scatters it, instead of being all-reduced where it is used."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def einshard_pvary(self, dims):
+        side = getattr(self, "_einshard_side", None)
+        if side is None:
+            return None
+        return _PartialUse.apply(self, side, tuple(dims))
+
+
+class _PartialUse(torch.autograd.Function):
+    """Identity forward; backward keeps the (partial over ``dims``) gradient for the gather's backward."""
+
+    @staticmethod
+    def forward(ctx, block, side, dims):
+        ctx.side, ctx.dims = side, dims
+        return block.view_as(block)
+
+    @staticmethod
+    def backward(ctx, grad):
+        held = ctx.side.get(ctx.dims)
+        ctx.side[ctx.dims] = grad if held is None else held + grad
+        return None, None, None
 
 
 @dataclass
@@ -162,6 +187,32 @@ class _Plan:
             out = einshard(formula, grad, mesh=self.mesh, sizes=self.sizes)
             return out if out.dtype == dtype else out.to(dtype)
 
+    def summed_grad(self, whole, side, dtype) -> torch.Tensor:
+        """The shard's gradient in a ``check_vma`` body: ``whole`` (the block's gradient from invariant uses)
+        sliced, plus each partial contribution ``side[dims]`` summed over ``dims``: all-reduced over the
+        dims besides the storage group, reduce-scattered over the storage group when it is among them."""
+        with torch.no_grad():
+            dim, store = self.state.store_axis, self._dims()
+            out = None if whole is None else einshard(f"{self.state.compute_layout} -> {self.state.layout}", whole,
+                                                      mesh=self.mesh, sizes=self.sizes)
+            for dims, g in side.items():
+                if self.reduce_dtype is not None and g.dtype != self.reduce_dtype:
+                    g = g.to(self.reduce_dtype)
+                extra = tuple(d for d in dims if d not in store)
+                if extra and self.mesh.size(extra) > 1:
+                    g = C.all_reduce(g, self.mesh.group(extra))
+                n = self.mesh.size(store)
+                splits = compute_split_shapes_for_factors(g.shape[dim], n, 1)
+                if set(store) <= set(dims):
+                    part = C.reduce_scatter(g, self.mesh.group(store), dim, splits)
+                else:  # a use that does not vary over the storage group: this rank's slice
+                    _, rank = self.mesh.size(store), C.group_rank(self.mesh.group(store))
+                    part = g.narrow(dim, sum(splits[:rank]), splits[rank])
+                part = part.to(out.dtype if out is not None else dtype)
+                out = part if out is None else out + part
+            side.clear()
+            return out.to(dtype) if out.dtype != dtype else out
+
     def deferrable(self, node, p) -> bool:
         """Whether this backward's reduce-scatter can join a bucket (into a leaf the running backward
         accumulates into, with no hook reading its gradient first)."""
@@ -190,30 +241,35 @@ class _Gather(torch.autograd.Function):
     """Forward: the gathered compute block; backward: the reduce-scattered gradient of the shard."""
 
     @staticmethod
-    def forward(ctx, shard, plan, pending=None):
-        ctx.plan, ctx.dtype, ctx.shard = plan, shard.dtype, shard
+    def forward(ctx, shard, plan, pending=None, side=None):
+        ctx.plan, ctx.dtype, ctx.shard, ctx.side = plan, shard.dtype, shard, side
         return plan.gather(shard, pending)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.side is not None:  # a check_vma body: whole contributions sliced, partial ones reduce-scattered
+            return ctx.plan.summed_grad(grad, ctx.side, ctx.dtype), None, None, None
         owner = ctx.plan.owner
         if owner is not None and not ctx.plan.cast_only:
             grad = owner.accumulated(ctx.shard, grad)
             if grad is None:  # inside no_sync: kept unreduced until the first backward after it
-                return None, None, None
+                return None, None, None, None
         leaf = ctx.next_functions[0][0]  # the shard's AccumulateGrad
         if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
             ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
             if owner is not None:
                 owner.deferred(leaf.variable)
-            return None, None, None
-        return ctx.plan.scatter(grad, ctx.dtype), None, None
+            return None, None, None, None
+        return ctx.plan.scatter(grad, ctx.dtype), None, None, None
 
 
-def gather_parameter(p: torch.nn.Parameter, plan: _Plan, pending=None) -> GatheredParameter:
+def gather_parameter(p: torch.nn.Parameter, plan: _Plan, pending=None, side=None) -> GatheredParameter:
     """``p``'s compute block, gathered (its gradient reduce-scattered back into ``p.grad``); ``pending``:
-    its prefetched gather (:meth:`_Plan.start`)."""
-    out = _Gather.apply(p, plan, pending).as_subclass(GatheredParameter)
+    its prefetched gather (:meth:`_Plan.start`); ``side``: the accumulator of its partial uses in a
+    ``check_vma`` body (see :class:`GatheredParameter`)."""
+    out = _Gather.apply(p, plan, pending, side).as_subclass(GatheredParameter)
+    if side is not None:
+        out._einshard_side = side
     if plan.compute is not None:
         setattr(out, PARAM_STATE_ATTR, plan.compute)
     return out
@@ -222,11 +278,12 @@ def gather_parameter(p: torch.nn.Parameter, plan: _Plan, pending=None) -> Gather
 def shard_map_entry(p: torch.nn.Parameter, mesh, summed: bool) -> GatheredParameter:
     """A stored parameter given to ``es.shard_map`` with its storage spec: its compute block for the body.
 
-    ``summed``: the body sums the gradient itself (``check_vma=True``: its ``pvary`` all-reduces over the
-    groups the parameter meets varying data on), so the shard's gradient is the block's slice; else (a
-    per-rank body) the body's formulas leave it partial and it is reduce-scattered, as with the hooks.
+    ``summed``: a body that tracks variance (``check_vma=True``): where its ``pvary`` marks the block varying
+    (it meets data that varies over ``dp``), the contribution is kept partial and reduce-scattered by the
+    gather's backward; contributions the body summed itself are sliced. Else (a per-rank body) the body's
+    formulas leave it partial and it is reduce-scattered, as with the hooks.
     """
-    return gather_parameter(p, _Plan.of(p, mesh, summed=summed))
+    return gather_parameter(p, _Plan.of(p, mesh, summed=summed), side={} if summed else None)
 
 
 # -- freeing after forward: saved gathered blocks are gathered again in backward -------------------------
