@@ -603,6 +603,8 @@ class _Failing(torch.nn.Module):
 
     def forward(self, x):
         assert isinstance(self.w, es.GatheredParameter)
+        if x.dim() == 2:  # a [param] annotation on the gathered block: refused, naming why
+            return es.einshard("b c, f c [param] -> b f", x, self.w)
         raise RuntimeError("the forward fails")
 
 
@@ -621,4 +623,7 @@ def test_a_failing_forward_leaves_the_shards_in_place(mesh):
         assert type(model.w) is torch.nn.Parameter and model.w.shape == (2, 6)
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         assert _alive(es.params.zero.units_of(model.w).live) == []
+    with pytest.raises(ValueError, match="drop the annotation"):
+        model(torch.ones(1, 6, dtype=DT))
+    assert type(model.w) is torch.nn.Parameter
     handle.remove()

@@ -167,6 +167,11 @@ class FormulaRecorder:
             if k >= len(tensors):
                 raise EinshardError(f"{self.formula!r}: operand {k} is annotated [param] but no tensor was given for it")
             p = tensors[k]
+            if not isinstance(p, torch.nn.Parameter) and getattr(p, PARAM_STATE_ATTR, None) is not None:
+                raise EinshardError(
+                    f"{self.formula!r}: operand {k} is annotated [param] but is the gathered block of a parameter "
+                    "stored sharded (store=); its registered state gives its layout and duty: drop the annotation"
+                )
             if not isinstance(p, torch.nn.Parameter):
                 raise TypeError(
                     f"{self.formula!r}: operand {k} is annotated [param] and must be a torch.nn.Parameter, "
