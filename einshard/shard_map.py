@@ -58,7 +58,7 @@ from .ops.einshard import duties_satisfied, einshard
 from .params.metadata import named_sizes, recorded_global_shape
 from .params.store import PARAM_STATE_ATTR
 from .params.summed import body_duty_error, native_duty, watch_body
-from .params.zero import shard_map_entry
+from .params.zero import BodyGathers, shard_map_entry
 
 __all__ = ["shard_map", "ShardMap"]
 
@@ -185,10 +185,14 @@ class ShardMap:
         body_leaves = leaves
         token = None
         satisfied = None
+        gathers = None
         try:
             if self.check_vma:  # the body sums every gradient: formulas (entry and exit conversions too) plan no duty
                 satisfied = duties_satisfied().__enter__()
             body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, treedef)
+            gathers = BodyGathers.of(body_leaves) if plan.actions else None  # stored parameters: freed after use
+            if gathers is not None:
+                gathers.__enter__()
             tracker = _vma.Tracker(mesh, plan.info) if self.check_vma else None
             # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
             # push) must not resume after the push outside the block that pops it
@@ -222,6 +226,8 @@ class ShardMap:
                 checks.report_failure(group, exc)
             raise
         finally:
+            if gathers is not None:
+                gathers.__exit__(None, None, None)
             if satisfied is not None:
                 satisfied.__exit__(None, None, None)
             if token is not None:

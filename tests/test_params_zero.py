@@ -185,12 +185,13 @@ def test_no_gathered_parameter_outlives_its_use(mesh, reshard):
     """Weak references to every gathered block: after forward none is alive (they are gathered again in
     backward) unless kept; after backward none is, either way."""
     m, whole, net, handle, stored = _setup(mesh, SIZES[1], reshard_after_forward=reshard)
-    seen = []
+    seen, storages = [], []
 
     def capture(module, args):  # runs after the gather: the module's parameters are the gathered blocks
         for name, p in module.named_parameters(recurse=False):
-            if isinstance(p, es.GatheredParameter):
+            if isinstance(p, es.GatheredParameter):  # the block, and its memory (views of it keep that alive)
                 seen.append((name, weakref.ref(p)))
+                storages.append(weakref.ref(p.untyped_storage()))
 
     for mod in (net.ln, net.mlp):
         mod.register_forward_pre_hook(capture)
@@ -202,12 +203,12 @@ def test_no_gathered_parameter_outlives_its_use(mesh, reshard):
         assert all(isinstance(net.get_parameter(k), torch.nn.Parameter) for k in stored)  # shards back in place
         alive = _alive([r for _, r in seen])
         if reshard:
-            assert alive == []  # what autograd saved of them is a reference to the shard
+            assert alive == [] and _alive(storages) == []  # what autograd saved of them refers to the shard
         else:
             assert alive  # kept for backward (what autograd saved: the weights, not the bias)
         loss.backward()
         handle.wait()
-    assert _alive([r for _, r in seen]) == [] and _alive(units.live) == []
+    assert _alive([r for _, r in seen]) == [] and _alive(units.live) == [] and _alive(storages) == []
     for k in stored:  # each freed block was gathered again for backward: the gradients are still exact
         assert net.get_parameter(k).grad.shape == net.get_parameter(k).shape
     handle.remove()
@@ -627,3 +628,34 @@ def test_a_failing_forward_leaves_the_shards_in_place(mesh):
         model(torch.ones(1, 6, dtype=DT))
     assert type(model.w) is torch.nn.Parameter
     handle.remove()
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
+@pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
+def test_shard_map_frees_the_blocks_it_gathered(mesh, vma):
+    """The blocks a shard_map body gathered on entry are dead once the call returns (autograd keeps
+    references to the shards) and gathered again in backward; the gradients stay exact."""
+    m, whole, net, handle, stored = _setup(mesh, SIZES[1])
+    handle.remove()
+    seen = []
+
+    def capture(module, args):  # functional_call has put the gathered blocks in: the blocks and their memory
+        for p in module.parameters(recurse=False):
+            if isinstance(p, es.GatheredParameter):
+                seen.extend((weakref.ref(p), weakref.ref(p.untyped_storage())))
+
+    net.mlp.register_forward_pre_hook(capture)
+    net.ln.register_forward_pre_hook(capture)
+    x = _batches(SIZES[1][0], SIZES[1][2])[0]
+    loss = _shard_map_step(net, m, x, vma)
+    assert len(seen) == 2 * len(stored) and _alive(seen) == []
+    loss.backward()
+    assert _alive(seen) == []
+    if not vma:
+        es.reduce_module_grads_(net, m)
+    _, grads, _ = _reference(whole, [x], 1)
+    specs = es.param_specs(net)
+    for k in whole:
+        torch.testing.assert_close(net.get_parameter(k).grad, local_block(grads[k], specs[k], m), rtol=1e-10,
+                                   atol=1e-12)

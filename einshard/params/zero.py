@@ -48,7 +48,7 @@ from .state import ParameterGradComm, ParameterState, gather_formula
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
 __all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter", "units_of",
-           "shard_map_entry",
+           "shard_map_entry", "BodyGathers",
            "register_native_grad_reduction_hooks_"]
 
 
@@ -283,7 +283,49 @@ def shard_map_entry(p: torch.nn.Parameter, mesh, summed: bool) -> GatheredParame
     gather's backward; contributions the body summed itself are sliced. Else (a per-rank body) the body's
     formulas leave it partial and it is reduce-scattered, as with the hooks.
     """
-    return gather_parameter(p, _Plan.of(p, mesh, summed=summed), side={} if summed else None)
+    plan = _Plan.of(p, mesh, summed=summed)
+    out = gather_parameter(p, plan, side={} if summed else None)
+    out._einshard_source = (p, plan)
+    return out
+
+
+class BodyGathers:
+    """While a ``shard_map`` body runs: what autograd saves of the blocks gathered on entry is a reference to
+    their shards, gathered again when backward needs them (once per parameter and backward), so no gathered
+    block outlives the body's forward. A context manager; ``None`` from :meth:`of` when there is none."""
+
+    def __init__(self, blocks):
+        self._gathered = {_storage_key(b): (p, plan, b) for b, p, plan in blocks}
+        self._cache: dict = {}
+        self.live: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, ZeroUnits._unpack)
+
+    @classmethod
+    def of(cls, leaves) -> "BodyGathers | None":
+        blocks = [(x, *x._einshard_source) for x in leaves
+                  if isinstance(x, GatheredParameter) and getattr(x, "_einshard_source", None) is not None]
+        return cls(blocks) if blocks else None
+
+    def __enter__(self) -> "BodyGathers":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._gathered = {}  # no reference to a gathered block is kept
+
+    def _pack(self, t):
+        found = self._gathered.get(_storage_key(t)) if self._gathered and isinstance(t, torch.Tensor) else None
+        return t if found is None else _Saved(found[0], found[1], self, t, found[2])
+
+    def regather(self, saved: _Saved) -> torch.Tensor:
+        ref = self._cache.get(id(saved.param))
+        block = None if ref is None else ref()
+        if block is None:
+            block = saved.plan.gather(saved.param)
+            self._cache[id(saved.param)] = weakref.ref(block)
+            self.live.append(weakref.ref(block))
+        return block.as_strided(saved.size, saved.stride, block.storage_offset() + saved.offset)
 
 
 # -- freeing after forward: saved gathered blocks are gathered again in backward -------------------------
