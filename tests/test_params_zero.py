@@ -659,3 +659,19 @@ def test_shard_map_frees_the_blocks_it_gathered(mesh, vma):
     for k in whole:
         torch.testing.assert_close(net.get_parameter(k).grad, local_block(grads[k], specs[k], m), rtol=1e-10,
                                    atol=1e-12)
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
+def test_shard_map_autograd_grad_returns_the_shards_gradients(mesh):
+    """torch.autograd.grad through a check_vma body: the stored parameters' gradients come back as their
+    shards' (reduce-scattered at once, not deferred), equal to what backward writes into .grad."""
+    m, whole, net, handle, stored = _setup(mesh, SIZES[1])
+    handle.remove()
+    x = _batches(SIZES[1][0], SIZES[1][2])[0]
+    params = [net.get_parameter(k) for k in stored]
+    got = torch.autograd.grad(_shard_map_step(net, m, x, True), params)
+    assert all(p.grad is None for p in params)
+    _shard_map_step(net, m, x, True).backward()
+    for p, g in zip(params, got):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)

@@ -107,8 +107,25 @@ class GatheredParameter(torch.Tensor):
         return _PartialUse.apply(self, side, tuple(dims))
 
 
+class _Side(dict):
+    """The partial contributions of a gathered block's uses in a ``check_vma`` body, by ``pvary`` dims, and
+    where their reduce-scatters can go at once (``plan``, the shard ``param``, its AccumulateGrad ``node``)."""
+
+    __slots__ = ("plan", "param", "node")
+
+    def __init__(self, plan, param):
+        super().__init__()
+        self.plan, self.param = plan, param
+        self.node = param.view_as(param).grad_fn.next_functions[0][0] if param.requires_grad else None
+
+
+_BODY_SUMS = DeferredSums(1)  # the reduce-scatters of shard_map bodies' stored gradients: each starts at once
+
+
 class _PartialUse(torch.autograd.Function):
-    """Identity forward; backward keeps the (partial over ``dims``) gradient for the gather's backward."""
+    """Identity forward; backward reduce-scatters the (partial over ``dims``) gradient into the shard at once
+    (asynchronously; added into ``.grad`` when backward ends), or keeps it for the gather's backward where
+    that cannot wait (``torch.autograd.grad``, ``create_graph``, hooks on the shard)."""
 
     @staticmethod
     def forward(ctx, block, side, dims):
@@ -117,8 +134,12 @@ class _PartialUse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        held = ctx.side.get(ctx.dims)
-        ctx.side[ctx.dims] = grad if held is None else held + grad
+        side, plan = ctx.side, ctx.side.plan
+        if side.node is not None and set(plan._dims()) <= set(ctx.dims) and plan.deferrable(side.node, side.param):
+            plan.defer(side.param, grad, ctx.dims, _BODY_SUMS)
+            return None, None, None
+        held = side.get(ctx.dims)
+        side[ctx.dims] = grad if held is None else held + grad
         return None, None, None
 
 
@@ -216,25 +237,27 @@ class _Plan:
     def deferrable(self, node, p) -> bool:
         """Whether this backward's reduce-scatter can join a bucket (into a leaf the running backward
         accumulates into, with no hook reading its gradient first)."""
-        if self.sums is None or self.summed or self.cast_only:
+        if self.cast_only or (self.sums is None and not self.summed):
             return False
         if torch.is_grad_enabled() or not accumulates(node):
             return False
         return not p._backward_hooks and not getattr(p, "_post_accumulate_grad_hooks", None)
 
-    def defer(self, p, grad) -> None:
-        """Cut ``grad`` (the compute block's partial gradient) into the group ranks' slices and bucket them;
-        the duty's groups besides the storage group (a norm weight's ``sp``, ``tp``) are all-reduced first."""
+    def defer(self, p, grad, partial=None, sums=None) -> None:
+        """Cut ``grad`` (the compute block's gradient, partial over the duty's groups, or over the dims
+        ``partial``) into the group ranks' slices and bucket them (in ``sums``, default the plan's); the
+        other groups (a norm weight's ``sp``, ``tp``) are all-reduced first."""
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
         dim = self.state.store_axis
         dims = self._dims()
-        extra = tuple(n for n in self.mesh.names if n not in dims and any(
-            n in components(g) for g in self.state.grad_comm.mesh_dims))
+        over = partial if partial is not None else {n for g in self.state.grad_comm.mesh_dims for n in components(g)}
+        extra = tuple(n for n in self.mesh.names if n not in dims and n in over)
         if extra and self.mesh.size(extra) > 1:  # the duty's other groups (sp, tp): summed here, at once
             grad = C.all_reduce(grad.detach(), self.mesh.group(extra))
         splits = compute_split_shapes_for_factors(grad.shape[dim], self.mesh.size(dims), 1)
-        self.sums.add_scatter(p, torch.split(grad.detach(), splits, dim), self.mesh.group(dims))
+        (self.sums if sums is None else sums).add_scatter(p, torch.split(grad.detach(), splits, dim),
+                                                          self.mesh.group(dims))
 
 
 class _Gather(torch.autograd.Function):
@@ -284,7 +307,7 @@ def shard_map_entry(p: torch.nn.Parameter, mesh, summed: bool) -> GatheredParame
     formulas leave it partial and it is reduce-scattered, as with the hooks.
     """
     plan = _Plan.of(p, mesh, summed=summed)
-    out = gather_parameter(p, plan, side={} if summed else None)
+    out = gather_parameter(p, plan, side=_Side(plan, p) if summed else None)
     out._einshard_source = (p, plan)
     return out
 
