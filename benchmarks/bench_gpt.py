@@ -390,7 +390,8 @@ def on_rank(cfg, steps: int, warmup: int, only=VARIANTS) -> list[dict] | None:
         "einshard_compiled": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), compile=True),
         "einshard_3d": lambda: einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
         "einshard_no_vma": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), check_vma=False),
-        "einshard_zero": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard", zero=True),
+        "einshard_zero": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard",
+                                                  zero=True),
         "einshard_zero_shard_map": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), zero=True),
     }
     variants = {name: makers[name]() for name in ("torch", *[v for v in only if v != "torch"])}

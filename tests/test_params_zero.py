@@ -453,7 +453,8 @@ class _InFlight(torch.autograd.Function):
 def test_gathers_are_prefetched_in_the_recorded_order(mesh):
     """The first step records the modules' order; from the second on, the norm's forward has the MLP's
     gathers in flight before it computes, and backward (following the order the first backward gathered the
-    freed blocks again in) has the norm's first saved parameter in flight before the norm's backward runs. The values stay those of one process."""
+    freed blocks again in) has the norm's first saved parameter in flight before the norm's backward runs.
+    The values stay those of one process."""
     m, whole, net, handle, stored = _setup(mesh, SIZES[1], bucket_bytes=1)
     units = es.params.zero.units_of(net.mlp.w1)
     box = {"units": units}
@@ -554,7 +555,8 @@ def test_checkpoint_saved_stored_loads_unstored_and_whole(tmp_path):
            "adam": {k: {s: torch.zeros_like(v) for s in ("exp_avg", "exp_avg_sq")} for k, v in whole.items()}}
     dcp.load(one, checkpoint_id=path)  # one process's whole tensors
     for k in whole:
-        assert torch.equal(one["model"][k], saved[k]) and torch.equal(one["adam"][k]["exp_avg"], saved_moments[k]["exp_avg"])
+        assert torch.equal(one["model"][k], saved[k])
+        assert torch.equal(one["adam"][k]["exp_avg"], saved_moments[k]["exp_avg"])
     torch.distributed.barrier()
 
 

@@ -43,7 +43,9 @@ def _store_axis(layout: str, group: str, shape, mesh) -> str:
         n = group_size(mesh, group)
     except ValueError:
         return group
-    free = [(a.name, size) for a, size in zip(spec.axes, shape) if a.mesh is None] if len(spec.axes) == len(shape) else []
+    if len(spec.axes) != len(shape):
+        return group
+    free = [(a.name, size) for a, size in zip(spec.axes, shape) if a.mesh is None]
     if not free:
         return group
     even = [name for name, size in free if size % n == 0 and size >= n]

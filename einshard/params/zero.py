@@ -42,7 +42,6 @@ from ..grad_sums import DeferredSums, accumulates
 from ..ops.einshard import einshard
 from .buckets import DEFAULT_BUCKET_BYTES
 from .names import components, runtime_mesh
-from .reduce import NativeGradReductionHandle
 from .reduce import register_native_grad_reduction_hooks_ as _register_reduction_hooks
 from .state import ParameterGradComm, ParameterState, gather_formula
 from .store import PARAM_STATE_ATTR, get_parameter_state
@@ -204,7 +203,9 @@ class _Plan:
                 return grad.to(dtype)
             if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
                 grad = grad.to(self.reduce_dtype)
-            formula = f"{self.state.compute_layout} -> {self.state.layout}" if self.summed else scatter_formula(self.state)
+            formula = scatter_formula(self.state)
+            if self.summed:  # summed already: this rank's slice
+                formula = f"{self.state.compute_layout} -> {self.state.layout}"
             out = einshard(formula, grad, mesh=self.mesh, sizes=self.sizes)
             return out if out.dtype == dtype else out.to(dtype)
 
