@@ -17,20 +17,27 @@ timed interleaved in one job (a barrier before every step):
 - ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too);
 - ``einshard_no_vma``: the ``shard_map`` step with ``check_vma=False`` and the gradient sums of the
   parameters plain torch ops use written by hand (``es.pvary``), on 4 x 1 x 2: what variance tracking
-  costs is ``einshard`` against it.
+  costs is ``einshard`` against it;
+- ``einshard_zero``: ``einshard_hooks`` with the example's ``--zero``: parameters, gradients and Adam
+  states stored sharded over ``dp`` (ZeRO-3; gathered before use, prefetched, freed after forward,
+  reduce-scattered in buckets during backward), on 4 x 1 x 2, as FSDP2 does in ``torch``;
+- ``einshard_zero_shard_map``: the ``shard_map`` step with ``--zero`` (gathered on entry to the body).
 
 Before timing, every variant trains the same first steps from the same initial values and their
 losses must agree (float32 tolerance). One JSON line per variant on stdout::
 
-    {"case": "gpt_step", "variant": ..., "ms": ..., "bytes_per_rank": ..., "peak_mem_bytes": ..., "ratio": ...}
+    {"case": "gpt_step", "variant": ..., "ms": ..., "bytes_per_rank": ..., "peak_mem_bytes": ...,
+     "state_bytes_per_rank": ..., "ratio": ...}
 
 ``ms`` is the median step time (the slowest rank's median), ``bytes_per_rank`` the bytes this rank
 sends in one step (the largest over ranks), counted for every variant by the same dispatch-mode
 counter on the ``c10d`` and functional-collective ops with the byte rules of
 ``es.count_communication`` (ring all-reduce ``2(P-1)N/P``, gather/scatter the other ranks' blocks),
 and ``peak_mem_bytes`` the peak of CPU memory allocated by tensors during one step above what was
-allocated before it (``torch.profiler`` memory events; the largest over ranks). Progress goes to
-stderr::
+allocated before it (``torch.profiler`` memory events; the largest over ranks), and
+``state_bytes_per_rank`` the bytes of the parameters, gradients and optimizer states this rank holds
+between steps, measured from the tensors themselves (the local blocks of DTensors; each storage once;
+the largest over ranks). Progress goes to stderr::
 
     python benchmarks/bench_gpt.py                 # about four minutes on 2 idle cores (inductor compiles included)
     python benchmarks/bench_gpt.py --steps 20 --width 256
@@ -141,9 +148,32 @@ def peak_memory(step) -> int:
 # -- the variants ------------------------------------------------------------------------------------
 
 
-def einshard_variant(cfg, values, dims, style="shard_map", compile=False, check_vma=True):
+def state_bytes(model, optimizer) -> int:
+    """Bytes of the parameters, their gradients and the optimizer's states this rank holds (each storage once)."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        t = t.to_local() if hasattr(t, "to_local") else t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add(p)
+        if p.grad is not None:
+            add(p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                add(v)
+    return total
+
+
+def einshard_variant(cfg, values, dims, style="shard_map", compile=False, check_vma=True, zero=False):
     mesh = gpt.make_mesh(dims)
-    model = gpt.sharded_model(mesh, values, cfg, style)
+    model = gpt.sharded_model(mesh, values, cfg, style, zero)
     step_fn = gpt.make_step(model, mesh, style, compile=compile) if check_vma else untracked_step(model, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=gpt.LR)
 
@@ -154,6 +184,7 @@ def einshard_variant(cfg, values, dims, style="shard_map", compile=False, check_
             optimizer.step()
         return loss.item()
 
+    step.states = (model, optimizer)
     return step
 
 
@@ -338,13 +369,15 @@ def torch_variant(cfg, values, dp, tp):
         dist.all_reduce(total, group=mesh["dp"].get_group())  # the mean over the whole batch
         return total.item() / dp
 
+    step.states = (model, optimizer)
     return step
 
 
 # -- driver --------------------------------------------------------------------------------------------
 
 
-VARIANTS = ("torch", "einshard", "einshard_hooks", "einshard_compiled", "einshard_3d", "einshard_no_vma")
+VARIANTS = ("torch", "einshard", "einshard_hooks", "einshard_compiled", "einshard_3d", "einshard_no_vma",
+            "einshard_zero", "einshard_zero_shard_map")
 
 
 def on_rank(cfg, steps: int, warmup: int, only=VARIANTS) -> list[dict] | None:
@@ -357,6 +390,9 @@ def on_rank(cfg, steps: int, warmup: int, only=VARIANTS) -> list[dict] | None:
         "einshard_compiled": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), compile=True),
         "einshard_3d": lambda: einshard_variant(cfg, values, (("dp", 2), ("sp", 2), ("tp", 2))),
         "einshard_no_vma": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), check_vma=False),
+        "einshard_zero": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), "einshard",
+                                                  zero=True),
+        "einshard_zero_shard_map": lambda: einshard_variant(cfg, values, (("dp", 4), ("sp", 1), ("tp", 2)), zero=True),
     }
     variants = {name: makers[name]() for name in ("torch", *[v for v in only if v != "torch"])}
     rank = dist.get_rank()
@@ -382,10 +418,12 @@ def on_rank(cfg, steps: int, warmup: int, only=VARIANTS) -> list[dict] | None:
         with SentBytes() as counter:
             step(warmup + steps)
         peak = peak_memory(lambda: step(warmup + steps + 1))
-        stats = torch.tensor([statistics.median(times[name]) * 1e3, counter.sent, peak], dtype=torch.float64)
+        held = state_bytes(*step.states)  # after a step: parameters, gradients and Adam states, between steps
+        stats = torch.tensor([statistics.median(times[name]) * 1e3, counter.sent, peak, held], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         rows.append({"case": "gpt_step", "variant": name, "ms": round(stats[0].item(), 2),
-                     "bytes_per_rank": int(stats[1].item()), "peak_mem_bytes": int(stats[2].item())})
+                     "bytes_per_rank": int(stats[1].item()), "peak_mem_bytes": int(stats[2].item()),
+                     "state_bytes_per_rank": int(stats[3].item())})
     base = rows[0]["ms"]
     for row in rows:
         row["ratio"] = round(row["ms"] / base, 3)

@@ -114,7 +114,6 @@ from .params import (
     register_grad_reduction_hook_,
     register_linear_parameters_,
     register_module_parameter_layouts_,
-    register_native_grad_reduction_hooks_,
     register_norm_parameters_,
     register_parameter_layout,
     register_parameter_operand,
@@ -133,3 +132,8 @@ from .params.checkpoint import from_dtensor, load_from_dtensor_, to_dtensor
 from .params.specs import ParamSpec, param_specs
 
 __all__ += ["param_specs", "ParamSpec", "to_dtensor", "from_dtensor", "load_from_dtensor_", "GradBucketer"]
+
+# -- parameters stored sharded over data parallelism (store=): the hooks also gather them --
+from .params.zero import GatheredParameter, gather_formula, register_native_grad_reduction_hooks_
+
+__all__ += ["GatheredParameter", "gather_formula"]

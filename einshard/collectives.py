@@ -56,6 +56,9 @@ __all__ = [
     "split",
     "all_gather",
     "reduce_scatter",
+    "reduce_scatter_rows",
+    "all_gather_start",
+    "PendingGather",
     "all_to_all",
     "all_to_all_v",
     "isend_irecv",
@@ -444,6 +447,78 @@ def reduce_scatter(
     if mine == m:
         return out
     return out.narrow(d, 0, mine).contiguous()
+
+
+class PendingGather:
+    """An all-gather in flight (:func:`all_gather_start`); :meth:`wait` returns the concatenated tensor."""
+
+    __slots__ = ("out", "work", "dim", "shapes", "_done")
+
+    def __init__(self, out, work, dim, shapes):
+        self.out, self.work, self.dim, self.shapes, self._done = out, work, dim, shapes, None
+
+    @property
+    def in_flight(self) -> bool:
+        """Started and not waited for yet."""
+        return self._done is None
+
+    def wait(self) -> torch.Tensor:
+        if self._done is None:
+            self.work.wait()
+            d, out = self.dim, self.out
+            self._done = torch.cat([out[j].narrow(d, 0, s) for j, s in enumerate(self.shapes)], dim=d)
+            self.out = self.work = None
+        return self._done
+
+
+def all_gather_start(x: torch.Tensor, group, dim: int, shapes: Sequence[int]) -> PendingGather:
+    """Start :func:`all_gather` (``shapes``: every rank's size along ``dim``; uneven ones padded) without
+    waiting for it: the prefetched gathers of :mod:`einshard.params.zero`.
+
+    >>> pending = all_gather_start(x, group, 0, [2, 2])  # doctest: +SKIP
+    >>> pending.wait().shape  # doctest: +SKIP
+    torch.Size([4])
+    """
+    size = _size(group)
+    d, err = _dim(dim, x.dim(), "all_gather_start")
+    if err is not None:
+        raise err
+    shapes = list(shapes)
+    if len(shapes) != size or x.shape[d] != shapes[_rank(group) if size > 1 else 0]:
+        raise EinshardError(f"all_gather_start: shapes {shapes} do not fit this rank's {tuple(x.shape)} along {dim}")
+    x = x.detach()
+    m = max(shapes)
+    block = x.new_zeros(x.shape[:d] + (m,) + x.shape[d + 1 :])
+    block.narrow(d, 0, x.shape[d]).copy_(x)
+    out = block.new_empty((size,) + block.shape)
+    if size == 1 or block.numel() == 0:
+        out.copy_(block.expand_as(out))
+        return PendingGather(out, _CompletedWork(), d, shapes)
+    if _stats.is_active():
+        _record("all_gather", group, size, block.numel() * block.element_size())
+    work = _all_gather_tensor(_flat(out), _flat(block), group=group, async_op=True)
+    return PendingGather(out, work, d, shapes)
+
+
+def reduce_scatter_rows(rows: torch.Tensor, group, *, async_op: bool = False):
+    """Row ``j`` of the sum over ranks of ``rows`` (shape ``(P, M)``) on group rank ``j``: a flat
+    reduce-scatter (the buckets of :mod:`einshard.grad_sums`). With ``async_op=True``: ``(row, work)``.
+
+    >>> reduce_scatter_rows(torch.ones(2, 3), group)  # 2 ranks  # doctest: +SKIP
+    tensor([2., 2., 2.])
+    """
+    size = _size(group)
+    if rows.dim() != 2 or rows.shape[0] != size:
+        raise EinshardError(f"reduce_scatter_rows: rows must have shape ({size}, M), got {tuple(rows.shape)}")
+    rows = rows.detach().contiguous()
+    if size == 1:
+        out = rows[0].clone()
+        return (out, _CompletedWork()) if async_op else out
+    out = rows.new_empty(rows.shape[1:])
+    if _stats.is_active():
+        _record("reduce_scatter", group, size, out.numel() * out.element_size())
+    work = _reduce_scatter_tensor(out, rows.reshape(-1), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 # -- all_to_all ------------------------------------------------------------------

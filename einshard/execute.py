@@ -135,8 +135,13 @@ class Transition:
             return _TracedTransition.apply(x, self)
         if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
             return self.run_raw(x)  # no backward will run: skip the autograd Function
-        if self.sum_dims is not None and x.is_leaf and not _transforms_active():
-            return leaf_sum(x, self.mesh.group(self.sum_dims))
+        if self.sum_dims is not None and not _transforms_active():
+            if x.is_leaf:
+                return leaf_sum(x, self.mesh.group(self.sum_dims))
+            deferred = getattr(x, "einshard_pvary", None)  # a gathered ZeRO block: its gather sums it
+            y = None if deferred is None else deferred(self.sum_dims)
+            if y is not None:
+                return y
         return _apply_transition(x, self)
 
 

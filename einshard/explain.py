@@ -14,6 +14,8 @@ from .local import freeze_sizes
 from .mesh import resolve_mesh
 from .notation import expand, freeze_families
 from .params.formula import explain_duties
+from .params.state import gather_formula
+from .params.store import get_parameter_state
 from .policy import PlanPolicy, resolve_policy
 
 __all__ = ["explain", "Explanation"]
@@ -123,7 +125,9 @@ def explain(
     """The plan ``einshard`` would run for these operands, without running it.
 
     Operands are tensors or local shapes (what this rank holds; ``dtype``,
-    default float32, sets the element size for shapes). The mesh may be a
+    default float32, sets the element size for shapes). A parameter stored
+    sharded (``store=``) is explained as its module uses it: gathered first
+    (rows ``operand k: gather``), then the formula on its compute block. The mesh may be a
     virtual one (``es.Mesh.virtual((2, 4), ("dp", "tp"))``): explaining
     needs no process group.
 
@@ -147,6 +151,7 @@ def explain(
     if parsed.is_local:
         return Explanation(formula, pol, True, (), ())
     mesh = resolve_mesh(mesh)
+    gathers = _stored_gathers(parsed, tensors_or_shapes, local_shapes, mesh, pol)
     plan = plan_distributed(
         parsed, local_shapes, max(itemsizes, default=default_itemsize), mesh, shapes, freeze_sizes(sizes), pol, frozen,
         explain_duties(parsed, tensors_or_shapes),
@@ -169,4 +174,27 @@ def explain(
     partials = tuple(
         (k, "-".join(d for d in shape.names if d in dims)) for k, dims in enumerate(plan.grad_partials()) if dims
     )
-    return Explanation(formula, pol, False, _schedule_rows(plan), alternatives, partials)
+    return Explanation(formula, pol, False, gathers + _schedule_rows(plan), alternatives, partials)
+
+
+def _stored_gathers(parsed, tensors, local_shapes, mesh, pol) -> tuple:
+    """The gathers of the operands stored sharded (``store=``, ZeRO-3) that the formula uses in their compute
+    layout: their rows (``operand k: gather``), and their compute blocks' shapes put in ``local_shapes``."""
+    rows = []
+    for k, t in enumerate(tensors):
+        state = get_parameter_state(t) if isinstance(t, torch.nn.Parameter) else None
+        if state is None or state.store is None or k >= len(parsed.inputs):
+            continue
+        if " ".join(map(str, parsed.inputs[k].items)) == state.layout:  # the storage itself (its gather formula)
+            continue
+        dim = state.store_axis
+        n = mesh.size(tuple(d for d in mesh.names if d in state.store.split("-")))
+        whole = state.global_shape[dim] if state.global_shape is not None else t.shape[dim] * n
+        sizes = {} if state.global_shape is None else {
+            a.name: m for a, m in zip(state.spec.axes, state.global_shape) if a.mesh}
+        moved = explain(gather_formula(state), tuple(t.shape), mesh=mesh, sizes=sizes, policy=pol,
+                        dtype=t.dtype)
+        rows += [Row(r.phase, f"operand {k}: gather ({gather_formula(state)})", r.move, r.mesh_dims,
+                     r.bytes_per_rank) for r in moved.rows]
+        local_shapes[k] = tuple(whole if i == dim else s for i, s in enumerate(t.shape))
+    return tuple(rows)

@@ -7,6 +7,11 @@ One engine for every gradient sum the library defers:
   written back into the parameters' ``.grad`` (``es.count_communication``
   counts it as any all-reduce). :class:`einshard.params.buckets.GradBucketer`
   (the native gradient hooks) runs its buckets on them.
+- :func:`launch_scatter` and :func:`write_scatter`: a bucket of gradient
+  contributions split into one chunk per group rank, laid out rank by rank and
+  reduce-scattered by one asynchronous call; each rank adds its chunks into
+  the ``.grad`` of the parameters it stores a slice of (ZeRO-3,
+  :mod:`einshard.params.zero`, through :meth:`DeferredSums.add_scatter`).
 - :data:`DEFERRED`, a :class:`DeferredSums`: the gradient sums of leaf
   tensors (parameters) that feed per-rank computation, :func:`leaf_sum`: a
   ``shard_map`` body's pvary of a parameter (:mod:`einshard.vma`), and a
@@ -22,13 +27,15 @@ One engine for every gradient sum the library defers:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import collectives as C
 from .mappings import allreduce_forward_identity_backward
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", "DeferredSums", "DEFERRED",
-           "leaf_sum"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", "launch_scatter", "write_scatter",
+           "DeferredSums", "DEFERRED", "leaf_sum"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -80,13 +87,47 @@ def write(flat, params, modes) -> None:
                 p.grad.add_(summed)
 
 
+def launch_scatter(chunks, group):
+    """Start the reduce-scatter over ``group`` of several contributions, each cut into one chunk per group
+    rank (``chunks[k][j]``: contribution ``k``'s chunk for group rank ``j``): ``(row, work)``, where ``row``
+    (after ``work.wait()``) holds this rank's summed chunks one after the other (then padding)."""
+    size = len(chunks[0])
+    rows = [[c[j].reshape(-1) for c in chunks] for j in range(size)]
+    width = max(sum(t.numel() for t in r) for r in rows)
+    buf = chunks[0][0].new_zeros((size, width))
+    for j, r in enumerate(rows):
+        offset = 0
+        for t in r:
+            buf[j, offset : offset + t.numel()].copy_(t)
+            offset += t.numel()
+    return C.reduce_scatter_rows(buf, group, async_op=True)
+
+
+def write_scatter(row, params, shapes) -> None:
+    """Add this rank's summed chunks (``row``, from :func:`launch_scatter`) into the parameters' ``.grad``
+    (``shapes[k]``: parameter ``k``'s chunk shape, its shard's); a parameter without ``.grad`` gets its own copy."""
+    offset = 0
+    with torch.no_grad():
+        for p, shape in zip(params, shapes):
+            n = math.prod(shape)
+            part = row[offset : offset + n].view(shape)
+            offset += n
+            if part.dtype != p.dtype:
+                part = part.to(p.dtype)
+            if p.grad is None:
+                p.grad = part.clone()
+            else:
+                p.grad.add_(part)
+
+
 class _Filling:
-    """A bucket being filled: contributions to add into their parameters' ``.grad``."""
+    """A bucket being filled: contributions to add into their parameters' ``.grad`` (summed, or
+    reduce-scattered: ``grads`` then holds each contribution's per-rank chunks)."""
 
-    __slots__ = ("group", "params", "grads", "nbytes")
+    __slots__ = ("group", "params", "grads", "nbytes", "scatter")
 
-    def __init__(self, group):
-        self.group, self.params, self.grads, self.nbytes = group, [], [], 0
+    def __init__(self, group, scatter=False):
+        self.group, self.params, self.grads, self.nbytes, self.scatter = group, [], [], 0, scatter
 
 
 class DeferredSums:
@@ -101,7 +142,7 @@ class DeferredSums:
         self.bucket_bytes = bucket_bytes
         self._task = None  # the graph task whose end-of-backward callback is queued
         self._filling: dict = {}  # (group, dtype, device) -> _Filling
-        self._works: list = []  # (work, flat, params), in the order they were started
+        self._works: list = []  # (work, flat, params, chunk shapes or None), in the order they were started
 
     @property
     def pending(self) -> int:
@@ -117,21 +158,42 @@ class DeferredSums:
 
     def add(self, p: torch.Tensor, grad: torch.Tensor, group) -> None:
         """Sum ``grad`` over ``group`` and add it into ``p.grad`` before the running backward returns."""
+        self._add(p, grad, group, grad, False)
+
+    def add_scatter(self, p: torch.Tensor, chunks, group) -> None:
+        """Reduce-scatter a contribution over ``group``, cut into ``chunks`` (one per group rank, in group
+        rank order), and add this rank's summed chunk into ``p.grad`` (``p`` holds that slice) before the
+        running backward returns."""
+        self._add(p, tuple(chunks), group, chunks[0], True)
+
+    def _add(self, p, grad, group, sample, scatter) -> None:
         self.arm()
-        key = (group, grad.dtype, grad.device)
+        key = (group, sample.dtype, sample.device, scatter)
         bucket = self._filling.get(key)
         if bucket is None:
-            bucket = self._filling[key] = _Filling(group)
+            bucket = self._filling[key] = _Filling(group, scatter)
         bucket.params.append(p)
         bucket.grads.append(grad)
-        bucket.nbytes += grad.numel() * grad.element_size()
+        parts = grad if scatter else (grad,)
+        bucket.nbytes += sum(g.numel() for g in parts) * sample.element_size()
         if bucket.nbytes >= self.bucket_bytes:
             del self._filling[key]
             self._start(bucket)
 
+    def start_filling(self) -> None:
+        """Start every partly filled bucket now (a unit of work is complete: its sums need not wait)."""
+        filling, self._filling = self._filling, {}
+        for bucket in filling.values():
+            self._start(bucket)
+
     def _start(self, bucket: _Filling) -> None:
-        flat, work = launch(bucket.grads, bucket.group)
-        self._works.append((work, flat, bucket.params))
+        if bucket.scatter:
+            me = C.group_rank(bucket.group)
+            row, work = launch_scatter(bucket.grads, bucket.group)
+            self._works.append((work, row, bucket.params, [tuple(c[me].shape) for c in bucket.grads]))
+        else:
+            flat, work = launch(bucket.grads, bucket.group)
+            self._works.append((work, flat, bucket.params, None))
 
     def _end_of_backward(self) -> None:
         self._task = None
@@ -139,9 +201,12 @@ class DeferredSums:
         for bucket in filling.values():
             self._start(bucket)
         works, self._works = self._works, []
-        for work, flat, params in works:
+        for work, flat, params, shapes in works:
             work.wait()
-            write(flat, params, ("add",) * len(params))
+            if shapes is None:
+                write(flat, params, ("add",) * len(params))
+            else:
+                write_scatter(flat, params, shapes)
 
 
 #: the deferred gradient sums of ``shard_map`` bodies (one per process)

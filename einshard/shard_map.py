@@ -40,6 +40,7 @@ from ._specs import (
     leaf_path,
     match,
     maybe_dtensor,
+    parse_spec,
     resolve_spec,
     shapes_subset,
     sizes_subset,
@@ -57,6 +58,7 @@ from .ops.einshard import duties_satisfied, einshard
 from .params.metadata import named_sizes, recorded_global_shape
 from .params.store import PARAM_STATE_ATTR
 from .params.summed import body_duty_error, native_duty, watch_body
+from .params.zero import BodyGathers, shard_map_entry
 
 __all__ = ["shard_map", "ShardMap"]
 
@@ -183,10 +185,14 @@ class ShardMap:
         body_leaves = leaves
         token = None
         satisfied = None
+        gathers = None
         try:
             if self.check_vma:  # the body sums every gradient: formulas (entry and exit conversions too) plan no duty
                 satisfied = duties_satisfied().__enter__()
             body_args, body_leaves = _convert_inputs(plan.actions, args, leaves, treedef)
+            gathers = BodyGathers.of(body_leaves) if plan.actions else None  # stored parameters: freed after use
+            if gathers is not None:
+                gathers.__enter__()
             tracker = _vma.Tracker(mesh, plan.info) if self.check_vma else None
             # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
             # push) must not resume after the push outside the block that pops it
@@ -220,6 +226,8 @@ class ShardMap:
                 checks.report_failure(group, exc)
             raise
         finally:
+            if gathers is not None:
+                gathers.__exit__(None, None, None)
             if satisfied is not None:
                 satisfied.__exit__(None, None, None)
             if token is not None:
@@ -313,6 +321,12 @@ class ShardMap:
             if spec is None or not isinstance(x, _Tensor):
                 continue
             where = f"shard_map: argument args{leaf_path(args, i)} (spec {spec.text!r})"
+            zero = None
+            state = getattr(x, PARAM_STATE_ATTR, None) if isinstance(x, _Parameter) else None
+            if state is not None and state.store is not None and not spec.conversion and spec.inner == state.layout:
+                # stored sharded (ZeRO-3): the body sees the compute block, gathered on entry
+                spec = parse_spec(f"{state.layout} -> {state.compute_layout}", None, where, "in")
+                zero = functools.partial(_zero_entry, mesh, self.check_vma)
             if maybe_dtensor(x):
                 dtensor = True
                 try:
@@ -337,7 +351,10 @@ class ShardMap:
                     continue
                 if resolved.local_error is not None:
                     errors.append(f"{where}: {resolved.local_error}")
-                if spec.conversion:
+                if zero is not None:
+                    actions.append((i, zero))
+                    _merge(table, layout_entries(resolved.output), ambiguous)
+                elif spec.conversion:
                     opts = self._opts(expand(spec.text, self.families), sizes)
                     actions.append((i, functools.partial(_convert, einshard, spec.text, mesh, opts)))
                     _merge(table, layout_entries(resolved.output), ambiguous)
@@ -655,6 +672,10 @@ def _out_plan_for_trace(sm, struct, leaves, mesh, plan) -> str:
 
 def _convert(einshard, formula, mesh, opts, x):
     return einshard(formula, x, mesh=mesh, **opts)
+
+
+def _zero_entry(mesh, summed, x):
+    return shard_map_entry(x, mesh, summed)
 
 
 def _from_dtensor(apply_from_dtensor, src, target, mesh, x):

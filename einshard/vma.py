@@ -332,6 +332,8 @@ class Tracker(_Rules, TorchFunctionMode):
                 if t.is_leaf and t.requires_grad and _grad_enabled():  # its sum can wait for the end of backward
                     y = leaf_sum(t, group)
                     self.deferred = True
+                elif _grad_enabled() and getattr(t, "einshard_pvary", None) is not None:
+                    y = t.einshard_pvary(self.info.dims(missing))  # its producer sums it (a ZeRO gather)
                 else:
                     y = pvary_tensor(t, group)
                 if isinstance(t, torch.nn.Parameter):

@@ -237,8 +237,21 @@ def grad_duties(cfg: Config = CONFIG) -> dict[str, str]:
     return {name: f"{group}:async" for name, group in duties.items()}
 
 
-def empty_model(mesh, cfg: Config, style: str) -> GPT:
-    """A GPT with this rank's (uninitialised) blocks for ``mesh``, its layouts registered."""
+def stored_over_dp(cfg: Config = CONFIG) -> dict[str, str]:
+    """``--zero``: the parameters stored sharded over ``dp`` (ZeRO-3), by name: every one whose layout leaves an
+    axis unsplit (``b1``, ``f/tp``, has none: its hooks sum it as before)."""
+    return {name: "dp" for name, layout in model_layouts(cfg).items() if any("/" not in a for a in layout.split())}
+
+
+def whole_sizes(cfg: Config = CONFIG) -> dict[str, int]:
+    """The whole size of every axis of the layouts (``sizes=``: uneven storage slices need them)."""
+    return {"v": cfg.vocab, "c": cfg.width, "n": cfg.seq, "t": 3, "h": cfg.heads, "d": cfg.head_width,
+            "f": cfg.hidden}
+
+
+def empty_model(mesh, cfg: Config, style: str, zero: bool = False) -> GPT:
+    """A GPT with this rank's (uninitialised) blocks for ``mesh``, its layouts registered (``zero``: stored
+    sharded over ``dp``, see :func:`stored_over_dp`)."""
     with torch.device("meta"):
         model = GPT(cfg)
     layouts = model_layouts(cfg)
@@ -249,12 +262,15 @@ def empty_model(mesh, cfg: Config, style: str) -> GPT:
         setattr(model.get_submodule(owner), leaf, nn.Parameter(block))
     # shard_map style: shard_map's variance tracking sums the gradients; einshard style: the hooks do
     grad = grad_duties(cfg) if style == "einshard" else None
+    if zero:  # the parameters hold their compute blocks now; registering store= keeps a 1/|dp| slice of each
+        return es.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad, store=stored_over_dp(cfg),
+                                                     sizes=whole_sizes(cfg))
     return es.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad)
 
 
-def sharded_model(mesh, values, cfg: Config = CONFIG, style: str = "shard_map") -> GPT:
+def sharded_model(mesh, values, cfg: Config = CONFIG, style: str = "shard_map", zero: bool = False) -> GPT:
     """A GPT whose parameters are this rank's blocks of the whole ``values``."""
-    model = empty_model(mesh, cfg, style)
+    model = empty_model(mesh, cfg, style, zero)
     with torch.no_grad():
         for name, block in es.tree_shard(values, es.param_specs(model), mesh=mesh).items():
             model.get_parameter(name).copy_(block)
@@ -264,7 +280,7 @@ def sharded_model(mesh, values, cfg: Config = CONFIG, style: str = "shard_map") 
 # -- the sharded training step, two ways ----------------------------------------------------------------
 
 
-def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False):
+def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False, precision: str = "fp"):
     """``step(tokens, targets)``: forward and backward on whole batches; returns the loss.
 
     ``shard_map``: the loss is one ``shard_map`` body; replicated parameters meeting per-rank
@@ -273,13 +289,21 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False)
     collectives become graph nodes). ``einshard``: the model runs under ``es.use_mesh``;
     every parameter carries its gradient duty (:func:`grad_duties`), the formulas leave those
     gradients partial, and bucketed asynchronous all-reduces started during backward sum them.
+    Parameters stored sharded (``--zero``) are gathered before use: by each module's hooks, or on
+    entry to the ``shard_map`` body (``es.param_specs`` gives their storage specs).
+    ``precision="bf16"`` (einshard style): the modules compute in bf16 (``param_dtype``), the stored
+    gradients are summed in fp32 (``reduce_dtype``), masters and Adam stay in ``cfg.dtype``.
     """
     mask = causal_mask(mesh, model.cfg)
     # ring attention: the sequence in zigzag order (rank r of sp holds chunks r and 2sp-1-r), so that
     # causal work is the same on every rank; the loss sums over positions, whatever their order
     order = zigzag_indices(model.cfg.seq, mesh.size("sp")) if model.cfg.attention == "ring" else None
     if style == "einshard":
-        handle = es.register_native_grad_reduction_hooks_(model, mesh)
+        mp = {}
+        if precision == "bf16":
+            mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+            mask = mask.to(torch.bfloat16)
+        handle = es.register_native_grad_reduction_hooks_(model, mesh, **mp)
 
         def step(tokens, targets):
             tokens, targets = reorder(tokens, targets, order)
@@ -317,8 +341,8 @@ def reorder(tokens, targets, order):
     return (tokens, targets) if order is None else (tokens[:, order], targets[:, order])
 
 
-def train(mesh, model: GPT, optimizer, steps: range, style: str = "shard_map") -> list[float]:
-    step_fn = make_step(model, mesh, style)
+def train(mesh, model: GPT, optimizer, steps: range, style: str = "shard_map", precision: str = "fp") -> list[float]:
+    step_fn = make_step(model, mesh, style, precision=precision)
     losses = []
     for step in steps:
         optimizer.zero_grad(set_to_none=True)
@@ -340,9 +364,10 @@ def checkpoint_state(model: GPT, optimizer, mesh) -> dict:
             "step": step.clone()}
 
 
-def load_checkpoint(path: str, mesh, cfg: Config, style: str):
-    """A model and an Adam optimizer on ``mesh`` with the state saved at ``path`` (from any mesh)."""
-    model = empty_model(mesh, cfg, style)
+def load_checkpoint(path: str, mesh, cfg: Config, style: str, zero: bool = False):
+    """A model and an Adam optimizer on ``mesh`` with the state saved at ``path`` (from any mesh, stored
+    sharded over ``dp`` or not)."""
+    model = empty_model(mesh, cfg, style, zero)
     zeros = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
              for name, p in model.named_parameters()}
     specs = es.param_specs(model)
@@ -360,8 +385,10 @@ def load_checkpoint(path: str, mesh, cfg: Config, style: str):
 # -- the same model in one process ---------------------------------------------------------------------
 
 
-def reference_loss(p, tokens, targets, cfg: Config = CONFIG):
-    """The same model on whole tensors with plain torch."""
+def reference_loss(p, tokens, targets, cfg: Config = CONFIG, precision: str = "fp"):
+    """The same model on whole tensors with plain torch (``bf16``: the same mixed-precision recipe)."""
+    if precision == "bf16":
+        p = {k: v.to(torch.bfloat16) for k, v in p.items()}
     causal = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
     x = p["wte"][tokens] + p["wpe"]
     for i in range(cfg.layers):
@@ -377,13 +404,13 @@ def reference_loss(p, tokens, targets, cfg: Config = CONFIG):
     return F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
 
 
-def reference_training(steps: int, cfg: Config = CONFIG) -> list[float]:
+def reference_training(steps: int, cfg: Config = CONFIG, precision: str = "fp") -> list[float]:
     params = {k: v.clone().requires_grad_() for k, v in init_values(cfg).items()}
     optimizer = torch.optim.Adam(params.values(), lr=LR)
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = reference_loss(params, *batch(step, cfg), cfg)
+        loss = reference_loss(params, *batch(step, cfg), cfg, precision)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -398,24 +425,27 @@ def make_mesh(dims=MESH):
     return es.wrap_mesh(init_device_mesh("cpu", shape, mesh_dim_names=names))
 
 
-def on_rank(steps: int, style: str, path: str, attention: str = "gather") -> list[str]:
+def on_rank(steps: int, style: str, path: str, attention: str = "gather", zero: bool = False,
+            precision: str = "fp") -> list[str]:
     """What every rank runs: train half the steps on the 2x2x2 mesh, save, resume on 4x1x2, compare."""
     torch.set_num_threads(1)
     cfg = replace(CONFIG, attention=attention)
     half = steps // 2
     mesh = make_mesh()
-    model = sharded_model(mesh, init_values(cfg), cfg, style)
+    model = sharded_model(mesh, init_values(cfg), cfg, style, zero)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     start = time.perf_counter()
-    losses = train(mesh, model, optimizer, range(half), style)
+    losses = train(mesh, model, optimizer, range(half), style, precision)
     dcp.save(checkpoint_state(model, optimizer, mesh), checkpoint_id=path)
     other = make_mesh(RESUME_MESH)
-    model, optimizer = load_checkpoint(path, other, cfg, style)
-    resumed = train(other, model, optimizer, range(half, steps), style)
+    model, optimizer = load_checkpoint(path, other, cfg, style, zero)
+    resumed = train(other, model, optimizer, range(half, steps), style, precision)
     elapsed = time.perf_counter() - start
-    ref = reference_training(steps, cfg)
+    ref = reference_training(steps, cfg, precision)
+    extra = (", parameters, gradients and Adam states stored sharded over dp (ZeRO-3)" if zero else "") + (
+        ", computed in bf16 (reductions of stored gradients in fp32)" if precision == "bf16" else "")
     lines = [f"GPT ({cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, vocabulary {cfg.vocab}), "
-             f"{steps} Adam steps, {cfg.dtype}, {style} style, {attention} attention: "
+             f"{steps} Adam steps, {cfg.dtype}, {style} style, {attention} attention{extra}: "
              f"steps 0-{half - 1} on mesh {dict(MESH)}, "
              f"checkpointed with torch.distributed.checkpoint, steps {half}-{steps - 1} on mesh {dict(RESUME_MESH)}"]
     for i, (a, b) in enumerate(zip(losses + resumed, ref)):
@@ -438,11 +468,18 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", choices=("gather", "ring", "ulysses"), default="gather",
                         help="context parallelism: gather keys and values over sp, pass them around the sp ring, "
                              "or swap the sequence split for a head split (all-to-all)")
+    parser.add_argument("--zero", action="store_true",
+                        help="store parameters, gradients and Adam states sharded over dp (ZeRO-3)")
+    parser.add_argument("--precision", choices=("fp", "bf16"), default="fp",
+                        help="bf16: compute in bf16, stored gradients summed in fp32 (einshard style)")
     args = parser.parse_args(argv)
-    path = os.path.join(args.checkpoint_dir, args.style if args.attention == "gather" else
-                        f"{args.style}-{args.attention}")
+    if args.precision == "bf16" and args.style != "einshard":
+        parser.error("--precision bf16 needs --style einshard (the hooks cast the parameters)")
+    path = os.path.join(args.checkpoint_dir, args.style + ("" if args.attention == "gather" else f"-{args.attention}")
+                        + ("-zero" if args.zero else "") + ("" if args.precision == "fp" else f"-{args.precision}"))
     # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(on_rank, 8, args=(args.steps, args.style, path, args.attention), timeout=600)
+    results = launch(on_rank, 8, args=(args.steps, args.style, path, args.attention, args.zero, args.precision),
+                     timeout=600)
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

@@ -11,7 +11,7 @@ from ..distributed import run_distributed, traced_run
 from ..errors import EinshardError
 from ..local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
-from ..params.formula import (ANY, check_params_first, duty_of, formula_names, recorded_shapes, recorder_for,
+from ..params.formula import (ANY, check_not_stored, check_params_first, duty_of, formula_names, recorded_shapes, recorder_for,
                               resolve_pending, state_duties)
 from ..params.metadata import named_sizes
 from ..params.state import ParameterState
@@ -108,6 +108,7 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
         prepared = recorder.prepare(tensors, formula_names(mesh))  # metadata errors first
     if parsed.is_local:
         check_tensors(parsed, tensors)
+        check_not_stored(tensors, formula)
     scalar = _scalar_form(parsed, tensors)
     if scalar is not None:  # 'loss // (sp, dp) -> loss' on 0-d tensors: the same as '// (sp, dp) -> '
         return einshard(scalar, *tensors, mesh=mesh, shapes=shapes, optimize=optimize, policy=policy)
@@ -204,6 +205,7 @@ def _known_distributed(key, recorder) -> None:
 def _with_recorded_sizes(key, tensors):
     """``key`` with the sizes the operands' recorded global shapes give (``sizes=`` for their axes), so the
     formula checks their blocks and knows their split shapes; ``key`` itself when none records one."""
+    check_not_stored(tensors, key[0])
     found = recorded_shapes(tensors)
     if not found:
         return key

@@ -11,7 +11,8 @@ broadcast its initial values, and which groups SUM its gradient. Modules:
 - ``sync``: initial broadcasts; ``reduce``: gradient reduction (helpers, hooks, DDP);
 - ``buckets``: the hooks' engine; ``summed``: gradients a ``shard_map`` body sums;
 - ``metadata``: local slices and shapes, global shapes; ``operand``: formula operands (``[param]``);
-- ``like``: ``einshard_like`` (record a formula's states without running it).
+- ``like``: ``einshard_like`` (record a formula's states without running it);
+- ``zero`` (imported by ``einshard`` itself): parameters stored sharded (``store=``), their gathers.
 """
 
 from .like import einshard_like

@@ -36,7 +36,7 @@ from .operand import is_rank_local, parameter_operand_state
 from .state import ParameterGradComm, ParameterState, check_state
 from .store import PARAM_STATE_ATTR, prepare_registration, set_parameter_state
 
-__all__ = ["duty_of", "state_duties", "recorded_shapes", "explain_duties", "FormulaRecorder", "recorder_for",
+__all__ = ["check_not_stored", "duty_of", "state_duties", "recorded_shapes", "explain_duties", "FormulaRecorder", "recorder_for",
            "formula_names", "check_params_first"]
 
 _TENSOR = torch.Tensor
@@ -72,6 +72,23 @@ def state_duties(tensors) -> tuple:
                 found = [None] * len(tensors)
             found[k] = duty
     return () if found is None else tuple(found)
+
+
+def check_not_stored(tensors, formula: str) -> None:
+    """ValueError for a parameter stored sharded (``store=``) given to a formula as it is: the formula
+    would compute with its storage slice. Its module's gather (the gradient hooks) gives the compute block."""
+    for k, t in enumerate(tensors):
+        if type(t) is _TENSOR or not isinstance(t, torch.nn.Parameter):
+            continue
+        state = getattr(t, PARAM_STATE_ATTR, None)
+        if state is not None and state.store is not None:
+            raise EinshardError(
+                f"{formula!r}: operand {k} is a parameter stored sharded over {state.store!r} (store=, layout "
+                f"{state.layout!r}), used without its gather: it holds a slice of its compute block "
+                f"{state.compute_layout!r}. Use it inside the forward of the module that owns it, with the hooks "
+                "installed (es.register_native_grad_reduction_hooks_(model, mesh)), or pass it to es.shard_map "
+                "with its es.param_specs"
+            )
 
 
 def recorded_shapes(tensors) -> tuple:
@@ -150,6 +167,11 @@ class FormulaRecorder:
             if k >= len(tensors):
                 raise EinshardError(f"{self.formula!r}: operand {k} is annotated [param] but no tensor was given for it")
             p = tensors[k]
+            if not isinstance(p, torch.nn.Parameter) and getattr(p, PARAM_STATE_ATTR, None) is not None:
+                raise EinshardError(
+                    f"{self.formula!r}: operand {k} is annotated [param] but is the gathered block of a parameter "
+                    "stored sharded (store=); its registered state gives its layout and duty: drop the annotation"
+                )
             if not isinstance(p, torch.nn.Parameter):
                 raise TypeError(
                     f"{self.formula!r}: operand {k} is annotated [param] and must be a torch.nn.Parameter, "

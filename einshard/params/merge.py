@@ -24,7 +24,18 @@ def _footprint(groups) -> frozenset[str]:
     return frozenset(groups) | frozenset(c for g in groups for c in components(g))
 
 
+def _merge_store(e: ParameterState, n: ParameterState):
+    """The storage group: equal ones, or one side's; a stored layout takes a plain one that is its compute layout."""
+    if e.store is not None and n.store is not None and e.store != n.store:
+        raise _conflict("different storage groups (store=)", e.store, n.store)
+    return e.store if e.store is not None else n.store
+
+
 def _merge_layout(e: ParameterState, n: ParameterState):
+    for stored, plain in ((e, n), (n, e)):  # the compute layout of a stored parameter, registered again
+        if stored.store is not None and plain.store is None and plain.spec is not None:
+            if plain.layout == stored.compute_layout:
+                return stored.spec, stored.layout_shard_dims
     if e.spec is not None and n.spec is not None:
         if e.spec.items != n.spec.items:
             raise _conflict("different layout", e.layout, n.layout)
@@ -135,6 +146,7 @@ def merge_states(e: ParameterState | None, n: ParameterState) -> ParameterState:
         explicit_init_sync_none=e.explicit_init_sync_none or n.explicit_init_sync_none,
         explicit_grad_comm_none=e.explicit_grad_comm_none or n.explicit_grad_comm_none,
         global_shape=_merge_global_shape(e, n),
+        store=_merge_store(e, n),
     )
     check_state(merged)
     return e if merged == e else merged

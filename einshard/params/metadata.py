@@ -30,7 +30,8 @@ from .state import ParameterState, check_state
 from .store import get_parameter_state, set_parameter_state
 
 __all__ = ["ParamShardMetadata", "param_shard_dims", "param_local_slices", "param_local_shape", "param_shard_metadata",
-           "named_sizes", "global_shape_from_sizes", "record_global_shape_", "recorded_global_shape"]
+           "named_sizes", "global_shape_from_sizes", "record_global_shape_", "recorded_global_shape", "storage_slice",
+           "group_size"]
 
 
 @dataclass(frozen=True)
@@ -239,3 +240,31 @@ def record_global_shape_(p, global_shape):
     check_state(new)
     set_parameter_state(p, new)
     return p
+
+
+def storage_slice(state: ParameterState, block_shape, mesh) -> tuple[int, slice, bool]:
+    """``(dim, slice, even)``: the part of a compute block of ``block_shape`` this rank stores (``store=``).
+
+    The storage group splits the block's axis ``dim`` (unsplit by the compute layout) by einshard's rule;
+    ``even``: every rank of the group holds the same length.
+
+    >>> import einshard as es
+    >>> s = es.ParameterState.from_layout("f/tp c", mesh_dim_names=("dp", "tp"), store="dp")
+    >>> storage_slice(s, (3, 5), es.Mesh.virtual((2, 2), ("dp", "tp"), coordinate=(1, 0)))
+    (1, slice(3, 5, None), False)
+    """
+    dim = state.store_axis
+    n, r = _Coordinates(mesh).size_and_index(state.store)
+    splits = compute_split_shapes_for_factors(int(block_shape[dim]), n, 1)
+    start = sum(splits[:r])
+    return dim, slice(start, start + splits[r]), len(set(splits)) == 1
+
+
+def group_size(mesh, group: str) -> int:
+    """The number of ranks in a (compound) mesh group.
+
+    >>> import einshard as es
+    >>> group_size(es.Mesh.virtual((2, 3), ("dp", "tp"), coordinate=(0, 0)), "dp-tp")
+    6
+    """
+    return _Coordinates(mesh).size_and_index(group)[0]

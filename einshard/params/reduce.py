@@ -50,8 +50,10 @@ __all__ = [
 
 
 def _native_groups(state: ParameterState) -> tuple[str, ...]:
+    """The groups the reducers sum over: none for a stored parameter (``store=``), whose gather's backward
+    sums its gradient (see :mod:`einshard.params.zero`)."""
     g = state.grad_comm
-    return g.mesh_dims if g.backend == "native" and g.mode != "none" else ()
+    return g.mesh_dims if g.backend == "native" and g.mode != "none" and state.store is None else ()
 
 
 def _check_state(state, where: str) -> None:
@@ -151,6 +153,11 @@ class NativeGradReductionHandle:
     def pending(self) -> int:
         return sum(b.pending for b in self._bucketers)
 
+    def adopt(self, part) -> "NativeGradReductionHandle":
+        """Add ``part`` (``pending``, ``wait()``, ``no_sync()``, ``remove()``, as a bucketer has) to the handle."""
+        self._bucketers.append(part)
+        return self
+
     def wait(self) -> "NativeGradReductionHandle":
         for b in self._bucketers:
             b.wait()
@@ -238,6 +245,11 @@ def _check_ddp_state(name, state, rt, ddp_parts) -> None:
     if not isinstance(state, ParameterState):
         raise TypeError(f"{where}: expected a ParameterState, got {type(state).__name__}")
     check_not_pending(state, where)
+    if state.store is not None:
+        raise EinshardError(
+            f"{where}: the parameter is stored sharded over {state.store!r} (store=): its gather's backward "
+            "reduce-scatters its gradient, and DDP would all-reduce it a second time; train it without DDP"
+        )
     for g in _ddp_groups(state):
         if set(components(g)) & ddp_parts:
             raise EinshardError(f"{where}: grad group {g!r} touches ddp_group; DDP already reduces over it")

@@ -18,10 +18,10 @@ from dataclasses import replace
 import torch
 
 from ..errors import EinshardError
-from .metadata import global_shape_from_sizes
+from .metadata import global_shape_from_sizes, group_size, storage_slice
 from .names import mesh_names
 from .state import ParameterState
-from .store import Registration, get_parameter_state, per_name
+from .store import Registration, get_parameter_state, per_name, set_parameter_state
 
 __all__ = [
     "register_parameter_layout",
@@ -34,14 +34,64 @@ __all__ = [
 _UNSET = object()
 
 
-def _layout_state(layout, names, grad, init_sync, source, p=None, sizes=None) -> ParameterState:
-    """The state of ``layout``; with ``sizes=`` (``{axis: whole size}``) it records ``p``'s global shape."""
-    state = ParameterState.from_layout(layout, mesh_dim_names=names, grad=grad, init_sync=init_sync, source=source)
+def _store_axis(layout: str, group: str, shape, mesh) -> str:
+    """``store=group`` as ``"axis/group"``: the first axis the layout leaves unsplit whose size the group
+    divides (no padded slices), else the first unsplit one (``group`` itself when there is none, or when
+    the layout is not plain: the state reports it)."""
+    try:
+        spec = ParameterState.from_layout(layout).spec
+        n = group_size(mesh, group)
+    except ValueError:
+        return group
+    if len(spec.axes) != len(shape):
+        return group
+    free = [(a.name, size) for a, size in zip(spec.axes, shape) if a.mesh is None]
+    if not free:
+        return group
+    even = [name for name, size in free if size % n == 0 and size >= n]
+    return f"{(even or [free[0][0]])[0]}/{group}"
+
+
+def _layout_state(layout, names, grad, init_sync, source, p=None, sizes=None, store=None, mesh=None) -> ParameterState:
+    """The state of ``layout``; with ``sizes=`` (``{axis: whole size}``) it records ``p``'s global shape.
+
+    ``store=``: stored sharded over that group (``"c/dp"``: along ``c``; a bare group picks the axis, see
+    :func:`_store_axis`); ``p`` holds its compute block (``layout``) until attached."""
+    if store is not None and mesh is not None and p is not None and isinstance(store, str) and "/" not in store:
+        store = _store_axis(layout, store, tuple(p.shape), mesh)
+    state = ParameterState.from_layout(layout, mesh_dim_names=names, grad=grad, init_sync=init_sync, source=source,
+                                       store=store)
     if sizes and p is not None:
-        shape = global_shape_from_sizes(state, tuple(p.shape), sizes)
+        compute = state if store is None else ParameterState.from_layout(state.compute_layout)
+        shape = global_shape_from_sizes(compute, tuple(p.shape), sizes)
         if shape is not None:
             state = replace(state, global_shape=shape)
     return state
+
+
+def _attach(reg: Registration, mesh) -> None:
+    """Attach every state; parameters stored sharded for the first time (``store=``) are cut to their storage
+    block first. Every cut is planned (and every error raised) before anything changes."""
+    cuts = []
+    for p, state in reg.newly_stored():
+        where = f"store={state.store!r} ({state.compute_layout!r})"
+        if mesh is None:
+            raise EinshardError(f"{where}: a parameter stored sharded needs the mesh (pass mesh=, not mesh_dim_names=)")
+        dim, piece, even = storage_slice(state, tuple(p.shape), mesh)
+        if state.global_shape is None and all(a.mesh in (None, state.store) for a in state.spec.axes):
+            state = replace(state, global_shape=tuple(p.shape))  # nothing else is split: the block is whole
+        elif state.global_shape is None and not even:
+            axis = state.spec.axes[dim].name
+            raise EinshardError(
+                f"{where}: axis {axis!r} ({p.shape[dim]}) splits unevenly over {state.store!r}; give the whole "
+                f"sizes of the split axes (sizes=) so every rank knows every block"
+            )
+        cuts.append((p, state, dim, piece))
+    reg.attach()
+    with torch.no_grad():
+        for p, state, dim, piece in cuts:
+            p.data = p.data[(slice(None),) * dim + (piece,)].clone()
+            set_parameter_state(p, state)
 
 
 def _check_sizes(sizes, layouts=None) -> dict | None:
@@ -64,12 +114,14 @@ def _check_sizes(sizes, layouts=None) -> dict | None:
 
 
 def register_parameter_layout(
-    p, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, sizes=None, source="layout"
+    p, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, sizes=None, source="layout", store=None
 ) -> torch.nn.Parameter:
     """Register ``layout`` (axes only, e.g. ``"out/tp in"``) on ``p``; returns ``p``.
 
     ``sizes=``: the whole sizes of sharded axes (``{"out": 8}``): the parameter's global shape is
-    recorded, and checked wherever its block is used.
+    recorded, and checked wherever its block is used. ``store="dp"`` (with ``mesh=``): ``p`` holds its
+    ``layout`` block now and keeps a ``1/|dp|`` slice of it (ZeRO-3: gathered before use, see
+    :doc:`params`).
 
     >>> p = register_parameter_layout(torch.nn.Parameter(torch.zeros(4, 3)), "out/tp in", grad="dp", sizes={"out": 8})
     >>> get_parameter_state(p).grad_comm.mesh_dims, get_parameter_state(p).global_shape
@@ -79,17 +131,18 @@ def register_parameter_layout(
     if not isinstance(p, torch.nn.Parameter):
         raise TypeError(f"p must be a torch.nn.Parameter, got {type(p).__name__}")
     sizes = _check_sizes(sizes, [layout] if isinstance(layout, str) else None)
-    reg.add(p, _layout_state(layout, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, p, sizes))
-    reg.attach()
+    reg.add(p, _layout_state(layout, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, p, sizes, store, mesh))
+    _attach(reg, mesh)
     return p
 
 
 def register_module_parameter_layouts_(
-    module, layouts, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, sizes=None, source="module"
+    module, layouts, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, sizes=None, source="module",
+    store=None,
 ):
     """Register ``{parameter name: layout}`` (dotted names allowed) on ``module``; returns ``module``.
 
-    ``grad``/``init_sync`` are one value for all, or mappings by name (absent names get the default).
+    ``grad``/``init_sync``/``store`` are one value for all, or mappings by name (absent names get the default).
     ``sizes=``: ``{axis: whole size}`` for sharded axes; the global shapes of the parameters whose sharded
     axes it names are recorded (and checked wherever their blocks are used).
 
@@ -113,6 +166,7 @@ def register_module_parameter_layouts_(
     sizes = _check_sizes(sizes, list(layouts.values()))
     grads = per_name(grad, names, "grad")
     syncs = per_name(init_sync, names, "init_sync")
+    stores = per_name(store, names, "store")
     mesh_dims = mesh_names(mesh, mesh_dim_names)
     reg = Registration()
     for name in names:
@@ -121,10 +175,11 @@ def register_module_parameter_layouts_(
         except AttributeError:
             raise EinshardError(f"unknown parameter names: {name!r} is not a parameter of the module") from None
         try:
-            reg.add(p, _layout_state(layouts[name], mesh_dims, grads[name], syncs[name], source, p, sizes), name)
+            reg.add(p, _layout_state(layouts[name], mesh_dims, grads[name], syncs[name], source, p, sizes,
+                                     stores[name], mesh), name)
         except ValueError as err:
             raise EinshardError(f"parameter {name!r}: {err}") from None
-    reg.attach()
+    _attach(reg, mesh)
     return module
 
 
@@ -147,7 +202,7 @@ def _first_axis_layout(state: ParameterState) -> str:
 
 def _register_pair(
     module, what, weight_layout, bias_layout, names, grads, syncs, source, *, bias_must_match_first_axis, check,
-    sizes=None, bias_given=False,
+    sizes=None, bias_given=False, mesh=None, stores=(None, None),
 ):
     """Shared body of the linear/conv/norm helpers (``grads``/``syncs``: (weight, bias) values; the shared
     ``grad=``/``init_sync=`` are defaults for both). ``bias_given``: a ``bias_*`` argument was passed.
@@ -163,22 +218,29 @@ def _register_pair(
     check(weight, bias)
     sizes = _check_sizes(sizes, [weight_layout])
     reg = Registration()
-    w_state = _layout_state(weight_layout, names, grads[0], syncs[0], source, weight, sizes)
+    w_state = _layout_state(weight_layout, names, grads[0], syncs[0], source, weight, sizes, stores[0], mesh)
     reg.add(weight, w_state, "weight")
     if bias is not None:
         if bias_must_match_first_axis:
-            default = _first_axis_layout(w_state)
+            default = _first_axis_layout(ParameterState.from_layout(w_state.compute_layout))
             if bias_layout is not None and _layout_state(bias_layout, names, None, None, source).layout != default:
                 raise EinshardError(f"{what}: bias layout {bias_layout!r} must be the first weight axis {default!r}")
             bias_layout = default
         elif bias_layout is None:
-            bias_layout = w_state.layout
-        elif _layout_state(bias_layout, names, None, None, source).layout != w_state.layout:
+            bias_layout = w_state.compute_layout
+        elif _layout_state(bias_layout, names, None, None, source).layout != w_state.compute_layout:
             raise EinshardError(f"{what}: the bias layout {bias_layout!r} must match the weight layout "
-                                f"{w_state.layout!r} (the same axes, sharded the same way)")
-        reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source, bias, sizes), "bias")
-    reg.attach()
+                                f"{w_state.compute_layout!r} (the same axes, sharded the same way)")
+        reg.add(bias, _layout_state(bias_layout, names, grads[1], syncs[1], source, bias, sizes, stores[1], mesh),
+                "bias")
+    _attach(reg, mesh)
     return module
+
+
+def _stores(store, bias_store):
+    """(weight, bias) storage groups: ``bias_store`` defaults to ``store``; ``"none"`` stores the bias whole."""
+    bias = store if bias_store is None else bias_store
+    return store, None if bias == "none" else bias
 
 
 def _pick(specific, shared):
@@ -202,9 +264,14 @@ def register_linear_parameters_(
     weight_init_sync=None,
     bias_init_sync=None,
     sizes=None,
+    store=None,
+    bias_store=None,
     source="linear",
 ):
     """Register a linear layer's weight (rank 2) and bias (its first weight axis); returns ``module``.
+
+    ``store=``/``bias_store=``: stored sharded over that group (ZeRO-3, with ``mesh=``; ``bias_store``
+    defaults to ``store``, ``"none"`` keeps the bias whole), as for :func:`register_parameter_layout`.
 
     >>> lin = register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out in/tp")
     >>> get_parameter_state(lin.bias).layout
@@ -223,7 +290,7 @@ def register_linear_parameters_(
         module, "linear", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),
         (weight_grad, bias_grad), (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
         source, bias_must_match_first_axis=True, check=check, sizes=sizes,
-        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync),
+        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync), mesh=mesh, stores=_stores(store, bias_store),
     )
 
 
@@ -244,6 +311,8 @@ def register_conv_parameters_(
     weight_init_sync=None,
     bias_init_sync=None,
     sizes=None,
+    store=None,
+    bias_store=None,
     source="conv",
 ):
     """Register a convolution's weight (rank 3/4/5, default ``out in kh kw``...) and bias; returns ``module``.
@@ -276,7 +345,7 @@ def register_conv_parameters_(
         (_pick(weight_grad, grad), _pick(bias_grad, grad)),
         (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
         source, bias_must_match_first_axis=True, check=check, sizes=sizes,
-        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync),
+        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync), mesh=mesh, stores=_stores(store, bias_store),
     )
 
 
@@ -295,6 +364,8 @@ def register_norm_parameters_(
     weight_init_sync=None,
     bias_init_sync=None,
     sizes=None,
+    store=None,
+    bias_store=None,
     source="norm",
 ):
     """Register a norm layer's affine weight (default layout ``c``) and bias (same shape and layout).
@@ -323,5 +394,5 @@ def register_norm_parameters_(
         (_pick(weight_grad, grad), _pick(bias_grad, grad)),
         (_pick(weight_init_sync, init_sync), _pick(bias_init_sync, init_sync)),
         source, bias_must_match_first_axis=False, check=check, sizes=sizes,
-        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync),
+        bias_given=_bias_given(bias_layout, bias_grad, bias_init_sync), mesh=mesh, stores=_stores(store, bias_store),
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import EinshardError
-from ..notation import EllipsisItem, Family, TensorSpec, Zip, parse_sharding
+from ..notation import Axis, EllipsisItem, Family, TensorSpec, Zip, parse_sharding
 from .names import check_group_syntax, components, mesh_names, normalize_mesh_dim_names, overlapping, unknown_groups
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "check_rank",
     "derive_tensor_state",
     "derive_init_sync",
+    "storage_spec",
+    "gather_formula",
 ]
 
 INIT_MODES = ("none", "external", "explicit", "inferred")
@@ -195,6 +197,7 @@ class ParameterState:
     explicit_init_sync_none: bool = False
     explicit_grad_comm_none: bool = False
     global_shape: tuple[int, ...] | None = None  # the whole tensor's shape, when known (None: unknown)
+    store: str | None = None  # the group the storage layout adds on top of the compute layout (ZeRO), or None
 
     @property
     def axes(self) -> tuple:
@@ -217,8 +220,27 @@ class ParameterState:
 
     @property
     def layout(self) -> str | None:
-        """The canonical layout text (``"out/tp in"``), or ``None`` when layout-free."""
+        """The canonical layout text (``"out/tp in"``), or ``None`` when layout-free: what the parameter holds
+        (its storage layout when it is stored sharded, ``store=``)."""
         return None if self.spec is None else " ".join(map(str, self.spec.items))
+
+    @property
+    def compute_layout(self) -> str | None:
+        """The layout its computations see: :attr:`layout` without the storage group (``store=``).
+
+        >>> ParameterState.from_layout("f/tp c", mesh_dim_names=("dp", "tp"), store="dp").compute_layout
+        'f/tp c'
+        """
+        if self.spec is None or self.store is None:
+            return self.layout
+        return " ".join(i.name if isinstance(i, Axis) and i.mesh == self.store else str(i) for i in self.spec.items)
+
+    @property
+    def store_axis(self) -> int | None:
+        """The index of the axis the storage group splits (``None`` without ``store=``)."""
+        if self.spec is None or self.store is None:
+            return None
+        return next(k for k, i in enumerate(self.spec.items) if isinstance(i, Axis) and i.mesh == self.store)
 
     @classmethod
     def from_spec(cls, spec, *, mesh_dim_names=(), source: str = "inferred") -> "ParameterState":
@@ -247,16 +269,22 @@ class ParameterState:
 
     @classmethod
     def from_layout(
-        cls, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source: str = "layout"
+        cls, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source: str = "layout", store=None
     ) -> "ParameterState":
         """A layout (axes only): no gradient duty unless ``grad=``; init sync inferred unless ``init_sync=``.
 
+        ``store="dp"``: stored sharded over ``dp`` on top of the compute ``layout`` (ZeRO-3, see
+        :func:`storage_spec`; ``store="c/dp"`` names the axis); the gradient duty then includes ``dp``
+        (``grad=`` defaults to it).
+
         >>> ParameterState.from_layout("out/tp in", mesh_dim_names=("dp", "tp")).init_sync.mesh_dims
         ('dp',)
+        >>> ParameterState.from_layout("out/tp in", mesh_dim_names=("dp", "tp"), store="dp").layout
+        'out/tp in/dp'
         """
         if not isinstance(layout, str):
             raise TypeError(f"layout must be a str like 'out/tp in', got {type(layout).__name__}")
-        for key, value in (("grad", grad), ("init_sync", init_sync)):
+        for key, value in (("grad", grad), ("init_sync", init_sync), ("store", store)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{key}= must be a string annotation value like 'dp', got {type(value).__name__}")
         spec = _bare_spec(layout, "layout")
@@ -273,10 +301,15 @@ class ParameterState:
             )
         if any(isinstance(i, (Family, Zip)) for i in spec.items):
             raise EinshardError(f"layout {layout!r} cannot use families")
-        return cls._build(spec, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, False)
+        if store is not None:
+            axis, _, group = store.rpartition("/")
+            store = group
+            spec = storage_spec(spec, store, axis or None)
+            grad = _store_duty(grad, store, layout)
+        return cls._build(spec, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, False, store)
 
     @classmethod
-    def _build(cls, spec, names, grad, init_sync, source, is_param) -> "ParameterState":
+    def _build(cls, spec, names, grad, init_sync, source, is_param, store=None) -> "ParameterState":
         shard_dims = _spec_shard_dims(spec)
         state = cls(
             spec=spec,
@@ -288,10 +321,84 @@ class ParameterState:
             source=source,
             explicit_init_sync_none=init_sync == "none",
             explicit_grad_comm_none=grad == "none",
+            store=store,
         )
         check_state(state)
         _check_diagonal(spec)
         return state
+
+
+def storage_spec(spec: TensorSpec, store: str, axis: str | None = None) -> TensorSpec:
+    """The storage layout of a parameter computed as ``spec`` and stored over ``store`` (ZeRO-3).
+
+    ``store`` is a mesh group (``"dp"``, ``"dp-sp"``) that ``spec`` does not use: it splits the first axis the
+    compute layout leaves unsplit (``f/tp c`` stored over ``dp`` is ``f/tp c/dp``), so every rank holds a
+    ``1/|dp|`` slice of its compute block and an all-gather over ``dp`` alone rebuilds the block. ``axis``
+    names another unsplit axis instead (``store="c/dp"`` at registration).
+
+    >>> str(storage_spec(parse_sharding("f/tp c").inputs[0], "dp"))
+    'f/tp c/dp'
+    """
+    check_group_syntax(store, "store")
+    if store in ("none", "async", "ddp", "external"):
+        raise EinshardError(f"store={store!r}: expected a mesh group like 'dp' or 'dp-sp'")
+    axes = [i for i in spec.items if isinstance(i, Axis)]
+    text = " ".join(map(str, spec.items))
+    used = sorted(_shard_components([a.mesh for a in axes if a.mesh]) & set(components(store)))
+    if used:
+        raise EinshardError(
+            f"store={store!r}: the compute layout {text!r} splits over {used} already; a parameter is stored over "
+            "mesh dimensions its compute layout does not use (the data-parallel ones)"
+        )
+    free = [k for k, i in enumerate(spec.items) if isinstance(i, Axis) and i.mesh is None]
+    if axis is not None:
+        named = [k for k, i in enumerate(spec.items) if isinstance(i, Axis) and i.name == axis]
+        if not named or named[0] not in free:
+            raise EinshardError(f"store={axis}/{store}: {axis!r} is not an unsplit axis of the compute layout {text!r}")
+        free = named
+    if not free:
+        raise EinshardError(
+            f"store={store!r}: every axis of the compute layout {text!r} is split already, so no axis is left for "
+            f"{store!r}; register this parameter without store= (its hooks sum its gradient)"
+        )
+    items = list(map(str, spec.items))
+    items[free[0]] = f"{items[free[0]]}/{store}"
+    return _bare_spec(" ".join(items), "layout")
+
+
+def _store_duty(grad, store: str, layout: str):
+    """The gradient duty of a stored parameter: ``grad=`` (native, covering ``store``), or ``store`` itself."""
+    if grad is None or grad == "async":
+        return store if grad is None else f"{store}:async"
+    comm = ParameterGradComm.from_annotation(grad)
+    if comm.mode == "none":
+        raise EinshardError(
+            f"store={store!r} with grad='none' ({layout!r}): a stored parameter's gradient is always summed over "
+            f"{store!r} (reduce-scattered into its shard)"
+        )
+    if comm.backend != "native":
+        raise EinshardError(
+            f"store={store!r} with grad={grad!r} ({layout!r}): the gather's backward reduce-scatters this gradient "
+            f"over {store!r}, and the {comm.backend} backend would sum it a second time; a stored parameter's duty "
+            f"is native (grad={store!r} or a group containing it)"
+        )
+    if comm.pending_inference or not set(components(store)) <= {c for g in comm.mesh_dims for c in components(g)}:
+        raise EinshardError(
+            f"store={store!r} with grad={grad!r} ({layout!r}): the gradient of a parameter stored over {store!r} "
+            f"is summed over {store!r} (a reduce-scatter); name those groups in grad= (e.g. grad={store!r})"
+        )
+    return grad
+
+
+def gather_formula(state: ParameterState) -> str:
+    """The formula that gathers a stored parameter: storage layout to compute layout, partial over its duty.
+
+    >>> gather_formula(ParameterState.from_layout("f/tp c", mesh_dim_names=("dp", "tp"), store="dp"))
+    'f/tp c/dp -> f/tp c // dp'
+    """
+    groups = state.grad_comm.mesh_dims
+    partial = groups[0] if len(groups) == 1 else "(" + ", ".join(groups) + ")"
+    return f"{state.layout} -> {state.compute_layout} // {partial}"
 
 
 def _check_diagonal(spec: TensorSpec) -> None:
@@ -391,10 +498,33 @@ def _check_fields(state) -> None:
         ):
             raise EinshardError(f"ParameterState.tensor_state does not match the spec {str(state.spec)!r}")
     _check_global_shape(state)
+    _check_store(state)
     if state.explicit_init_sync_none and state.init_sync.mode != "none":
         raise EinshardError("ParameterState.explicit_init_sync_none is set but init_sync is not none")
     if state.explicit_grad_comm_none and state.grad_comm.mode != "none":
         raise EinshardError("ParameterState.explicit_grad_comm_none is set but grad_comm is not none")
+
+
+def _check_store(state) -> None:
+    store = state.store
+    if store is None:
+        return
+    if not isinstance(store, str):
+        raise EinshardError(f"ParameterState.store must be a mesh group (str) or None, got {store!r}")
+    if state.spec is None or state.tensor_state is None:
+        raise EinshardError("a stored parameter (store=) needs a layout of plain axes")
+    if sum(1 for a in state.spec.axes if a.mesh == store) != 1:
+        raise EinshardError(f"ParameterState.store {store!r}: exactly one axis of {state.layout!r} must be split over it")
+    others = _shard_components([a.mesh for a in state.spec.axes if a.mesh and a.mesh != store])
+    if others & set(components(store)):
+        raise EinshardError(f"store={store!r}: the compute layout {state.compute_layout!r} splits over it already")
+    g = state.grad_comm
+    if g.backend != "native" or g.pending_inference or not set(components(store)) <= {
+        c for d in g.mesh_dims for c in components(d)
+    }:
+        raise EinshardError(
+            f"store={store!r}: a stored parameter's gradient duty must be native and cover {store!r}, got {g!r}"
+        )
 
 
 def _check_global_shape(state) -> None:
@@ -427,8 +557,9 @@ def check_state(state) -> None:
         raise EinshardError(f"init_sync groups overlap: {pair[0]!r} and {pair[1]!r}")
     grad = state.grad_comm
     if grad.backend in ("native", "ddp") and not grad.pending_inference:
+        computed = _shard_components([g for g in shards if g != state.store])  # stored: summed, then scattered
         for g in grad.mesh_dims:
-            if set(components(g)) & shard_parts:
+            if set(components(g)) & computed:
                 raise EinshardError(f"grad group {g!r} overlaps the shard groups {shards!r}")
         pair = overlapping(grad.mesh_dims)
         if pair:

@@ -81,6 +81,16 @@ class Registration:
         self._uses: dict[int, ParameterState] = {}
         self._merged: dict[int, tuple[torch.nn.Parameter, ParameterState]] = {}
 
+    def newly_stored(self) -> list:
+        """``(p, state)`` for the parameters this registration stores sharded (``store=``) for the first time:
+        they hold their compute block now, and are cut to their storage block when attached."""
+        out = []
+        for p, merged in self._merged.values():
+            base = get_parameter_state(p)
+            if merged.store is not None and (base is None or base.store is None):
+                out.append((p, merged))
+        return out
+
     def add(self, p, state, what: str = "p") -> ParameterState:
         _require_parameter(p, what)
         if not isinstance(state, ParameterState):
