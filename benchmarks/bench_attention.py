@@ -44,24 +44,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
+from bench_gpt import peak_memory  # (the same measure as the GPT benchmark's)
 from einshard.attention import zigzag_indices
 from einshard.testing import MeshSpec, spawn
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def peak_memory(step) -> int:
-    """Peak tensor bytes allocated during ``step()`` above the level before it (profiler events)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    level = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        level += event.nbytes()
-        peak = max(peak, level)
-    return peak
 
 
 def _gather(mesh, n):

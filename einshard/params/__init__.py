@@ -23,7 +23,6 @@ from .reduce import (
     reduce_grad_,
     reduce_module_grads_,
     register_grad_reduction_hook_,
-    register_native_grad_reduction_hooks_,
 )
 from .register import (
     register_conv_parameters_,
@@ -71,7 +70,6 @@ __all__ = [
     "sync_module_params_",
     "reduce_grad_",
     "reduce_module_grads_",
-    "register_native_grad_reduction_hooks_",
     "NativeGradReductionHandle",
     "register_grad_reduction_hook_",
     "ParamShardMetadata",

@@ -6,7 +6,8 @@ other and from the shards, so local shapes match and nothing is counted twice.
 ``ddp``, ``external``, ``vma`` and ``none`` duties are someone else's job.
 
 - :func:`reduce_grad_` / :func:`reduce_module_grads_`: after backward, synchronously.
-- :func:`register_native_grad_reduction_hooks_`: during backward, through the one
+- :func:`install_sum_hooks` (the sums of ``es.register_native_grad_reduction_hooks_``, which
+  :mod:`einshard.params.zero` completes with the gathers): during backward, through the one
   :class:`~einshard.params.buckets.GradBucketer`: ``synchronous`` and
   ``backend_default`` duties SUM each incoming contribution before it is
   accumulated; ``async`` duties are bucketed and their all-reduces start as soon
@@ -43,7 +44,7 @@ from .validate import check_not_pending
 __all__ = [
     "reduce_grad_",
     "reduce_module_grads_",
-    "register_native_grad_reduction_hooks_",
+    "install_sum_hooks",
     "NativeGradReductionHandle",
     "register_grad_reduction_hook_",
 ]
@@ -186,20 +187,10 @@ class NativeGradReductionHandle:
         self.remove()
 
 
-def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES):
-    """Hooks that SUM each native-duty gradient over its groups during backward; returns a handle.
-
-    ``async`` duties are bucketed (about ``bucket_bytes`` per all-reduce) and
-    start during backward; call ``handle.wait()`` before the optimizer step
-    (with every schedule). Every rank must run backward over the same
-    parameters in the same order. A parameter that gets no gradient keeps
-    ``.grad is None``; one frozen now is hooked once it requires gradients;
-    ``torch.autograd.grad`` returns summed gradients. A parameter whose
-    gradient hooks sum already is refused.
-
-    >>> handle = es.register_native_grad_reduction_hooks_(model, mesh)   # doctest: +SKIP
-    >>> loss.backward(); handle.wait(); opt.step()                       # doctest: +SKIP
-    """
+def install_sum_hooks(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """The gradient-sum half of :func:`einshard.params.zero.register_native_grad_reduction_hooks_`: hooks that
+    SUM each native-duty gradient over its groups during backward (``async`` duties in buckets of about
+    ``bucket_bytes``); returns the handle. Every check passes before any group is created or hook added."""
     rt = None
     plan = []  # (p, state): every check passes before any group is created or hook added
     for name, p, state in iter_parameter_states(module):

@@ -42,7 +42,7 @@ from ..grad_sums import DeferredSums, accumulates
 from ..ops.einshard import einshard
 from .buckets import DEFAULT_BUCKET_BYTES
 from .names import components, runtime_mesh
-from .reduce import register_native_grad_reduction_hooks_ as _register_reduction_hooks
+from .reduce import install_sum_hooks
 from .state import ParameterGradComm, ParameterState, gather_formula
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
@@ -651,7 +651,7 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
                 f"native gradient hooks ({name!r}): the parameter's gathers are installed already (an earlier "
                 "register_native_grad_reduction_hooks_); remove them first (handle.remove())"
             )
-    handle = _register_reduction_hooks(module, mesh, bucket_bytes=bucket_bytes)
+    handle = install_sum_hooks(module, mesh, bucket_bytes=bucket_bytes)
     try:
         units = ZeroUnits(module, mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                           reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes, prefetch=prefetch, units=units)
