@@ -578,3 +578,22 @@ def test_param_specs_carry_the_global_shape():
     assert specs["weight"].global_shape == (6, 4) and specs["weight"].param is lin.weight
     again = pickle.loads(pickle.dumps(specs["bias"]))
     assert again == "out/tp" and again.global_shape == (6,) and again.param is None
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("body_first", [True, False])
+def test_one_backward_from_a_body_and_from_outside_is_refused_by_the_reducer(body_first):
+    """A grad=dp parameter that gets gradient from a shard_map body (which sums it) and from a formula
+    outside (which leaves it partial) in one backward: summing it again would count the body's part twice."""
+    m = es.wrap_mesh(MeshSpec((2,), ("dp",)).build())
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    es.register_parameter_layout(w, "c", mesh=m, grad="dp")
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(m.index("dp")))
+    body = es.shard_map(lambda w, x: es.einshard("b/dp c, c -> ", x, w), in_specs=("c", "b/dp c"), out_specs="",
+                        mesh=m)
+    with es.use_mesh(m):
+        parts = [lambda: body(w, x), lambda: es.einshard("b/dp c, c -> ", x, w)]
+        loss = sum(f() for f in (parts if body_first else parts[::-1]))
+    loss.backward()
+    with pytest.raises(ValueError, match="shard_map"):
+        es.reduce_module_grads_(torch.nn.ParameterList([w]), m)
