@@ -18,6 +18,7 @@ import torch.distributed as dist
 import einshard as es
 from einshard.params import ParameterGradComm, ParameterState
 from einshard.params.buckets import hooked_by
+from probes import OnBackward
 from einshard.testing import local_block
 
 DT = torch.float64
@@ -85,20 +86,6 @@ def _check(block, mesh, scale=1.0, exact=False):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=k)
 
 
-class _Marker(torch.autograd.Function):
-    """Identity whose backward (the last step of backward here) records how many all-reduces are in flight."""
-
-    @staticmethod
-    def forward(ctx, x, box):
-        ctx.box = box
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.box["pending_at_end"] = ctx.box["handle"].pending
-        return grad, None
-
-
 @pytest.mark.ranks(8)
 def test_reduce_helpers_and_hooks_match_single_process(mesh):
     m = es.wrap_mesh(mesh)
@@ -151,7 +138,7 @@ def test_async_hooks_are_bucketed_overlap_backward_and_equal_synchronous(mesh):
     assert es.get_parameter_state(block.g).grad_comm.schedule == "async"
     handle = es.register_native_grad_reduction_hooks_(block, m, bucket_bytes=1)  # one bucket per parameter
     box = {"handle": handle}
-    x = _Marker.apply(block.x.clone().requires_grad_(True), box)
+    x = OnBackward.apply(block.x.clone().requires_grad_(True), lambda: box.update(pending_at_end=box["handle"].pending))
     block.loss(x).backward()
     assert box["pending_at_end"] >= 1  # an all-reduce was in flight before backward ended
     assert handle.wait() is handle and handle.pending == 0

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 import einshard as es
+from probes import OnBackward
 from einshard.testing import MeshSpec, local_block, make_mesh
 
 DT = torch.float64
@@ -215,20 +216,6 @@ def test_no_gathered_parameter_outlives_its_use(mesh, reshard):
     assert es.params.zero.units_of(net.mlp.w1) is None
 
 
-class _Marker(torch.autograd.Function):
-    """Identity on the input; its backward (the last step of backward here) records the scatters in flight."""
-
-    @staticmethod
-    def forward(ctx, x, box):
-        ctx.box = box
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.box["pending"] = ctx.box["handle"].pending
-        return grad, None
-
-
 @pytest.mark.ranks(4)
 @pytest.mark.parametrize("mesh", MESHES[:1], ids=["2x2"])
 @pytest.mark.parametrize("bucket_bytes", [1, 2**20], ids=["one-each", "one-bucket"])
@@ -244,7 +231,9 @@ def test_gathers_and_reduce_scatters_are_counted(mesh, bucket_bytes):
     with es.use_mesh(m):
         with es.count_communication() as stats:
             xs = es.tree_shard(x, rows, mesh=m).requires_grad_()
-            loss = (net(_Marker.apply(xs, box)) ** 2).sum()
+            # the last step of backward records the scatters still in flight
+            marked = OnBackward.apply(xs, lambda: box.update(pending=box["handle"].pending))
+            loss = (net(marked) ** 2).sum()
             loss.backward()
             assert units.pending == 0  # every scatter is written into .grad when backward returns
             handle.wait()
@@ -433,21 +422,6 @@ def test_mixed_precision_matches_the_same_recipe_in_one_process(mesh):
     assert bytes_[torch.float32] == 2 * bytes_[None]  # the reduce-scatters ran in fp32, not in bf16
 
 
-class _InFlight(torch.autograd.Function):
-    """Identity between the norm and the MLP; its backward runs after the MLP's: it records the gathers
-    then in flight (the norm's, issued while the MLP's backward computed)."""
-
-    @staticmethod
-    def forward(ctx, x, box):
-        ctx.box = box
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.box["backward"] = list(ctx.box["units"].in_flight)
-        return grad, None
-
-
 @pytest.mark.ranks(4)
 @pytest.mark.parametrize("mesh", MESHES, ids=["2x2", "4"])
 def test_gathers_are_prefetched_in_the_recorded_order(mesh):
@@ -466,7 +440,11 @@ def test_gathers_are_prefetched_in_the_recorded_order(mesh):
     _, rows, _ = _names(m)
     with es.use_mesh(m):
         for step, x in enumerate(batches):
-            y = net.mlp(_InFlight.apply(net.ln(es.tree_shard(x, rows, mesh=m)), box))
+            # between the norm and the MLP: backward reaches it after the MLP's, and records the gathers
+            # then in flight (the norm's, issued while the MLP's backward computed)
+            h = OnBackward.apply(net.ln(es.tree_shard(x, rows, mesh=m)),
+                                 lambda: box.update(backward=list(box["units"].in_flight)))
+            y = net.mlp(h)
             loss = (y**2).sum()
             if step == 0:  # recording: nothing issued ahead
                 assert box["forward"] == [] and units.order == [units.modules.index(net.ln),
