@@ -160,10 +160,13 @@ class DeferredSums:
         """Sum ``grad`` over ``group`` and add it into ``p.grad`` before the running backward returns."""
         self._add(p, grad, group, grad, False)
 
-    def add_scatter(self, p: torch.Tensor, chunks, group) -> None:
-        """Reduce-scatter a contribution over ``group``, cut into ``chunks`` (one per group rank, in group
-        rank order), and add this rank's summed chunk into ``p.grad`` (``p`` holds that slice) before the
-        running backward returns."""
+    def add_scatter(self, p: torch.Tensor, chunks, group, order=None) -> None:
+        """Reduce-scatter a contribution over ``group``, cut into ``chunks`` (one per block, in block order),
+        and add this rank's summed chunk into ``p.grad`` (``p`` holds that slice) before the running backward
+        returns. ``order``: the group rank holding each block (``es.Mesh.order``; default: block ``j`` on
+        group rank ``j``)."""
+        if order is not None:  # the buckets lay chunks out by group rank
+            chunks = [chunks[order.index(j)] for j in range(len(chunks))]
         self._add(p, tuple(chunks), group, chunks[0], True)
 
     def _add(self, p, grad, group, sample, scatter) -> None:

@@ -174,6 +174,14 @@ class _Plan:
     def _dims(self) -> tuple:
         return tuple(n for n in self.mesh.names if n in components(self.state.store))
 
+    def _blocks(self, dims=None):
+        """``(group, order, index)`` of the storage group (or ``dims``): its process group, the group rank
+        holding each block (``None``: block ``k`` on group rank ``k``, see ``es.Mesh.order``) and this
+        rank's block. Every gather and scatter of a stored parameter goes through them: blocks follow mesh
+        coordinates, as the registration cut them (:func:`einshard.params.metadata.storage_slice`)."""
+        dims = self._dims() if dims is None else dims
+        return self.mesh.group(dims), self.mesh.order(dims), self.mesh.index(dims)
+
     def start(self, shard: torch.Tensor):
         """Start gathering ``shard``'s compute block in ``param_dtype`` (no autograd): a
         :class:`~einshard.collectives.PendingGather` (the block itself for a cast-only plan). The forward of
@@ -189,7 +197,8 @@ class _Plan:
             n = self.mesh.size(dims)
             whole = self.state.global_shape[dim] if self.state.global_shape is not None else x.shape[dim] * n
             splits = compute_split_shapes_for_factors(whole, n, 1)
-            return C.all_gather_start(x, self.mesh.group(dims), dim, splits)
+            group, order, _ = self._blocks(dims)
+            return C.all_gather_start(x, group, dim, splits, order)
 
     def gather(self, shard: torch.Tensor, pending=None) -> torch.Tensor:
         """The compute block of ``shard`` (no autograd), in ``param_dtype``; ``pending``: its prefetched gather."""
@@ -225,11 +234,11 @@ class _Plan:
                     g = C.all_reduce(g, self.mesh.group(extra))
                 n = self.mesh.size(store)
                 splits = compute_split_shapes_for_factors(g.shape[dim], n, 1)
+                group, order, index = self._blocks(store)
                 if set(store) <= set(dims):
-                    part = C.reduce_scatter(g, self.mesh.group(store), dim, splits)
+                    part = C.reduce_scatter(g, group, dim, splits, order)
                 else:  # a use that does not vary over the storage group: this rank's slice
-                    _, rank = self.mesh.size(store), C.group_rank(self.mesh.group(store))
-                    part = g.narrow(dim, sum(splits[:rank]), splits[rank])
+                    part = g.narrow(dim, sum(splits[:index]), splits[index])
                 part = part.to(out.dtype if out is not None else dtype)
                 out = part if out is None else out + part
             side.clear()
@@ -257,8 +266,8 @@ class _Plan:
         if extra and self.mesh.size(extra) > 1:  # the duty's other groups (sp, tp): summed here, at once
             grad = C.all_reduce(grad.detach(), self.mesh.group(extra))
         splits = compute_split_shapes_for_factors(grad.shape[dim], self.mesh.size(dims), 1)
-        (self.sums if sums is None else sums).add_scatter(p, torch.split(grad.detach(), splits, dim),
-                                                          self.mesh.group(dims))
+        group, order, _ = self._blocks(dims)
+        (self.sums if sums is None else sums).add_scatter(p, torch.split(grad.detach(), splits, dim), group, order)
 
 
 class _Gather(torch.autograd.Function):
