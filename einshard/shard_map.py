@@ -58,7 +58,7 @@ from .ops.einshard import duties_satisfied, einshard
 from .params.metadata import named_sizes, recorded_global_shape
 from .params.store import PARAM_STATE_ATTR
 from .params.summed import body_duty_error, native_duty, watch_body
-from .params.zero import BodyGathers, shard_map_entry
+from .params.zero import BodyGathers, shard_map_entry, stored_source
 
 __all__ = ["shard_map", "ShardMap"]
 
@@ -199,7 +199,8 @@ class ShardMap:
             token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self, group))
             if tracker is None:
                 out = self.f(*body_args, **kwargs)
-                return self._finish(out, mesh, plan, None)
+                stored = _stored_with_grads(args, body_leaves) if gathers is not None else ()
+                return self._finish(out, mesh, plan, None, stored)
             attr, serial = _vma.ATTR, tracker.serial
             for i, mask in plan.masks:
                 body_leaves[i].__dict__[attr] = serial | mask
@@ -233,7 +234,7 @@ class ShardMap:
             if token is not None:
                 _context.pop(token)
 
-    def _finish(self, out, mesh, plan, tracker):
+    def _finish(self, out, mesh, plan, tracker, stored=()):
         leaves, treedef = optree.tree_flatten(out, none_is_leaf=True)
         key = (treedef, plan, *[_leaf_key(x) for x in leaves])
         oplan = self._out_plans.get(key)
@@ -241,6 +242,8 @@ class ShardMap:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
         elif checks.ENABLED:
             _raise_agreed(mesh, ())
+        if stored:
+            _refuse_whole_cotangents(out, leaves, oplan, stored, mesh)
         if not oplan.actions and tracker is None:
             return out  # nothing checked, nothing converted
         if not oplan.actions and _vary_as_declared(tracker, leaves, oplan.checks):
@@ -578,6 +581,43 @@ def _exit_leaves(out, leaves, oplan, tracker, eager):
     for i, fn in oplan.actions:
         leaves[i] = fn(leaves[i])
     return leaves
+
+
+def _stored_with_grads(args, body_leaves) -> tuple:
+    """``(argument path, storage group)`` of the stored parameters gathered on a body's entry whose gradients
+    this call computes."""
+    if not torch.is_grad_enabled():
+        return ()
+    found = []
+    for i, x in enumerate(body_leaves):
+        p = stored_source(x) if isinstance(x, _Tensor) else None
+        if p is not None and p.requires_grad:
+            found.append((f"args{leaf_path(args, i)}", getattr(p, PARAM_STATE_ATTR).store))
+    return tuple(found)
+
+
+def _refuse_whole_cotangents(out, leaves, oplan, stored, mesh) -> None:
+    """A ``check_vma=False`` body: a stored parameter's gradient is taken as this rank's share and summed over
+    its storage group, which is exact where each rank's cotangent is its share of the output's (outputs
+    sharded or partial over the group). An output replicated over a storage dimension hands every rank the
+    whole cotangent: a use that does not vary over it would be counted once per rank, a per-rank use summed
+    in the body would not, and nothing tells them apart. Refused (every rank decides alike: from the specs)."""
+    info = _vma.mesh_info(mesh)
+    for i, declared, spec in oplan.checks:
+        if not (leaves[i].requires_grad and torch.is_grad_enabled()):
+            continue
+        for where, group in stored:
+            whole = info.mask(group) & ~declared
+            if whole:
+                dim = info.dims(whole)[0]
+                raise EinshardError(
+                    f"shard_map(check_vma=False): output out{leaf_path(out, i)} (out_spec {spec.text!r}) is "
+                    f"replicated over {dim!r}, over which the stored parameter {where} is stored (store="
+                    f"{group!r}): its gradient from this output is whole on every rank where its use does not "
+                    f"vary over {dim!r} and a share where it does, and without variance tracking einshard cannot "
+                    f"tell them apart. Use check_vma=True, or return the per-rank value partial over {dim!r} "
+                    f"(out_spec '// {dim}', or '// {dim} -> ...' to sum it on exit), or sharded over {dim!r}"
+                )
 
 
 def _vary_as_declared(tracker, leaves, checks_) -> bool:

@@ -47,7 +47,7 @@ from .state import ParameterGradComm, ParameterState, gather_formula
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
 __all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter", "units_of",
-           "shard_map_entry", "BodyGathers",
+           "shard_map_entry", "stored_source", "BodyGathers",
            "register_native_grad_reduction_hooks_"]
 
 
@@ -320,6 +320,12 @@ def shard_map_entry(p: torch.nn.Parameter, mesh, summed: bool) -> GatheredParame
     out = gather_parameter(p, plan, side=_Side(plan, p) if summed else None)
     out._einshard_source = (p, plan)
     return out
+
+
+def stored_source(x) -> torch.nn.Parameter | None:
+    """The stored parameter whose compute block ``x`` is (gathered on a ``shard_map`` body's entry), or ``None``."""
+    source = getattr(x, "_einshard_source", None)
+    return None if source is None else source[0]
 
 
 class BodyGathers:
