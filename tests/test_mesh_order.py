@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 
 import einshard as es
 from dist_reference import check_many
@@ -45,6 +46,7 @@ RANKS = {
     "1d2": ([1, 0], ("tp",)),
     "1d": ([3, 1, 0, 2], ("tp",)),
     "cols": ([[0, 2], [1, 3]], ("dp", "tp")),
+    "rev": ([[3, 1], [2, 0]], ("dp", "tp")),  # no dimension's groups ascend
     "2x4": ([[5, 2, 7, 0], [3, 6, 1, 4]], ("dp", "tp")),
     "2x2x2": ([[[6, 1], [4, 3]], [[0, 7], [2, 5]]], ("dp", "sp", "tp")),
 }
@@ -422,12 +424,54 @@ def test_to_dtensor_uneven_params(kind):
     model = _model(mesh, whole)
     state = es.to_dtensor(model, mesh=mesh)  # hung in the exchange before
     for k, layout in _layouts(mesh.names).items():
-        assert torch.equal(state[k].to_local(), _chunk_block(whole[k], layout, mesh)), k
-        if mesh.ndim > 1:  # DTensor's own all-gathers are right where each dimension's group ascends
-            assert torch.equal(state[k].full_tensor(), whole[k]), k
+        # the block at this rank's coordinate in the DeviceMesh the DTensor is on (a twin on "1d")
+        assert torch.equal(state[k].to_local(), _chunk_block(whole[k], layout, es.wrap_mesh(state[k].device_mesh))), k
+        assert torch.equal(state[k].full_tensor(), whole[k]), k
     back = es.from_dtensor(state, model, mesh=mesh)
     for k, layout in _layouts(mesh.names).items():
         assert torch.equal(back[k], local_block(whole[k], layout, mesh)), k
+
+
+@pytest.mark.ranks(4, timeout=300)
+def test_to_dtensor_full_tensor_on_permuted_2d_mesh(tmp_path):
+    """DTensor gathers in group-rank order: on a mesh whose groups do not ascend the DTensors handed out live
+    on its twin (ranks ascending), holding the block at their twin coordinate; everything DTensor does with
+    them agrees with the whole tensor, and they are read back through the twin."""
+    mesh = permuted_mesh("rev")
+    whole = _whole(2)
+    model = _model(mesh, whole)
+    state = es.to_dtensor(model, mesh=mesh)
+    for k, layout in LAYOUTS.items():
+        d = state[k]
+        assert d.device_mesh.mesh.tolist() == [[0, 1], [2, 3]] and d.device_mesh.mesh_dim_names == ("dp", "tp")
+        assert torch.equal(d.to_local(), _chunk_block(whole[k], layout, es.wrap_mesh(d.device_mesh))), k
+        assert torch.equal(d.full_tensor(), whole[k]), k
+        assert torch.equal(d.redistribute(placements=[Replicate(), Replicate()]).to_local(), whole[k]), k
+        moved = d.redistribute(placements=[Replicate(), Shard(0)])  # another sharding, read back through the twin
+        assert torch.equal(es.from_dtensor({k: moved}, {k: layout}, mesh=mesh)[k], local_block(whole[k], layout,
+                                                                                                  mesh)), k
+    back = es.from_dtensor(state, model, mesh=mesh)
+    for k, layout in LAYOUTS.items():
+        assert torch.equal(back[k], local_block(whole[k], layout, mesh)), k
+    # autograd: a DTensor on the twin into shard_map and out again (a DTensor on the twin), gradients back
+    x = state["down"].detach().requires_grad_()
+    y = es.shard_map(LAYOUTS["down"], LAYOUTS["down"], mesh=mesh)(lambda b: b * b)(x)
+    assert y.device_mesh is x.device_mesh and torch.equal(y.full_tensor(), whole["down"] ** 2)
+    cot = torch.randn(whole["down"].shape, generator=torch.Generator().manual_seed(3), dtype=DT)
+    (y.full_tensor() * cot).sum().backward()
+    assert torch.allclose(x.grad.full_tensor(), 2 * whole["down"] * cot, rtol=1e-12, atol=1e-12)
+    # DCP: saved from the twin, loaded whole and back onto the permuted mesh
+    dcp.save(state, checkpoint_id=str(tmp_path / "rev"))
+    loaded = {k: torch.zeros_like(v) for k, v in whole.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "rev"))
+    fresh = _model(mesh, {k: torch.zeros_like(v) for k, v in whole.items()})
+    target = es.to_dtensor(fresh, mesh=mesh)
+    dcp.load(target, checkpoint_id=str(tmp_path / "rev"))
+    es.load_from_dtensor_(fresh, target, mesh=mesh)
+    for k, layout in LAYOUTS.items():
+        assert torch.equal(loaded[k], whole[k]), k
+        assert torch.equal(getattr(fresh, k).detach(), local_block(whole[k], layout, mesh)), k
+    dist.barrier()
 
 
 @pytest.mark.ranks(4, timeout=300)
