@@ -51,7 +51,7 @@ class Twin:
         self.device_mesh, self.pairs = device_mesh, pairs
 
 
-_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # es.Mesh -> Twin, or None (none needed)
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> Twin, or None (none needed)
 
 
 def _ascends(grid: np.ndarray) -> bool:
@@ -61,9 +61,9 @@ def _ascends(grid: np.ndarray) -> bool:
 def twin_of(mesh) -> Twin | None:
     """The twin of ``mesh`` (an ``es.Mesh`` with process groups), or ``None`` when its rank tensor ascends
     along every dimension. Decided from the rank tensor (the same on every rank); built once per mesh, its
-    groups created by their members only."""
+    groups created by their members only (once per ``DeviceMesh``, however it is wrapped)."""
     try:
-        return _TWINS[mesh]
+        return _TWINS[mesh.device_mesh]
     except KeyError:
         pass
     grid = np.asarray(mesh.mesh)
@@ -74,7 +74,7 @@ def twin_of(mesh) -> Twin | None:
         layout = np.asarray(ranked).reshape(grid.shape)
         device_mesh = _device_mesh(mesh, layout)
         twin = Twin(device_mesh, tuple((k, flat.index(r)) for k, r in enumerate(ranked)))  # block k goes to ranked[k]
-    _TWINS[mesh] = twin
+    _TWINS[mesh.device_mesh] = twin
     return twin
 
 

@@ -584,37 +584,39 @@ def _exit_leaves(out, leaves, oplan, tracker, eager):
 
 
 def _stored_with_grads(args, body_leaves) -> tuple:
-    """``(argument path, storage group)`` of the stored parameters gathered on a body's entry whose gradients
-    this call computes."""
+    """``(argument path, state)`` of the stored parameters gathered on a body's entry whose gradients this
+    call computes."""
     if not torch.is_grad_enabled():
         return ()
     found = []
     for i, x in enumerate(body_leaves):
         p = stored_source(x) if isinstance(x, _Tensor) else None
         if p is not None and p.requires_grad:
-            found.append((f"args{leaf_path(args, i)}", getattr(p, PARAM_STATE_ATTR).store))
+            found.append((f"args{leaf_path(args, i)}", getattr(p, PARAM_STATE_ATTR)))
     return tuple(found)
 
 
 def _refuse_whole_cotangents(out, leaves, oplan, stored, mesh) -> None:
     """A ``check_vma=False`` body: a stored parameter's gradient is taken as this rank's share and summed over
-    its storage group, which is exact where each rank's cotangent is its share of the output's (outputs
-    sharded or partial over the group). An output replicated over a storage dimension hands every rank the
-    whole cotangent: a use that does not vary over it would be counted once per rank, a per-rank use summed
-    in the body would not, and nothing tells them apart. Refused (every rank decides alike: from the specs)."""
+    its duty's groups (the storage group among them), which is exact where each rank's cotangent is its share
+    of the output's (outputs sharded or partial over those groups). An output replicated over one of their
+    dimensions hands every rank the whole cotangent: a use that does not vary over it would be counted once
+    per rank, a per-rank use summed in the body would not, and nothing tells them apart. Refused (every rank
+    decides alike: from the specs)."""
     info = _vma.mesh_info(mesh)
     for i, declared, spec in oplan.checks:
         if not (leaves[i].requires_grad and torch.is_grad_enabled()):
             continue
-        for where, group in stored:
-            whole = info.mask(group) & ~declared
+        for where, state in stored:
+            whole = info.mask(state.grad_comm.mesh_dims) & ~declared & ~info.trivial  # (one rank: its share)
             if whole:
                 dim = info.dims(whole)[0]
                 raise EinshardError(
                     f"shard_map(check_vma=False): output out{leaf_path(out, i)} (out_spec {spec.text!r}) is "
-                    f"replicated over {dim!r}, over which the stored parameter {where} is stored (store="
-                    f"{group!r}): its gradient from this output is whole on every rank where its use does not "
-                    f"vary over {dim!r} and a share where it does, and without variance tracking einshard cannot "
+                    f"replicated over {dim!r}, over which the gather of the stored parameter {where} (store="
+                    f"{state.store!r}) sums its gradient: its gradient from this output is whole on every rank "
+                    f"where its use does not vary over {dim!r} and a share where it does, and without variance "
+                    f"tracking einshard cannot "
                     f"tell them apart. Use check_vma=True, or return the per-rank value partial over {dim!r} "
                     f"(out_spec '// {dim}', or '// {dim} -> ...' to sum it on exit), or sharded over {dim!r}"
                 )

@@ -21,12 +21,12 @@ DT = torch.float64
 SIZES = [(4, 3, 6), (5, 3, 6)]  # (C, F, B): an even and an uneven stored slice over dp = 2
 
 
-def _setup(C, F_, B):
-    mesh = es.wrap_mesh(make_mesh((2,), ("dp",)))
+def _setup(C, F_, B, shape=(2,), names=("dp",), grad="dp"):
+    mesh = es.wrap_mesh(make_mesh(shape, names))
     g = torch.Generator().manual_seed(21)
     w, x = torch.randn(F_, C, generator=g, dtype=DT), torch.randn(B, C, generator=g, dtype=DT)
     p = torch.nn.Parameter(w.clone())
-    es.register_parameter_layout(p, "f c", mesh=mesh, grad="dp", store="dp", sizes={"c": C, "f": F_})
+    es.register_parameter_layout(p, "f c", mesh=mesh, grad=grad, store="dp", sizes={"c": C, "f": F_})
     return mesh, w, x, p
 
 
@@ -101,3 +101,13 @@ def test_check_vma_false_stored_per_rank_use_is_exact(sizes):
     p.requires_grad_(False)
     torch.testing.assert_close(_run(mesh, p, x, "", False, lambda wb, xb: (wb**2).sum()), (w**2).sum(),
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.ranks(2)
+def test_check_vma_false_stored_replicated_over_a_one_rank_dimension_is_exact():
+    """Replicated over ``tp`` of size 1 (the duty sums over it too): one rank's whole cotangent is its share."""
+    mesh, w, x, p = _setup(4, 3, 6, (2, 1), ("dp", "tp"), grad="dp-tp")
+    out = _run(mesh, p, x, "b/dp f", False, lambda wb, xb: torch.tanh(xb @ wb.T))
+    (out**2).sum().backward()
+    want, grad = _reference(w, lambda ww: (torch.tanh(x @ ww.T) ** 2).sum())
+    torch.testing.assert_close(p.grad, _stored_grad(mesh, p, grad), rtol=1e-12, atol=1e-12)
