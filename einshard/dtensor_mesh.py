@@ -19,9 +19,8 @@ backward sends the gradients back. Meshes whose rank tensor ascends along
 every dimension (every mesh of ``init_device_mesh``) have no twin: their
 DTensors live on their own ``DeviceMesh``.
 
->>> # doctest: +SKIP
->>> twin = twin_of(es.wrap_mesh(DeviceMesh("cpu", [[3, 1], [2, 0]], mesh_dim_names=("dp", "tp"))))
->>> twin.device_mesh.mesh
+>>> twin = twin_of(es.wrap_mesh(DeviceMesh("cpu", [[3, 1], [2, 0]], mesh_dim_names=("dp", "tp"))))  # doctest: +SKIP
+>>> twin.device_mesh.mesh  # doctest: +SKIP
 tensor([[0, 1],
         [2, 3]])
 """

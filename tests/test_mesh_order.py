@@ -9,7 +9,9 @@ case here cuts whole tensors into blocks by mesh coordinates
 (``local_block``) and compares values and gradients with the same
 computation on whole tensors in one process: transitions and contractions of
 every planner kind, named collectives in ``shard_map``, the grid ops,
-``es.to_dtensor``, a DCP checkpoint and a compiled formula.
+``es.to_dtensor`` (whose DTensors live on the mesh's twin where DTensor's own
+gathers would permute the blocks), a DCP checkpoint, parameters stored sharded
+(``store=``, ZeRO: the hooks and ``shard_map`` bodies) and a compiled formula.
 """
 
 from __future__ import annotations
