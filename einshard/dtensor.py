@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from ._specs import sizes_for
-from .dtensor_mesh import from_twin, to_twin, twin_of
 from ._specs import strip_spec as _strip
+from .dtensor_mesh import from_twin, to_twin, twin_of
 from .errors import EinshardError
 from .execute import transition
 from .layout import Layout
