@@ -610,6 +610,9 @@ def _zero_step(kind, style, sizes):
     want, grads = _zero_reference(whole, x)
     net = _ZeroNet(mesh, group, whole)
     specs = es.param_specs(net)
+    state = es.to_dtensor(net, mesh=mesh)  # the storage blocks as DTensors (a checkpoint's view)
+    for k in ZERO_LAYOUTS:
+        assert torch.equal(state[k].full_tensor(), whole[k]), k
     xb = local_block(x, f"b/{group} c", mesh)
 
     def check(got, names):
