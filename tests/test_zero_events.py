@@ -1,0 +1,149 @@
+"""Parameters stored sharded (``store=``, ZeRO-3) under the events of real training loops.
+
+Each test is one event a loop produces between or around steps — an in-place change between forward and
+backward, a weight reload after a partial forward, a stored parameter read outside its unit, a compiled
+``shard_map`` body, ``torch.func.functional_call`` — and compares the sharded model with the same
+computation on whole tensors in one process (float64): equal values and gradients, or a clear refusal
+where one process refuses (or where einshard cannot be exact). 2 ranks (uneven slices), and a 2 x 2 mesh
+where cheap.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import einshard as es
+from einshard.testing import MeshSpec, local_block
+
+DT = torch.float64
+C, F = 5, 3  # uneven over dp=2: 3 + 2 and 2 + 1
+MESHES = [MeshSpec((2,), ("dp",)), MeshSpec((2, 2), ("dp", "tp"))]
+
+
+def _whole(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(F, C, generator=g, dtype=DT) / C,
+            "b.weight": torch.randn(C, F, generator=g, dtype=DT) / F,
+            "x": torch.randn(4, C, generator=g, dtype=DT)}
+
+
+class Lin(torch.nn.Module):
+    """torch ops on this rank's rows (the gather's duty over dp sums the weight's gradient)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.weight = torch.nn.Parameter(w.clone())
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.T)
+
+
+class Two(torch.nn.Module):
+    def __init__(self, whole):
+        super().__init__()
+        self.a, self.b = Lin(whole["a.weight"]), Lin(whole["b.weight"])
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _reference(whole):
+    """One process, whole tensors: the output and the weights' gradients of ``(y ** 2).sum()``."""
+    w = {k: whole[k].clone().requires_grad_() for k in ("a.weight", "b.weight")}
+    y = torch.tanh(torch.tanh(whole["x"] @ w["a.weight"].T) @ w["b.weight"].T)
+    (y**2).sum().backward()
+    return y.detach(), {k: v.grad for k, v in w.items()}
+
+
+def _stored(mesh, whole, **hooks):
+    m = es.wrap_mesh(mesh.build() if isinstance(mesh, MeshSpec) else mesh)
+    model = Two(whole)
+    es.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
+                                          store="dp", sizes={"c": C, "f": F})
+    return m, model, es.register_native_grad_reduction_hooks_(model, m, **hooks)
+
+
+def _layout(p):
+    return es.get_parameter_state(p).layout
+
+
+def _assert_step(m, y, grads, want_y, want_grads):
+    """``y`` (this rank's rows) and ``grads`` (name -> this rank's storage-block gradient) are this rank's
+    blocks of the one-process output and gradients."""
+    torch.testing.assert_close(y, local_block(want_y, "b/dp c", m), rtol=1e-12, atol=1e-13)
+    for k, (g, layout) in grads.items():
+        torch.testing.assert_close(g, local_block(want_grads[k], layout, m), rtol=1e-12, atol=1e-13)
+
+
+def _step(m, model, handle, x):
+    y = model(x)
+    (y**2).sum().backward()
+    handle.wait()
+    return y.detach()
+
+
+# -- 4: a stored weight changed in place between forward and backward --------------------------------------
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_in_place_change_between_forward_and_backward_is_refused(reshard):
+    """One process: autograd refuses a saved weight modified in place. Stored: the shard's version when its
+    block was saved is checked before the block is gathered again (or used, when kept): the same refusal,
+    naming the parameter, on every rank, instead of the gradients of other values."""
+    whole = _whole(1)
+    w = {k: whole[k].clone().requires_grad_() for k in ("a.weight", "b.weight")}
+    loss = (torch.tanh(torch.tanh(whole["x"] @ w["a.weight"].T) @ w["b.weight"].T) ** 2).sum()
+    with torch.no_grad():
+        w["b.weight"].mul_(2)  # saved (for the gradient of the hidden rows)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+    m, model, handle = _stored(MeshSpec((2,), ("dp",)), whole, reshard_after_forward=reshard)
+    x = local_block(whole["x"], "b/dp c", m)
+    loss = (model(x) ** 2).sum()
+    with torch.no_grad():
+        model.b.weight.mul_(2)
+    with pytest.raises(es.EinshardError, match=r"stored parameter 'b.weight' was modified by an inplace operation"):
+        loss.backward()
+    handle.remove()
+
+
+# -- 5: a partial forward, a reload, a step: the prefetched gather of the old weights --------------------------
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("reload", ["load_state_dict", "data"])
+def test_a_reload_after_a_partial_forward_drops_the_prefetched_gather(reload):
+    """After the first step the forward of ``a`` prefetches ``b``'s gather. An evaluation of ``a`` alone
+    (no_grad) leaves that gather issued; a reload of the weights (copy_ into the shards: new versions; or
+    ``.data =``: new memory) then makes it stale, and the next step must gather the new values."""
+    _reload_after_partial_forward(MESHES[0], reload)
+
+
+@pytest.mark.ranks(4)
+def test_a_reload_after_a_partial_forward_drops_the_prefetched_gather_2x2():
+    _reload_after_partial_forward(MESHES[1], "load_state_dict")
+
+
+def _reload_after_partial_forward(mesh, reload):
+    old, new = _whole(1), _whole(2)
+    m, model, handle = _stored(mesh, old)
+    x = local_block(old["x"], "b/dp c", m)
+    _step(m, model, handle, x)  # records the order: a's forward prefetches b's gathers from now on
+    model.zero_grad()
+    with torch.no_grad():
+        model.a(x)  # a partial evaluation: b's gather is in flight
+    assert es.params.zero.units_of(model.b.weight)._ahead  # issued, not used
+    blocks = {k: local_block(new[k], _layout(p), m) for k, p in model.named_parameters()}
+    if reload == "load_state_dict":
+        model.load_state_dict(blocks)
+    else:
+        for k, p in model.named_parameters():
+            p.data = blocks[k].clone()
+    x = local_block(new["x"], "b/dp c", m)
+    y = _step(m, model, handle, x)
+    want_y, want_grads = _reference(new)
+    _assert_step(m, y, {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)
+    handle.remove()
