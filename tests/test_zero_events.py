@@ -147,3 +147,42 @@ def _reload_after_partial_forward(mesh, reload):
     want_y, want_grads = _reference(new)
     _assert_step(m, y, {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)
     handle.remove()
+
+
+# -- 9: torch.func.functional_call with the hooks installed --------------------------------------------------
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_functional_call_substitutes_the_passed_storage_blocks(reshard):
+    _functional_call(MESHES[0], reshard_after_forward=reshard)
+
+
+@pytest.mark.ranks(4)
+def test_functional_call_substitutes_the_passed_storage_blocks_2x2():
+    _functional_call(MESHES[1])
+
+
+def _functional_call(mesh, **hooks):
+    """The tensors passed to functional_call (this rank's storage blocks, as named_parameters() holds them)
+    are gathered and used, their gradients reduce-scattered into them; the registered shards are untouched.
+    A tensor of another shape (the whole weight, a compute block) is refused before any collective."""
+    old, new = _whole(1), _whole(2)
+    m, model, handle = _stored(mesh, old, **hooks)
+    for _ in range(2):  # the second time, after the order is recorded: the prefetched gathers are not used
+        passed = {k: local_block(new[k], _layout(p), m).requires_grad_() for k, p in model.named_parameters()}
+        y = torch.func.functional_call(model, passed, (local_block(new["x"], "b/dp c", m),))
+        (y**2).sum().backward()
+        handle.wait()
+        want_y, want_grads = _reference(new)
+        _assert_step(m, y.detach(), {k: (t.grad, _layout(model.get_parameter(k))) for k, t in passed.items()},
+                     want_y, want_grads)
+        assert all(p.grad is None for p in model.parameters())
+        assert all(type(p) is not torch.Tensor for p in model.parameters())  # the shards are back
+    y = _step(m, model, handle, local_block(old["x"], "b/dp c", m))  # the registered shards: still exact
+    want_y, want_grads = _reference(old)
+    _assert_step(m, y, {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)
+    with pytest.raises(es.EinshardError, match=r"stored parameter 'a.weight' holds a tensor of shape \(3, 5\)"):
+        torch.func.functional_call(model, {"a.weight": old["a.weight"]}, (local_block(old["x"], "b/dp c", m),))
+    assert model.a.weight.shape != old["a.weight"].shape  # the shard is back after the refusal
+    handle.remove()
