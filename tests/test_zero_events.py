@@ -186,3 +186,42 @@ def _functional_call(mesh, **hooks):
         torch.func.functional_call(model, {"a.weight": old["a.weight"]}, (local_block(old["x"], "b/dp c", m),))
     assert model.a.weight.shape != old["a.weight"].shape  # the shard is back after the refusal
     handle.remove()
+
+
+# -- 7: a compiled shard_map body with a stored parameter ---------------------------------------------------
+
+
+def _chain(err):
+    """The messages of an exception and of its causes (torch.compile wraps what the traced code raised)."""
+    out = []
+    while err is not None:
+        out.append(str(err))
+        err = err.__cause__ or err.__context__
+    return "\n".join(out)
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("vma", [False, True], ids=["per-rank", "vma"])
+def test_a_compiled_shard_map_with_a_stored_parameter_runs_it_eagerly(vma):
+    """Eagerly the body gets the compute block, gathered on entry. Under torch.compile that gather (an eager
+    collective in an autograd function) is not traced: a call with a stored parameter argument runs eagerly
+    (a graph break), exact in values and gradients; with fullgraph=True it is refused, naming the argument —
+    never a compiled body computing with the storage slice."""
+    whole = _whole(1)
+    m, model, handle = _stored(MESHES[0], whole)
+    handle.remove()  # the body gathers
+
+    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
+    def body(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    x = local_block(whole["x"], "b/dp c", m)
+    want_y, want_grads = _reference(whole)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as err:
+        torch.compile(body, backend="eager", fullgraph=True)(dict(model.named_parameters()), x)
+    assert "es.shard_map: argument args[0]['a.weight'] is a parameter stored sharded over 'dp'" in _chain(err.value)
+    torch._dynamo.reset()
+    y = torch.compile(body, backend="eager")(dict(model.named_parameters()), x)
+    (y**2).sum().backward()
+    _assert_step(m, y.detach(), {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)
