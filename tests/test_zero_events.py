@@ -225,3 +225,48 @@ def test_a_compiled_shard_map_with_a_stored_parameter_runs_it_eagerly(vma):
     y = torch.compile(body, backend="eager")(dict(model.named_parameters()), x)
     (y**2).sum().backward()
     _assert_step(m, y.detach(), {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)
+
+
+# -- 6: a stored parameter read by plain torch ops outside its unit's forward -------------------------------
+
+
+class TiedHead(Two):
+    """An output head tied to ``a.weight``, read in the parent's forward (``a``'s forward has ended)."""
+
+    def forward(self, x):
+        return self.b(self.a(x)) @ self.a.weight.T
+
+
+@pytest.mark.ranks(2)
+def test_a_stored_parameter_read_outside_its_unit_is_refused_or_gathered_by_units():
+    """Without units= the head reads ``a.weight`` as its storage block (a slice of its rows): the matmul
+    refuses, naming the op and the layouts, on every rank, instead of computing with the slice. With
+    units=[model] the model's forward gathers it: exact values and gradients. Ops on the storage block
+    itself (an optimizer step, a reload, its gradient) stay plain."""
+    whole = _whole(1)
+    w = {k: whole[k].clone().requires_grad_() for k in ("a.weight", "b.weight")}
+    y = torch.tanh(torch.tanh(whole["x"] @ w["a.weight"].T) @ w["b.weight"].T) @ w["a.weight"].T
+    (y**2).sum().backward()
+    m = es.wrap_mesh(MESHES[0].build())
+    x = local_block(whole["x"], "b/dp c", m)
+    for units in (None, "model"):
+        model = TiedHead(whole)
+        es.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
+                                              store="dp", sizes={"c": C, "f": F})
+        handle = es.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
+        if units is None:
+            with pytest.raises(es.EinshardError, match=r"torch op 'matmul' combines a parameter stored sharded "
+                                                       r"over 'dp' \(store=, layout 'f/dp c', storage block of shape"):
+                model(x)
+            assert type(model.a.weight) is es.StoredParameter  # the shards are back
+        else:
+            got = model(x)
+            (got**2).sum().backward()
+            handle.wait()
+            torch.testing.assert_close(got.detach(), local_block(y.detach(), "b/dp f", m), rtol=1e-12, atol=1e-13)
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, local_block(w[k].grad, _layout(p), m), rtol=1e-12, atol=1e-13)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+            opt.step()  # in place on the shards, with their gradients and states: plain
+            model.load_state_dict({k: p.detach() * 2 for k, p in model.named_parameters()})
+        handle.remove()
