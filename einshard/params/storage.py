@@ -25,6 +25,7 @@ from .store import get_parameter_state
 __all__ = ["StoredParameter", "StorageView"]
 
 _DISABLED = torch._C.DisableTorchFunctionSubclass
+_AUTOGRAD = (torch.autograd.grad, torch.autograd.backward)  # they differentiate, not compute with, the blocks
 
 
 def _tensors(args, kwargs):
@@ -39,14 +40,16 @@ def _guarded(t) -> bool:
     return isinstance(t, (StoredParameter, StorageView))
 
 
-def _mismatch(name, args, kwargs):
+def _mismatch(func, name, args, kwargs):
     """The shape of a tensor an op would combine a storage block (or a view of one) with, where that shape
     differs from the block's (``None``: the op acts on blocks of one shape, or writes into one)."""
-    if name.startswith("_foreach_") or name == "__set__":
+    if name.startswith("_foreach_") or name == "__set__" or func in _AUTOGRAD:
         return None
     if (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))) and args and _guarded(args[0]):
         return None  # in place on the shard
-    shape = next(t.shape for t in _tensors(args, kwargs) if _guarded(t))
+    shape = next((t.shape for t in _tensors(args, kwargs) if _guarded(t)), None)
+    if shape is None:  # reached deeper inside an argument: not checked
+        return None
     for t in _tensors(args, kwargs):
         if t.dim() != 0 and t.shape != shape:
             return tuple(t.shape)
@@ -59,7 +62,7 @@ def _guard(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs if kwargs is not None else {}
     name = getattr(func, "__name__", "")
     if len(args) > 1 or kwargs:
-        other = _mismatch(name, args, kwargs)
+        other = _mismatch(func, name, args, kwargs)
         if other is not None:
             _refuse(name, args, kwargs, other)
     with _DISABLED():
