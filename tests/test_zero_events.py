@@ -110,6 +110,25 @@ def test_in_place_change_between_forward_and_backward_is_refused(reshard):
     handle.remove()
 
 
+@pytest.mark.ranks(2)
+def test_in_place_change_after_a_shard_map_forward_is_refused():
+    """The same in a shard_map body, which gathers on entry and gathers again in backward."""
+    whole = _whole(1)
+    m, model, handle = _stored(MESHES[0], whole)
+    handle.remove()
+
+    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=False)
+    def body(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    loss = (body(dict(model.named_parameters()), local_block(whole["x"], "b/dp c", m)) ** 2).sum()
+    with torch.no_grad():
+        model.b.weight.mul_(2)
+    with pytest.raises(es.EinshardError, match=r"a stored parameter \(layout 'c/dp f', storage block of shape "
+                                               r"\(\d, 3\)\) was modified by an inplace operation"):
+        loss.backward()
+
+
 # -- 5: a partial forward, a reload, a step: the prefetched gather of the old weights --------------------------
 
 

@@ -374,14 +374,14 @@ class _Saved:
         modified in place): gathering it again would give the gradient of another forward."""
         if self.param._version != self.version:
             raise EinshardError(
-                f"{describe(self.plan, self.param)} was modified by an inplace operation after the forward that used it "
-                f"(its version is {self.param._version}, the forward saw {self.version}); backward would "
+                f"{_describe(self.plan, self.param)} was modified by an inplace operation after the forward that "
+                f"used it (its version is {self.param._version}, the forward saw {self.version}); backward would "
                 "compute the gradients of other values. Change stored parameters after backward (the optimizer "
                 "step), or run the forward again"
             )
 
 
-def describe(plan, p) -> str:
+def _describe(plan, p) -> str:
     """How messages name stored parameter ``p``: its name when known, else its layout and shape."""
     if plan.name is not None:
         return f"stored parameter {plan.name!r}"
@@ -409,7 +409,7 @@ def _source(owner, name, p, plan):
     if not isinstance(held, torch.Tensor) or isinstance(held, GatheredParameter) or held.shape != p.shape:
         what = type(held).__name__ if not isinstance(held, torch.Tensor) else f"a tensor of shape {tuple(held.shape)}"
         raise EinshardError(
-            f"{describe(plan, p)} holds {what} in place of its storage block (shape {tuple(p.shape)}, layout "
+            f"{_describe(plan, p)} holds {what} in place of its storage block (shape {tuple(p.shape)}, layout "
             f"{plan.state.layout!r}), put there by torch.func.functional_call or an assignment: the gathers "
             "installed by register_native_grad_reduction_hooks_ substitute tensors of the storage block's shape "
             "(as model.named_parameters() holds them) and gather them; pass this rank's storage block"
