@@ -42,16 +42,17 @@ def _guarded(t) -> bool:
 
 def _mismatch(func, name, args, kwargs):
     """The shape of a tensor an op would combine a storage block (or a view of one) with, where that shape
-    differs from the block's (``None``: the op acts on blocks of one shape, or writes into one)."""
+    differs from the blocks' (``None``: the op acts on storage blocks, tensors of their shapes, or writes into
+    one)."""
     if name.startswith("_foreach_") or name == "__set__" or func in _AUTOGRAD:
         return None
     if (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))) and args and _guarded(args[0]):
         return None  # in place on the shard
-    shape = next((t.shape for t in _tensors(args, kwargs) if _guarded(t)), None)
-    if shape is None:  # reached deeper inside an argument: not checked
+    shapes = {t.shape for t in _tensors(args, kwargs) if _guarded(t)}
+    if not shapes:  # reached deeper inside an argument: not checked
         return None
     for t in _tensors(args, kwargs):
-        if t.dim() != 0 and t.shape != shape:
+        if t.dim() != 0 and t.shape not in shapes:
             return tuple(t.shape)
     return None
 

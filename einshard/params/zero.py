@@ -384,7 +384,7 @@ class _Saved:
 def _describe(plan, p) -> str:
     """How messages name stored parameter ``p``: its name when known, else its layout and shape."""
     if plan.name is not None:
-        return f"stored parameter {plan.name!r}"
+        return f"{'parameter' if plan.cast_only else 'stored parameter'} {plan.name!r}"
     return f"a stored parameter (layout {plan.state.layout!r}, storage block of shape {tuple(p.shape)})"
 
 
