@@ -289,3 +289,45 @@ def test_a_stored_parameter_read_outside_its_unit_is_refused_or_gathered_by_unit
             opt.step()  # in place on the shards, with their gradients and states: plain
             model.load_state_dict({k: p.detach() * 2 for k, p in model.named_parameters()})
         handle.remove()
+
+
+class ScaledParent(torch.nn.Module):
+    """Reads its child's scale vector in its own forward (the child's forward never runs)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.child = torch.nn.Module()
+        self.child.scale = torch.nn.Parameter(scale.clone())
+
+    def forward(self, x):
+        return x * self.child.scale
+
+
+@pytest.mark.ranks(2)
+def test_a_parent_reading_a_childs_stored_scale_is_refused_or_gathered_by_units():
+    """A scale of 2 entries stored over dp=2 holds 1 entry per rank, which broadcasts against any rows: the
+    product refuses instead of scaling every column by this rank's entry. With units=[model]: exact."""
+    g = torch.Generator().manual_seed(7)
+    scale, X = torch.randn(2, generator=g, dtype=DT), torch.randn(4, 2, generator=g, dtype=DT)
+    s = scale.clone().requires_grad_()
+    y = X * s
+    (y**2).sum().backward()
+    m = es.wrap_mesh(MESHES[0].build())
+    x = local_block(X, "b/dp c", m)
+    for units in (None, "model"):
+        model = ScaledParent(scale)
+        es.register_parameter_layout(model.child.scale, "c", mesh=m, grad="dp", store="dp")
+        handle = es.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
+        if units is None:
+            with pytest.raises(es.EinshardError, match=r"torch op 'mul' combines a parameter stored sharded over "
+                                                       r"'dp' \(store=, layout 'c/dp', storage block of shape \(1,\)\) "
+                                                       r"with a tensor of shape \(2, 2\)"):
+                model(x)
+        else:
+            got = model(x)
+            (got**2).sum().backward()
+            handle.wait()
+            torch.testing.assert_close(got.detach(), local_block(y.detach(), "b/dp c", m), rtol=1e-12, atol=1e-13)
+            torch.testing.assert_close(model.child.scale.grad, local_block(s.grad, "c/dp", m), rtol=1e-12,
+                                       atol=1e-13)
+        handle.remove()
