@@ -111,7 +111,7 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
             return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
-        state = x.__dict__.get(PARAM_STATE_ATTR)  # a Parameter's recorded global shape is checked when planning
+        state = getattr(x, PARAM_STATE_ATTR, None)  # a Parameter's recorded global shape is checked when planning
         return x.shape if state is None or state.global_shape is None else (x.shape, state.global_shape)
     return None
 
@@ -273,6 +273,9 @@ class ShardMap:
         if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
             raise EinshardError(f"shard_map: {self!r} is called inside the body of another shard_map")
         mesh = self.mesh if self.mesh is not None else _context.current().mesh
+        stored = _stored_argument(args)
+        if stored is not None:
+            return _stored_under_compile(self, args, kwargs, stored)
         leaves, spec = _pytree.tree_flatten(args)
         if self.check_vma:
             _refuse_traced_duties(leaves)
@@ -538,6 +541,40 @@ def _block_error(spec, shape, whole, mesh) -> str | None:
         hint = f" It is the whole tensor: pass this rank's block, or convert on entry with '{arrow}'."
     return (f"the recorded global shape is {tuple(whole)}, so this rank's block of '{spec.outer}' has shape "
             f"{tuple(want)}, but the argument has shape {shape}.{hint}")
+
+
+def _stored_argument(x, path=""):
+    """The path (``[0]['w']``) of the first parameter stored sharded (``store=``) among the arguments ``x``, and
+    its state; ``None`` when there is none. (A walk of dicts, lists and tuples, which dynamo traces.)"""
+    if isinstance(x, dict):
+        x = {repr(k): v for k, v in x.items()}
+    elif isinstance(x, (list, tuple)):
+        x = {str(k): v for k, v in enumerate(x)}
+    else:
+        state = getattr(x, PARAM_STATE_ATTR, None) if isinstance(x, _Parameter) else None
+        return None if state is None or state.store is None else (path, state)
+    for k, v in x.items():
+        found = _stored_argument(v, f"{path}[{k}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _call_eagerly(sm, args, kwargs):
+    return sm(*args, **kwargs)
+
+
+def _stored_under_compile(sm, args, kwargs, found):
+    """Under torch.compile, a call with a parameter stored sharded (``store=``) as argument runs eagerly (a
+    graph break; ``fullgraph=True`` refuses, with this reason): its gather on entry is an eager collective in
+    an autograd function, which dynamo does not trace — traced, the body would get the storage slice."""
+    path, state = found
+    reason = (f"es.shard_map: argument args{path} is a parameter stored sharded over {state.store!r} (store=, "
+              f"layout {state.layout!r}); its gather on entry is eager, so under torch.compile this call runs "
+              "eagerly (a graph break; refused with fullgraph=True). Call it outside the compiled region, or "
+              "register the parameter without store=")
+    torch._dynamo.graph_break(msg=reason)  # (loaded: dynamo is tracing) fullgraph=True: refused here, with the reason
+    return torch.compiler.disable(_call_eagerly, reason=reason)(sm, args, kwargs)  # (a skipped call: eager)
 
 
 def _refuse_traced_duties(leaves) -> None:

@@ -157,6 +157,7 @@ class _Plan:
     sums: DeferredSums | None = None  # where the reduce-scatters are bucketed (None: one formula each, at once)
     cast_only: bool = False
     owner: "ZeroUnits | None" = None  # the installed gathers (their no_sync accumulation), or None
+    name: str | None = None  # the parameter's name in the model (for messages), when known
 
     @classmethod
     def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> "_Plan":
@@ -371,14 +372,64 @@ class BodyGathers:
 
 
 class _Saved:
-    """What autograd keeps of a gathered block: the shard, and the view of the block it saved."""
+    """What autograd keeps of a gathered block: the shard, the view of the block it saved, and the shard's
+    version then (``kept``: the view itself, when blocks are kept until backward)."""
 
-    __slots__ = ("param", "plan", "unit", "size", "stride", "offset")
+    __slots__ = ("param", "plan", "unit", "size", "stride", "offset", "version", "kept")
 
-    def __init__(self, param, plan, unit, t, base):
+    def __init__(self, param, plan, unit, t, base, kept=False):
         self.param, self.plan, self.unit = param, plan, unit
         self.size, self.stride = tuple(t.size()), tuple(t.stride())
         self.offset = t.storage_offset() - base.storage_offset()
+        self.version = param._version
+        self.kept = t if kept else None
+
+    def check(self) -> None:
+        """Refuse a shard changed in place since its block was saved (as autograd refuses a saved tensor
+        modified in place): gathering it again would give the gradient of another forward."""
+        if self.param._version != self.version:
+            raise EinshardError(
+                f"{_describe(self.plan, self.param)} was modified by an inplace operation after the forward that "
+                f"used it (its version is {self.param._version}, the forward saw {self.version}); backward would "
+                "compute the gradients of other values. Change stored parameters after backward (the optimizer "
+                "step), or run the forward again"
+            )
+
+
+def _describe(plan, p) -> str:
+    """How messages name stored parameter ``p``: its name when known, else its layout and shape."""
+    if plan.name is not None:
+        return f"{'parameter' if plan.cast_only else 'stored parameter'} {plan.name!r}"
+    return f"a stored parameter (layout {plan.state.layout!r}, storage block of shape {tuple(p.shape)})"
+
+
+def _stamp(p) -> tuple:
+    """What a gather issued ahead depends on: the shard's version (in-place changes) and memory (replaced)."""
+    return p._version, p.data_ptr()
+
+
+def _drop(pending) -> None:
+    """Complete an issued gather whose result is not used (every rank issued it: every rank waits for it)."""
+    if isinstance(pending, C.PendingGather):
+        pending.wait()
+
+
+def _source(owner, name, p, plan):
+    """What a unit's forward gathers for stored parameter ``p`` (``owner.name``), and how: ``p`` itself, or
+    the tensor ``torch.func.functional_call`` put in its place, which must be a storage block like ``p``'s
+    (it is gathered, and its gradient reduce-scattered into it, each backward)."""
+    held = owner._parameters.get(name)
+    if held is p:
+        return p, plan
+    if not isinstance(held, torch.Tensor) or isinstance(held, GatheredParameter) or held.shape != p.shape:
+        what = type(held).__name__ if not isinstance(held, torch.Tensor) else f"a tensor of shape {tuple(held.shape)}"
+        raise EinshardError(
+            f"{_describe(plan, p)} holds {what} in place of its storage block (shape {tuple(p.shape)}, layout "
+            f"{plan.state.layout!r}), put there by torch.func.functional_call or an assignment: the gathers "
+            "installed by register_native_grad_reduction_hooks_ substitute tensors of the storage block's shape "
+            "(as model.named_parameters() holds them) and gather them; pass this rank's storage block"
+        )
+    return held, replace(plan, owner=None)
 
 
 def _storage_key(t):
@@ -408,7 +459,7 @@ class ZeroUnits:
         self._handles = []
         self._gathered: dict = {}  # storage key -> (p, plan, block) while a unit's forward runs
         self._cache: dict = {}  # id(p) -> weakref of the block gathered again in backward
-        self._contexts: list = []
+        self._contexts: list = []  # per running unit forward: ([(owner, name, what it held)], saved-tensor hooks)
         self.live: list = []
         self.order: list = []
         self.prefetch = bool(prefetch)
@@ -433,7 +484,7 @@ class ZeroUnits:
                 cast = dtype is not None and p.is_floating_point() and p.dtype != dtype
                 if (state is not None and state.store is not None) or cast:
                     plan = _Plan.of(p, self.mesh, dtype, _per_name(reduce_dtype, full, "reduce_dtype"), sums=self.sums)
-                    plan.owner = self
+                    plan.owner, plan.name = self, full
                     grouped.setdefault(id(unit), (unit, []))[1].append(((m, name), p, plan))
         self._units = list(grouped.values())
         for p in self.parameters:
@@ -452,19 +503,31 @@ class ZeroUnits:
     @property
     def in_flight(self) -> list:
         """The parameters whose gathers were issued ahead of their use and not used yet."""
-        return [p for p, pending in self._ahead.values() if getattr(pending, "in_flight", False)]
+        return [p for p, pending, _ in self._ahead.values() if getattr(pending, "in_flight", False)]
 
     def _issue(self, unit: int | None) -> None:
         """Start the gathers of module ``unit`` (by index) ahead of its use, unless started already."""
         if unit is None or not self.prefetch:
             return
         for _, p, plan in self._units[unit][1]:
-            if id(p) not in self._ahead and not plan.cast_only:
-                self._ahead[id(p)] = (p, plan.start(p))
+            if not plan.cast_only:
+                self._issue_one(p, plan)
+
+    def _issue_one(self, p, plan) -> None:
+        """Start gathering ``p`` ahead of its use, unless a gather of its current values is in flight (one of
+        values it no longer holds, changed in place or replaced since, is dropped)."""
+        found = self._ahead.get(id(p))
+        if found is not None and found[0] is p and found[2] == _stamp(p):
+            return
+        if found is not None:
+            _drop(found[1])
+        self._ahead[id(p)] = (p, plan.start(p), _stamp(p))
 
     def _issue_next_in_backward(self, p) -> None:
         """Record (first step) or follow the order backward gathers freed blocks again in: the next one's
         gather is issued before this one's block is used."""
+        if id(p) not in self._unit_of:  # a tensor functional_call substituted: not in the recorded order
+            return
         if self._recording:
             if all(q is not p for q in self._back_order):
                 self._back_order.append(p)
@@ -475,8 +538,7 @@ class ZeroUnits:
         if k is None or k + 1 >= len(self._back_order):
             return
         q = self._back_order[k + 1]
-        if id(q) not in self._ahead:
-            self._ahead[id(q)] = (q, self._plan_of(q).start(q))
+        self._issue_one(q, self._plan_of(q))
 
     def deferred(self, p) -> None:
         """``p``'s gradient joined a bucket: once every stored parameter of its module has, the module's
@@ -501,8 +563,14 @@ class ZeroUnits:
         return self.order[k] if 0 <= k < len(self.order) else None
 
     def _take(self, p):
+        """``p``'s gather issued ahead, if it gathers the values ``p`` holds now (else it is dropped: ``None``)."""
         found = self._ahead.pop(id(p), None)
-        return None if found is None else found[1]
+        if found is None:
+            return None
+        if found[0] is p and found[2] == _stamp(p):
+            return found[1]
+        _drop(found[1])
+        return None
 
     @property
     def parameters(self) -> list:
@@ -511,31 +579,38 @@ class ZeroUnits:
 
     def _pre(self, unit, stored):
         def hook(m, args):
+            swapped = []
+            self._contexts.append((swapped, None))  # popped by the forward hook, which runs even if this raises
+            sources = [_source(owner, name, p, plan) for (owner, name), p, plan in stored]  # refusals first
             if self._recording and unit not in self.order:
                 self.order.append(unit)
             self._issue(unit)
             self._issue(self._neighbour(unit, 1))  # the next module's gathers fly while this one computes
-            for (owner, name), p, plan in stored:
-                block = gather_parameter(p, plan, self._take(p))
+            for ((owner, name), p, _), (src, plan) in zip(stored, sources):
+                pending = self._take(p)
+                if src is not p:  # substituted (torch.func.functional_call): the passed tensor is gathered
+                    _drop(pending)
+                    pending = None
+                block = gather_parameter(src, plan, pending)
+                swapped.append((owner, name, owner._parameters[name]))
                 owner._parameters[name] = block
                 self.live.append(weakref.ref(block))
-                if self.reshard_after_forward:
-                    self._gathered[_storage_key(block)] = (p, plan, block)
-            if self.reshard_after_forward:
-                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                ctx.__enter__()
-                self._contexts.append(ctx)
+                self._gathered[_storage_key(block)] = (src, plan, block)
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            self._contexts[-1] = (swapped, ctx)
 
         return hook
 
     def _post(self, stored):
         def hook(m, args, out):
-            for (owner, name), p, _ in stored:
+            swapped, ctx = self._contexts.pop()
+            for owner, name, held in reversed(swapped):  # what the module held: the shard, or a substitute
                 block = owner._parameters[name]
-                owner._parameters[name] = p
+                owner._parameters[name] = held
                 self._gathered.pop(_storage_key(block), None)
-            if self.reshard_after_forward:
-                self._contexts.pop().__exit__(None, None, None)
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
             self.live = [r for r in self.live if r() is not None]
 
         return hook
@@ -547,13 +622,14 @@ class ZeroUnits:
         if found is None:
             return t
         p, plan, block = found
-        return _Saved(p, plan, self, t, block)
+        return _Saved(p, plan, self, t, block, kept=not self.reshard_after_forward)
 
     @staticmethod
     def _unpack(x):
         if type(x) is not _Saved:
             return x
-        return x.unit.regather(x)
+        x.check()
+        return x.kept if x.kept is not None else x.unit.regather(x)
 
     def regather(self, saved: _Saved) -> torch.Tensor:
         """The saved view of a freed block, from the block gathered again (once per backward and parameter)."""
@@ -578,9 +654,8 @@ class ZeroUnits:
         self._recording = False
         self._pending_in_unit.clear()
         self._flush_unreduced()
-        for _, pending in self._ahead.values():
-            if isinstance(pending, C.PendingGather):
-                pending.wait()
+        for _, pending, _ in self._ahead.values():
+            _drop(pending)
         self._ahead.clear()
         self._cache.clear()
         self.live = [r for r in self.live if r() is not None]
