@@ -34,22 +34,26 @@ and the largest difference.
 Run it from the repository root::
 
     python examples/fno.py                                # starts 8 gloo ranks itself
-    torchrun --nproc-per-node 8 examples/fno.py           # or under torchrun
+    torchrun --nproc-per-node 8 examples/fno.py           # or under torchrun (GPUs if it has 8, else CPUs)
+    torchrun --nproc-per-node 8 examples/fno.py --device cuda   # one GPU per rank over NCCL
+
+The whole tensors (data, parameters, the one-process reference) are made on the CPU from seeded
+generators and moved to the rank's device (``es.testing.rank_device()``).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
 from einshard.helpers import compute_split_shapes as split
-from einshard.testing import launch
+from einshard.testing import add_device_argument, device_mesh, launch, rank_device
 
 NX, NY = 20, 18  # grid points: uneven over the 2 x 4 mesh along y
 B, W = 4, 8  # batch (split over px for the spectral mixing), channels (split over py there)
@@ -93,7 +97,7 @@ def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
         params[f"point_b{k}"] = rand(W, scale=0.1)
     params["proj_w"] = rand(W, scale=W**-0.5)
     params["proj_b"] = rand(scale=0.1)
-    return params
+    return {k: v.to(rank_device()) for k, v in params.items()}
 
 
 # -- the data: random smooth sources and the solutions of the screened Poisson problem ----------
@@ -111,7 +115,7 @@ def sample(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.fft.irfft2(a_hat, s=(NX, NY))
     symbol = 1 + NU * (2 * math.pi) ** 2 * (kx**2 + ky**2)
     u = torch.fft.irfft2(torch.fft.rfft2(a) / symbol, s=(NX, NY))
-    return a, u
+    return a.to(rank_device()), u.to(rank_device())
 
 
 # -- the model on this rank's blocks (inside shard_map: mesh and split shapes are ambient) -----
@@ -220,12 +224,15 @@ def run(device_mesh) -> list[str]:
 
 def on_rank() -> list[str]:
     """What every rank runs: build the 2 x 4 mesh, train, compare."""
-    return run(init_device_mesh("cpu", (2, 4), mesh_dim_names=("px", "py")))
+    return run(device_mesh((2, 4), ("px", "py")))
 
 
-def main() -> int:
-    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(on_rank, 8, timeout=300)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    args = parser.parse_args(argv)
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
+    results = launch(on_rank, 8, timeout=300, device=args.device)
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

@@ -1,14 +1,25 @@
 """Local einshard in five steps, each checked against plain torch.
 
-Run: ``python examples/local_einshard.py`` (CPU, under a second).
+Run: ``python examples/local_einshard.py`` (under a second; ``--device cpu`` or ``cuda``: the default, ``auto``,
+is a GPU where there is one).
 """
+
+import argparse
 
 import torch
 
 import einshard as es
+from einshard.testing import add_device_argument, local_device
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    with torch.device(local_device(parser.parse_args(argv).device)):  # every tensor below is made there
+        steps()
+
+
+def steps() -> None:
     torch.manual_seed(0)
 
     # 1. a linear layer: contraction over c
