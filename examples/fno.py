@@ -77,9 +77,9 @@ PARAM_SPECS = {  # every parameter is replicated
 }
 
 
-def split_shapes() -> dict:
-    """The blocks of every sharded axis (uneven ones must be known on every rank)."""
-    return {"px": {"x": split(NX, 2), "b": split(B, 2)}, "py": {"y": split(NY, 4), "w": split(W, 4)}}
+def split_shapes(px: int = 2, py: int = 4) -> dict:
+    """The blocks of every sharded axis on a ``px x py`` mesh (uneven ones must be known on every rank)."""
+    return {"px": {"x": split(NX, px), "b": split(B, px)}, "py": {"y": split(NY, py), "w": split(W, py)}}
 
 
 def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -150,12 +150,6 @@ def fno(p, a):
     return es.einshard(f"{GRID} w, w -> {GRID}", h, p["proj_w"]) + p["proj_b"]
 
 
-@es.shard_map(
-    in_specs=(PARAM_SPECS, f"b x y -> {GRID}", f"b x y -> {GRID}"),  # the data arrives whole: split it
-    out_specs=(PARAM_SPECS, ""),
-    shapes=split_shapes(),
-    check_vma=True,
-)
 def train_step(params, a, u):
     err = ((fno(params, a) - u) ** 2).sum()  # this rank's share of the squared error
     loss = es.psum(err, ("px", "py")) / (B * NX * NY)  # the mean over the whole grid and batch
@@ -164,6 +158,18 @@ def train_step(params, a, u):
     with torch.no_grad():
         new = {k: (params[k] - LR * g).requires_grad_() for k, g in zip(names, grads)}
     return new, loss.detach()
+
+
+def sharded_train_step(mesh):
+    """:func:`train_step` as one ``shard_map`` body on ``mesh`` (any ``px x py``; the 2 x 4 one by default)."""
+    return es.shard_map(
+        train_step,
+        in_specs=(PARAM_SPECS, f"b x y -> {GRID}", f"b x y -> {GRID}"),  # the data arrives whole: split it
+        out_specs=(PARAM_SPECS, ""),
+        shapes=split_shapes(mesh.size("px"), mesh.size("py")),
+        check_vma=True,
+        mesh=mesh,
+    )
 
 
 # -- the same model and training in one process ---------------------------------------------------
@@ -202,12 +208,13 @@ def run(device_mesh) -> list[str]:
     torch.set_num_threads(1)
     mesh = es.wrap_mesh(device_mesh)
     params = {k: v.requires_grad_() for k, v in init_params().items()}  # replicated: the same everywhere
+    step_fn = sharded_train_step(mesh)
     losses = []
     start = time.perf_counter()
     with es.use_mesh(mesh):
         for step in range(STEPS):
             a, u = sample(step)
-            params, loss = train_step(params, a, u)
+            params, loss = step_fn(params, a, u)
             losses.append(loss.item())
     elapsed = time.perf_counter() - start
     ref_params, ref_losses = reference_training()
