@@ -28,7 +28,7 @@ import torch
 
 import einshard as es
 from einshard.testing import run_on_ranks
-from scripts import kept_process_group
+from scripts import kept_process_group, script_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
@@ -137,8 +137,7 @@ def test_scripts_run_as_files(page, index, tmp_path):
     (code, _), = _sessions(page)[index][1]
     name = _SCRIPT.match(code.lstrip()).group(1)
     (tmp_path / name).write_text(code)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([sys.executable, name], cwd=tmp_path, env=env, check=True, timeout=600, capture_output=True)
+    subprocess.run([sys.executable, name], cwd=tmp_path, env=script_env(), check=True, timeout=600, capture_output=True)
 
 
 def _code_lines(text: str) -> list[str]:

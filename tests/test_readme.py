@@ -37,13 +37,13 @@ def test_readme_example():
 
 
 def test_readme_example_ends_cleanly_under_torchrun(tmp_path):
-    """As a new user runs it, several times (a rank aborting at teardown fails some runs only); on 4 ranks,
-    a 2 x 2 mesh, to keep it cheap: the same code otherwise."""
+    """As a new user runs it, three times: a rank aborting at teardown ("terminate called without an active
+    exception", exit 1) failed 2 of 5 such runs on 8 ranks before the block ended with destroy_process_group."""
     code = _first_python_block()
-    assert code.count("(2, 4)") == 1 and code.rstrip().endswith("the script ends cleanly")
+    assert code.rstrip().endswith("the script ends cleanly")
     script = tmp_path / "readme.py"
-    script.write_text(code.replace("(2, 4)", "(2, 2)"))
+    script.write_text(code)
     for run in range(3):
-        proc = torchrun(script, 4)
+        proc = torchrun(script, 8)
         assert proc.returncode == 0, f"run {run + 1}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
         assert proc.stdout.count("einshard plan for") == 1, proc.stdout
