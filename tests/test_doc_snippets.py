@@ -15,7 +15,6 @@ The first line of a block says how it runs (docs/testing.md, "Code in the docs")
 from __future__ import annotations
 
 import doctest
-import os
 import pathlib
 import re
 import subprocess
