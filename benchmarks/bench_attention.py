@@ -141,7 +141,8 @@ def on_rank(seqs, batch, heads, dim, repeats, warmup):
                     times[name].append(time.perf_counter() - start)
         for name in variants:
             peak = peak_memory(lambda: step(name))
-            stats = torch.tensor([statistics.median(times[name]) * 1e3, peak], dtype=torch.float64, device=rank_device())
+            stats = torch.tensor([statistics.median(times[name]) * 1e3, peak], dtype=torch.float64,
+                                 device=rank_device())
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             rows.append({"case": "attention", "variant": name, "seq": n, "ms": round(stats[0].item(), 1),
                          "peak_mem_bytes": int(stats[1].item())})

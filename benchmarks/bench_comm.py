@@ -96,7 +96,8 @@ def _run_case(mesh_key, formula, shapes, policy):
     with es.count_communication() as bwd:
         out.backward(cot)
     # the data moved (a call with shapes= also agrees across ranks: kind 'check', not data)
-    sent = torch.tensor([float(fwd.data.sent_bytes), float(bwd.data.sent_bytes)], dtype=torch.float64, device=rank_device())
+    sent = torch.tensor([float(fwd.data.sent_bytes), float(bwd.data.sent_bytes)], dtype=torch.float64,
+                        device=rank_device())
     dist.all_reduce(sent)
     return (sent / dist.get_world_size()).tolist()
 

@@ -1,7 +1,8 @@
 """Steady-state Python overhead of a distributed einshard call with a cached plan.
 
 Runs on gloo CPU ranks (started here; 2 by default, so the 2-core machine is
-not oversubscribed), or under ``torchrun`` (``--device cuda``: one GPU per rank over NCCL). For each case it times, in the same run and
+not oversubscribed), or under ``torchrun`` (``--device cuda``: one GPU per rank
+over NCCL). For each case it times, in the same run and
 interleaved, ``es.einshard`` against the same work written by hand (the
 local ``torch.einsum`` plus the collectives the plan uses, called directly
 through ``einshard.collectives``). Gloo collectives on a shared machine

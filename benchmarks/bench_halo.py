@@ -148,7 +148,8 @@ def run_case(case, repeats):
     mesh = es.wrap_mesh(make_mesh(*MESHES[mesh_name]))
     in_spec = spec.split("->")[0].split(",")[0].strip()
     g = torch.Generator().manual_seed(0)
-    x = local_block(torch.randn(gshape, generator=g).to(rank_device()), in_spec, mesh, shapes=shapes).clone().requires_grad_()
+    whole = torch.randn(gshape, generator=g).to(rank_device())
+    x = local_block(whole, in_spec, mesh, shapes=shapes).clone().requires_grad_()
     args = dict(args)
     boundary = args.get("boundary", "constant")
     if op == "halo":

@@ -24,7 +24,6 @@ Run it from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 
 import einshard as es
 from einshard.helpers import compute_split_shapes
-from einshard.testing import add_device_argument, device_mesh, launch, rank_device
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_module import FF, H, LAYOUTS, LR, Block, batch  # noqa: E402
@@ -92,11 +91,8 @@ def run() -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_device_argument(parser)
-    args = parser.parse_args(argv)
     # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
-    results = launch(run, 8, timeout=240, device=args.device)
+    results = launch(run, 8, timeout=240, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

@@ -43,7 +43,6 @@ generators and moved to the rank's device (``es.testing.rank_device()``).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -53,7 +52,7 @@ import torch.nn.functional as F
 
 import einshard as es
 from einshard.helpers import compute_split_shapes as split
-from einshard.testing import add_device_argument, device_mesh, launch, rank_device
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 NX, NY = 20, 18  # grid points: uneven over the 2 x 4 mesh along y
 B, W = 4, 8  # batch (split over px for the spectral mixing), channels (split over py there)
@@ -235,11 +234,8 @@ def on_rank() -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_device_argument(parser)
-    args = parser.parse_args(argv)
     # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
-    results = launch(on_rank, 8, timeout=300, device=args.device)
+    results = launch(on_rank, 8, timeout=300, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

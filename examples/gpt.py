@@ -300,7 +300,8 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False,
     mask = causal_mask(mesh, model.cfg)
     # ring attention: the sequence in zigzag order (rank r of sp holds chunks r and 2sp-1-r), so that
     # causal work is the same on every rank; the loss sums over positions, whatever their order
-    order = zigzag_indices(model.cfg.seq, mesh.size("sp"), device=rank_device()) if model.cfg.attention == "ring" else None
+    ring = model.cfg.attention == "ring"
+    order = zigzag_indices(model.cfg.seq, mesh.size("sp"), device=rank_device()) if ring else None
     if style == "einshard":
         mp = {}
         if precision == "bf16":

@@ -22,7 +22,6 @@ or under torchrun on 8 processes::
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.testing import add_device_argument, device_mesh, launch, local_block, rank_device
+from einshard.testing import device_mesh, launch, local_block, parse_device, rank_device
 
 N_X, N_Y = 50, 61  # deliberately not multiples of the mesh: uneven blocks
 STEPS = 300
@@ -85,7 +84,8 @@ def simulate() -> dict:
     ref = u0
     for _ in range(STEPS):
         ref = step_local(ref, r)
-    diff = torch.tensor([(u - local_block(ref, LAYOUT, mesh, shapes=shapes)).abs().max().item()], dtype=torch.float64, device=u.device)
+    diff = torch.tensor([(u - local_block(ref, LAYOUT, mesh, shapes=shapes)).abs().max().item()], dtype=torch.float64,
+                        device=u.device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     heat = torch.tensor([u.sum().item()], dtype=torch.float64, device=u.device)
     dist.all_reduce(heat)
@@ -115,11 +115,8 @@ def report(results: list[dict]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_device_argument(parser)
-    args = parser.parse_args(argv)
     # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
-    results = launch(simulate, 8, timeout=120, device=args.device)
+    results = launch(simulate, 8, timeout=120, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         report(results)
 

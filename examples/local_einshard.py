@@ -4,18 +4,14 @@ Run: ``python examples/local_einshard.py`` (under a second; ``--device cpu`` or 
 is a GPU where there is one).
 """
 
-import argparse
-
 import torch
 
 import einshard as es
-from einshard.testing import add_device_argument, local_device
+from einshard.testing import local_device, parse_device
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_device_argument(parser)
-    with torch.device(local_device(parser.parse_args(argv).device)):  # every tensor below is made there
+    with torch.device(local_device(parse_device(argv, __doc__.splitlines()[0]))):  # every tensor below: there
         steps()
 
 

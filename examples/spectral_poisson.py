@@ -30,7 +30,6 @@ or under torchrun on 8 processes::
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -39,7 +38,7 @@ import torch.distributed as dist
 
 import einshard as es
 from einshard.helpers import compute_split_shapes as split
-from einshard.testing import add_device_argument, device_mesh, launch, rank_device
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 N = (34, 30, 27)  # grid points along x, y, z: uneven over the 2x4 mesh, odd along z
 GRID = "x/px y/py z"
@@ -134,11 +133,8 @@ def report(results: list[dict]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_device_argument(parser)
-    args = parser.parse_args(argv)
     # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
-    results = launch(solve, 8, timeout=120, device=args.device)
+    results = launch(solve, 8, timeout=120, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         report(results)
 

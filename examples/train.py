@@ -24,7 +24,6 @@ Run it from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.testing import add_device_argument, device_mesh, launch, rank_device
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 B, N, C = 8, 6, 16  # batch, sequence length, model width
 H, D, FF = 4, 4, 32  # heads, head width, MLP hidden units
@@ -191,11 +190,8 @@ def on_rank() -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_device_argument(parser)
-    args = parser.parse_args(argv)
     # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
-    results = launch(on_rank, 8, timeout=240, device=args.device)
+    results = launch(on_rank, 8, timeout=240, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

@@ -179,8 +179,8 @@ def cases(mesh, device) -> dict:
     u = _gen(7, 4, seed=3, device=device)
     uneven = {"tp": compute_split_shapes(7, p)}
     out["einshard all-gather, uneven shapes="] = (
-        _fwd_bwd(lambda a: es.einshard("b/tp c -> b c", a, mesh=mesh, shapes=uneven), _leaf(block(u, "b/tp c", uneven))),
-        u)
+        _fwd_bwd(lambda a: es.einshard("b/tp c -> b c", a, mesh=mesh, shapes=uneven),
+                 _leaf(block(u, "b/tp c", uneven))), u)
 
     # shard_map and the named collectives inside it (variance tracked)
     def mapped(body, in_specs, out_specs, *args):

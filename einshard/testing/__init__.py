@@ -20,7 +20,7 @@ the mesh fixtures). See ``docs/testing.md``.
 
 from ._errors import RankError, RankTimeout
 from ._device import (DEVICES, add_device_argument, choose_device, device_mesh, init_rank, local_device,
-                      rank_device, synchronize)
+                      parse_device, rank_device, synchronize)
 from ._launch import launch
 from ._mesh import MeshSpec, make_mesh
 from ._pool import RankPool, close_all_pools, get_pool, run_on_ranks, spawn
@@ -45,5 +45,6 @@ __all__ = [
     "rank_device",
     "local_device",
     "synchronize",
+    "parse_device",
     "device_mesh",
 ]

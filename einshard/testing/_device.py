@@ -8,6 +8,7 @@ put its tensors and builds its meshes with :func:`device_mesh`.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -17,7 +18,7 @@ from ..errors import EinshardError
 from ..helpers import init_process_group
 
 __all__ = ["DEVICES", "add_device_argument", "choose_device", "device_mesh", "init_rank", "launched", "local_device",
-           "rank_device", "synchronize"]
+           "parse_device", "rank_device", "synchronize"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -123,3 +124,10 @@ def add_device_argument(parser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto: one GPU per rank over NCCL when started by torchrun/srun on enough GPUs, "
                              "else CPU ranks over gloo (default auto)")
+
+
+def parse_device(argv=None, description: str | None = None) -> str:
+    """The ``--device`` of a script whose only option it is (``argv``: ``sys.argv[1:]`` by default)."""
+    parser = argparse.ArgumentParser(description=description)
+    add_device_argument(parser)
+    return parser.parse_args(argv).device
