@@ -71,6 +71,8 @@ class _Dispatch(TorchDispatchMode):
         name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
         if name in SYNCING:
             self.found.append(f"{func} (a host read)")
+        elif name == "aten.lift_fresh":
+            self.found.append(f"{func} (a tensor from host data: a host-to-device copy on CUDA)")
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type not in (self.device_type, "meta"):
                 self.found.append(f"{func} made a tensor on {t.device.type}")
