@@ -87,7 +87,8 @@ def init_rank(device: str) -> tuple[int, int, int]:
     """Initialise this ``torchrun``/``srun`` rank for ``device`` (:func:`choose_device`'s answer).
 
     ``cuda``: ``torch.cuda.set_device(LOCAL_RANK)`` and an NCCL process group; ``cpu``: gloo. Afterwards
-    :func:`rank_device` is this rank's device. Returns ``(local_rank, rank, world_size)``.
+    :func:`rank_device` is this rank's device. Returns ``(local_rank, rank, world_size)``. In a rank whose
+    process group is up already (the harness's ranks) it only selects the GPU and sets :func:`rank_device`.
     """
     cuda = device == "cuda"
     local, rank, world = init_process_group("nccl" if cuda else "gloo", use_cuda=cuda)
