@@ -5,8 +5,8 @@ Marked ``cuda``: deselected where CUDA (or, for ``devices=2``, a second GPU) is 
 - One GPU: every public op (tests/host_work.py's cases: forward and backward, compared with the same
   computation on whole tensors in one process) on a 1-rank NCCL mesh, each steady-state call under
   ``torch.cuda.set_sync_debug_mode("error")`` and the host-work detector; a few training steps of
-  ``examples/gpt.py`` (both styles) and ``examples/fno.py`` on a 1-rank NCCL mesh against their one-process
-  references on the same GPU.
+  ``examples/gpt.py`` (both styles) and ``examples/fno.py`` on a 1-rank NCCL mesh (one ``torchrun`` rank,
+  ``launch(device="cuda")``) against their one-process references on the same GPU.
 - Two ranks over gloo on one GPU: the paths whose only communication is all-reduce (gloo moves CUDA tensors
   for those alone; it stages them through the host, so no sync-debug mode there).
 - Two GPUs: every public op over a 2-rank NCCL mesh, as on one.
@@ -16,8 +16,10 @@ The unmarked tests run the same functions on CPU ranks, so a machine without a G
 
 from __future__ import annotations
 
+import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import einshard as es
-from einshard.testing import init_rank, local_block, rank_device
+from einshard.testing import local_block, rank_device
 from host_work import HostWork, check_cases
+from scripts import ROOT, torchrun
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(ROOT / "examples"))
 import fno  # noqa: E402  (examples/fno.py)
 import gpt  # noqa: E402  (examples/gpt.py)
 
@@ -67,23 +70,18 @@ def nccl_group():
     return _NCCL["group"]
 
 
-def group_mesh(group, device_type: str, names=("tp",)):
-    """A mesh on ``group``: 1-D over every rank of the pool, or, on one rank, as many dimensions of size 1 as
-    ``names``."""
-    if len(names) == 1:
-        return es.wrap_mesh(DeviceMesh.from_group(group, device_type, mesh_dim_names=names))
-    assert dist.get_world_size(group) == 1
-    ranks = torch.zeros((1,) * len(names), dtype=torch.int)
-    return es.wrap_mesh(DeviceMesh.from_group([group] * len(names), device_type, mesh=ranks, mesh_dim_names=names))
+def group_mesh(group, device_type: str):
+    """A 1-D mesh ``tp`` over every rank of ``group``."""
+    return es.wrap_mesh(DeviceMesh.from_group(group, device_type, mesh_dim_names=("tp",)))
 
 
-def nccl_mesh(names=("tp",)):
-    return group_mesh(nccl_group(), "cuda", names)
+def nccl_mesh():
+    return group_mesh(nccl_group(), "cuda")
 
 
-def cpu_mesh(names=("tp",)):
+def cpu_mesh():
     """The same kind of mesh on the pool's gloo group."""
-    return group_mesh(dist.group.WORLD, "cpu", names)
+    return group_mesh(dist.group.WORLD, "cpu")
 
 
 # -- the checks -----------------------------------------------------------------------------------------
@@ -146,6 +144,32 @@ def examples_case(mesh3, mesh2) -> dict:
             "fno": fno_case(mesh2)}
 
 
+# the examples' steps as a user runs them: one torchrun rank, launch(device=...) (NCCL world on a GPU)
+EXAMPLES_SCRIPT = textwrap.dedent(f"""
+    import json, sys
+    sys.path[:0] = [{str(Path(__file__).resolve().parent)!r}]
+    import einshard as es
+    from einshard.testing import device_mesh, launch
+    import test_cuda
+
+    def on_rank():
+        mesh3 = es.wrap_mesh(device_mesh((1, 1, 1), ("dp", "sp", "tp")))
+        return test_cuda.examples_case(mesh3, es.wrap_mesh(device_mesh((1, 1), ("px", "py"))))
+
+    if __name__ == "__main__":
+        results = launch(on_rank, 1, device=sys.argv[1])
+        print("ERRORS", json.dumps(results[0]), flush=True)
+""")
+
+
+def examples_under_torchrun(tmp_path, device: str) -> dict:
+    script = tmp_path / "example_steps.py"
+    script.write_text(EXAMPLES_SCRIPT)
+    proc = torchrun(script, 1, device, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return json.loads(re.search(r"^ERRORS (.*)$", proc.stdout, re.M).group(1))
+
+
 # -- CPU ranks: the same functions, so that a machine without a GPU checks them -------------------------------
 
 
@@ -159,9 +183,9 @@ def test_all_reduce_paths_on_cpu_ranks():
     agree_errors(reduce_case(cpu_mesh(), "cpu"))
 
 
-@pytest.mark.ranks(1)
-def test_example_steps_on_one_cpu_rank():
-    agree_errors(examples_case(cpu_mesh(("dp", "sp", "tp")), cpu_mesh(("px", "py"))))
+def test_example_steps_under_torchrun_on_one_cpu_rank(tmp_path):
+    errs = examples_under_torchrun(tmp_path, "cpu")
+    assert set(errs) == {"gpt shard_map", "gpt einshard", "fno"} and max(errs.values()) < 1e-10, errs
 
 
 # -- GPUs -----------------------------------------------------------------------------------------------
@@ -176,13 +200,10 @@ def test_every_public_op_on_one_gpu_over_nccl():
 
 
 @pytest.mark.cuda
-@pytest.mark.ranks(1)
-def test_gpt_and_fno_examples_train_on_one_gpu_over_nccl():
-    init_rank("cuda")  # the pool's group is up: this selects the GPU and makes it the examples' rank device
-    try:
-        agree_errors(examples_case(nccl_mesh(("dp", "sp", "tp")), nccl_mesh(("px", "py"))))
-    finally:
-        init_rank("cpu")  # the pool's later tests run on the CPU again
+def test_gpt_and_fno_examples_train_on_one_gpu_over_nccl(tmp_path):
+    """One torchrun rank with ``--device cuda``: an NCCL world, the examples' tensors on the GPU."""
+    errs = examples_under_torchrun(tmp_path, "cuda")
+    assert set(errs) == {"gpt shard_map", "gpt einshard", "fno"} and max(errs.values()) < 1e-10, errs
 
 
 @pytest.mark.cuda
