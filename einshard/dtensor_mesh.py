@@ -90,7 +90,7 @@ def _device_mesh(mesh, layout: np.ndarray):
         else:
             groups.append(dist.new_group(ranks, use_local_synchronization=True))
     return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], mesh.device_type,
-                                 mesh=torch.as_tensor(layout), mesh_dim_names=tuple(mesh.names))
+                                 mesh=torch.as_tensor(layout, device="cpu"), mesh_dim_names=tuple(mesh.names))
 
 
 def _exchange(x: torch.Tensor, mesh, pairs, recv_shape) -> torch.Tensor:
