@@ -35,6 +35,7 @@ import torch
 
 from .. import collectives as C
 from ..errors import EinshardError
+from ..backwards import PerBackward
 from ..grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
 from ..mesh import Mesh, resolve_mesh
 
@@ -43,8 +44,6 @@ __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 # id(Parameter) -> (weak references to it and to the GradBucketer whose hooks sum its gradient); weak, so a
 # model dropped with its hooks still registered is freed
 _HOOKED: dict = {}
-_engine = torch.autograd.Variable._execution_engine
-_graph_task = torch._C._current_graph_task_id
 
 
 def hooked_by(p) -> "GradBucketer | None":
@@ -71,20 +70,33 @@ def _release(p, bucketer) -> None:
 
 
 class _Bucket:
-    __slots__ = ("params", "nodes", "group", "ready", "held", "in_grad")
+    __slots__ = ("params", "nodes", "group", "held", "in_grad")
 
     def __init__(self, params, group):
         self.params = params  # in the order gradients are expected
         with torch.enable_grad():  # their AccumulateGrad nodes (kept: the same node in every graph)
             self.nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         self.group = group
-        self.ready: set = set()  # indices whose gradient was accumulated in the running backward
-        self.held: dict = {}  # index -> contributions not yet summed, kept out of .grad
+        self.held: dict = {}  # index -> contributions of finished backwards not yet summed, kept out of .grad
         self.in_grad: set = set()  # indices whose .grad is exactly their contributions not yet summed
 
     def window(self) -> bool:
         """Whether some contribution waits to be summed."""
         return bool(self.held or self.in_grad)
+
+
+class _Pass:
+    """What one running backward did to the buckets: which parameters' gradients were accumulated
+    (``ready``), its contributions not yet summed (``held``, ``in_grad``, by ``(bucket, index)``), the
+    sums it started (``works``). Merged into the buckets when the backward ends; dropped if it raised."""
+
+    __slots__ = ("ready", "held", "in_grad", "works")
+
+    def __init__(self):
+        self.ready: dict = {}  # bucket -> indices
+        self.held: dict = {}
+        self.in_grad: set = set()
+        self.works: list = []
 
 
 class GradBucketer:
@@ -141,7 +153,7 @@ class GradBucketer:
         self._works: list = []  # (work, flat buffer, bucket, per-parameter write mode)
         self._handles: list = []
         self._no_sync = 0
-        self._armed = None  # the graph task whose end-of-backward callback is queued
+        self._backwards = PerBackward(_Pass, self._end_of_backward, _drop)
         self._removed = False
         try:
             for (dims, _dtype, _device), params in by_key.items():
@@ -183,39 +195,38 @@ class GradBucketer:
         def hook(grad):
             if not accumulates(node):  # torch.autograd.grad returns it: summed now, .grad untouched
                 return C.all_reduce(grad, bucket.group)
-            self._arm()
+            now = self._backwards.current()
+            key = (bucket, i)
             if self.synchronous and not self._no_sync:
-                held = bucket.held.pop(i, None)
+                held = _sum(bucket.held.pop(i, None), now.held.pop(key, None))
                 return C.all_reduce(grad if held is None else held + grad, bucket.group)
-            if not self.synchronous and p.grad is None and i not in bucket.in_grad and i not in bucket.held:
-                bucket.in_grad.add(i)  # the first contribution: accumulated as it is, summed in place later
+            if (not self.synchronous and p.grad is None and i not in bucket.in_grad and i not in bucket.held
+                    and key not in now.in_grad and key not in now.held):
+                now.in_grad.add(key)  # the first contribution: accumulated as it is, summed in place later
                 return grad
-            held = bucket.held.get(i)
-            bucket.held[i] = grad if held is None else held + grad
+            now.held[key] = _sum(now.held.get(key), grad)
             return torch.zeros_like(grad)  # earlier (summed) contents of .grad stay apart
 
         return hook
 
     def _post_hook(self, bucket: _Bucket, i: int):
         def hook(_p):
-            bucket.ready.add(i)
-            if len(bucket.ready) == len(bucket.params) and not self._no_sync:
-                self._launch(bucket)
+            now = self._backwards.current()
+            ready = now.ready.setdefault(bucket, set())
+            ready.add(i)
+            if len(ready) == len(bucket.params) and not self._no_sync:
+                self._launch(bucket, now)
 
         return hook
 
-    def _arm(self) -> None:
-        """Queue :meth:`_end_of_backward` once per backward (graph task)."""
-        task = _graph_task()
-        if self._armed != task:
-            self._armed = task
-            _engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self._armed = None
+    def _end_of_backward(self, now: _Pass) -> None:
+        """The backward ``now`` ended: its contributions join the buckets' windows, its sums the started ones."""
+        for bucket, i in now.in_grad:
+            bucket.in_grad.add(i)
+        for (bucket, i), grad in now.held.items():
+            bucket.held[i] = _sum(bucket.held.get(i), grad)
+        self._works.extend(now.works)
         self._adopt_unfrozen()
-        for bucket in self.buckets:
-            bucket.ready.clear()
         if not self._no_sync:
             self.flush()
 
@@ -240,12 +251,17 @@ class GradBucketer:
                     else:
                         bucket.in_grad.add(i)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        """Start the sum of the bucket's contributions (synchronous: add it to ``.grad`` now)."""
+    def _launch(self, bucket: _Bucket, now: _Pass | None = None) -> None:
+        """Start the sum of the bucket's contributions, of finished backwards and of the running one
+        (``now``, which keeps the sum started; synchronous: add it to ``.grad`` now)."""
         parts, modes = [], []
         for i, p in enumerate(bucket.params):
-            held = bucket.held.get(i)
-            own = p.grad if i in bucket.in_grad else None
+            key = (bucket, i)
+            held = _sum(bucket.held.get(i), None if now is None else now.held.pop(key, None))
+            in_grad = i in bucket.in_grad or (now is not None and key in now.in_grad)
+            if now is not None:
+                now.in_grad.discard(key)
+            own = p.grad if in_grad else None
             if own is not None:
                 parts.append(own if held is None else own + held)
                 modes.append("copy")
@@ -255,20 +271,21 @@ class GradBucketer:
             else:  # no contribution here (not used in this window): zeros, nothing written
                 parts.append(torch.zeros(p.shape, dtype=p.dtype, device=p.device))
                 modes.append(None)
-        bucket.ready.clear()
+        if now is not None:
+            now.ready.pop(bucket, None)
         bucket.held = {}
         bucket.in_grad = set()
         if self.synchronous:
             write(C.all_reduce(flatten(parts), bucket.group), bucket.params, modes)
             return
         flat, work = launch(parts, bucket.group)
-        self._works.append((work, flat, bucket, tuple(modes)))
+        (self._works if now is None else now.works).append((work, flat, bucket, tuple(modes)))
 
     # -- public -----------------------------------------------------------
     @property
     def pending(self) -> int:
         """The number of all-reduces started and not yet waited for."""
-        return len(self._works)
+        return len(self._works) + sum(len(now.works) for now in self._backwards.states())
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -288,7 +305,9 @@ class GradBucketer:
         return self
 
     def wait(self) -> "GradBucketer":
-        """Sum what is not summed yet, wait for every started all-reduce and write the sums into ``.grad``."""
+        """Sum what is not summed yet, wait for every started all-reduce and write the sums into ``.grad``
+        (what a backward that raised started is waited for and dropped)."""
+        self._backwards.purge()
         self._adopt_unfrozen()
         self.flush()
         while self._works:
@@ -313,6 +332,18 @@ class GradBucketer:
             _release(p, self)
         self._removed = True
         return self
+
+
+def _sum(a, b):
+    """``a + b``, either may be ``None`` (nothing)."""
+    return b if a is None else a if b is None else a + b
+
+
+def _drop(now: _Pass) -> None:
+    """A backward that raised: its contributions are dropped, the sums it started waited for and dropped."""
+    for work, *_ in now.works:
+        work.wait()
+    now.works = []
 
 
 def _union_dims(mesh, groups: tuple) -> tuple:
