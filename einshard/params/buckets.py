@@ -78,7 +78,9 @@ class _Bucket:
             self.nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         self.group = group
         self.held: dict = {}  # index -> contributions of finished backwards not yet summed, kept out of .grad
-        self.in_grad: set = set()  # indices whose .grad is exactly their contributions not yet summed
+        # index -> the backward (_Pass) that accumulated into it, or None: .grad is exactly contributions
+        # not yet summed (one fact about .grad, whichever backward, outer or reentrant, is running)
+        self.in_grad: dict = {}
 
     def window(self) -> bool:
         """Whether some contribution waits to be summed."""
@@ -87,16 +89,16 @@ class _Bucket:
 
 class _Pass:
     """What one running backward did to the buckets: which parameters' gradients were accumulated
-    (``ready``), its contributions not yet summed (``held``, ``in_grad``, by ``(bucket, index)``), the
-    sums it started (``works``). Merged into the buckets when the backward ends; dropped if it raised."""
+    (``ready``), its contributions held out of ``.grad`` and not yet summed (``held``, by ``(bucket,
+    index)``). Merged into the buckets when the backward ends; dropped if it raised, with the ``in_grad``
+    marks it made and the sums it started (the bucketer's works it owns)."""
 
-    __slots__ = ("ready", "held", "in_grad", "works")
+    __slots__ = ("ready", "held", "buckets")
 
     def __init__(self):
         self.ready: dict = {}  # bucket -> indices
         self.held: dict = {}
-        self.in_grad: set = set()
-        self.works: list = []
+        self.buckets: list = []  # the buckets whose in_grad it marked
 
 
 class GradBucketer:
@@ -150,10 +152,12 @@ class GradBucketer:
         self.synchronous = bool(synchronous)
         self.buckets: list[_Bucket] = []
         self._frozen = frozen  # (parameter, dims): hooked once it requires gradients
-        self._works: list = []  # (work, flat buffer, bucket, per-parameter write mode)
+        # (work, flat buffer, bucket, per-parameter write mode, the running backward that started it or None),
+        # in the order started (a later sum may overwrite .grad: "copy")
+        self._works: list = []
         self._handles: list = []
         self._no_sync = 0
-        self._backwards = PerBackward(_Pass, self._end_of_backward, _drop)
+        self._backwards = PerBackward(_Pass, self._end_of_backward, self._drop)
         self._removed = False
         try:
             for (dims, _dtype, _device), params in by_key.items():
@@ -201,8 +205,9 @@ class GradBucketer:
                 held = _sum(bucket.held.pop(i, None), now.held.pop(key, None))
                 return C.all_reduce(grad if held is None else held + grad, bucket.group)
             if (not self.synchronous and p.grad is None and i not in bucket.in_grad and i not in bucket.held
-                    and key not in now.in_grad and key not in now.held):
-                now.in_grad.add(key)  # the first contribution: accumulated as it is, summed in place later
+                    and key not in now.held):
+                bucket.in_grad[i] = now  # the first contribution: accumulated as it is, summed in place later
+                now.buckets.append(bucket)
                 return grad
             now.held[key] = _sum(now.held.get(key), grad)
             return torch.zeros_like(grad)  # earlier (summed) contents of .grad stay apart
@@ -221,14 +226,25 @@ class GradBucketer:
 
     def _end_of_backward(self, now: _Pass) -> None:
         """The backward ``now`` ended: its contributions join the buckets' windows, its sums the started ones."""
-        for bucket, i in now.in_grad:
-            bucket.in_grad.add(i)
+        for bucket in now.buckets:
+            for i, owner in bucket.in_grad.items():
+                if owner is now:
+                    bucket.in_grad[i] = None
         for (bucket, i), grad in now.held.items():
             bucket.held[i] = _sum(bucket.held.get(i), grad)
-        self._works.extend(now.works)
+        self._works = [w[:4] + (None,) if w[4] is now else w for w in self._works]
         self._adopt_unfrozen()
         if not self._no_sync:
             self.flush()
+
+    def _drop(self, now: _Pass) -> None:
+        """A backward that raised: its contributions are dropped (what it accumulated into ``.grad`` is no
+        longer taken for contributions), the sums it started waited for and dropped."""
+        for bucket in now.buckets:
+            bucket.in_grad = {i: owner for i, owner in bucket.in_grad.items() if owner is not now}
+        for work, *_ in (w for w in self._works if w[4] is now):
+            work.wait()
+        self._works = [w for w in self._works if w[4] is not now]
 
     def _adopt_unfrozen(self) -> None:
         """Hook the parameters frozen at construction that require gradients now; what their ``.grad``
@@ -249,7 +265,7 @@ class GradBucketer:
                         bucket.held[i] = p.grad.clone()
                         p.grad.zero_()
                     else:
-                        bucket.in_grad.add(i)
+                        bucket.in_grad[i] = None
 
     def _launch(self, bucket: _Bucket, now: _Pass | None = None) -> None:
         """Start the sum of the bucket's contributions, of finished backwards and of the running one
@@ -258,10 +274,7 @@ class GradBucketer:
         for i, p in enumerate(bucket.params):
             key = (bucket, i)
             held = _sum(bucket.held.get(i), None if now is None else now.held.pop(key, None))
-            in_grad = i in bucket.in_grad or (now is not None and key in now.in_grad)
-            if now is not None:
-                now.in_grad.discard(key)
-            own = p.grad if in_grad else None
+            own = p.grad if i in bucket.in_grad else None
             if own is not None:
                 parts.append(own if held is None else own + held)
                 modes.append("copy")
@@ -274,18 +287,19 @@ class GradBucketer:
         if now is not None:
             now.ready.pop(bucket, None)
         bucket.held = {}
-        bucket.in_grad = set()
+        bucket.in_grad = {}
         if self.synchronous:
             write(C.all_reduce(flatten(parts), bucket.group), bucket.params, modes)
             return
         flat, work = launch(parts, bucket.group)
-        (self._works if now is None else now.works).append((work, flat, bucket, tuple(modes)))
+        self._works.append((work, flat, bucket, tuple(modes), now))
 
     # -- public -----------------------------------------------------------
     @property
     def pending(self) -> int:
         """The number of all-reduces started and not yet waited for."""
-        return len(self._works) + sum(len(now.works) for now in self._backwards.states())
+        self._backwards.purge()
+        return len(self._works)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -311,7 +325,7 @@ class GradBucketer:
         self._adopt_unfrozen()
         self.flush()
         while self._works:
-            work, flat, bucket, modes = self._works[0]
+            work, flat, bucket, modes, _ = self._works[0]
             work.wait()
             self._works.pop(0)
             write(flat, bucket.params, modes)
@@ -339,11 +353,6 @@ def _sum(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _drop(now: _Pass) -> None:
-    """A backward that raised: its contributions are dropped, the sums it started waited for and dropped."""
-    for work, *_ in now.works:
-        work.wait()
-    now.works = []
 
 
 def _union_dims(mesh, groups: tuple) -> tuple:
