@@ -187,7 +187,7 @@ def trace_error(message: str) -> EinshardError:
     is, so the error is both.
     """
     if not _TRACE_ERROR:
-        exc = sys.modules["torch._dynamo.exc"]
+        exc = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
 
         class EinshardCompileError(EinshardError, exc.UserError):
             """An einshard error found while ``torch.compile`` traces."""
