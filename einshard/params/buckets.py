@@ -20,7 +20,10 @@ zeroing (micro-batches) is exact, and a parameter that got no gradient keeps
 ``.grad is None``. Inside :meth:`GradBucketer.no_sync` contributions are only
 accumulated; the first backward after it (or ``wait()``) sums them all, once.
 ``torch.autograd.grad`` never accumulates: the gradient it returns for a
-hooked parameter is summed at once, synchronously. A parameter frozen when the
+hooked parameter is summed at once, synchronously (inside ``no_sync`` too: the
+held contributions stay held). What a backward contributes is its own until it
+ends (:mod:`einshard.backwards`): a backward that raised leaves nothing behind
+(the sums it started are waited for and dropped). A parameter frozen when the
 bucketer is made gets its hooks when it requires gradients again (at the end
 of a backward, or in ``wait()``), and what it accumulated meanwhile is summed.
 """

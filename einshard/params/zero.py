@@ -612,7 +612,9 @@ class ZeroUnits:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate the stored parameters' gradients unreduced (a compute block each, in the gradient's
-        dtype); the first backward after the block (or :meth:`wait`) reduce-scatters the sum, once."""
+        dtype); the first backward after the block (or :meth:`wait`) reduce-scatters the sum, once.
+        ``torch.autograd.grad`` (inside the block or after it) returns its own call's gradient alone, and
+        what a backward that raised kept is dropped."""
         self._no_sync += 1
         try:
             yield self
