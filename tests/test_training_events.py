@@ -1,8 +1,8 @@
 """Training-loop events around the gradient mechanisms, each compared with one process on whole tensors.
 
 The model: ``h = x * g`` (``g`` replicated), ``y = h @ w.T`` (``w`` split over ``tp`` along ``f``), loss
-``sum(y ** 2)``, the batch ``x`` split over ``dp``; float64, uneven blocks (``B = F = 5``), on ``dp`` over 2
-ranks and on a 2x2 ``dp`` x ``tp`` mesh. Every gradient mechanism: formulas with no duty (the replicated
+``sum(y ** 2)``, the batch ``x`` split over ``dp``; float64, uneven blocks (``B = F = 5``) and even ones
+(``B = F = 4``), on ``dp`` over 2 ranks and on a 2x2 ``dp`` x ``tp`` mesh. Every gradient mechanism: formulas with no duty (the replicated
 operands' sums deferred to the end of backward), duties summed by the native hooks (``dp``: in the hook,
 ``dp:async``: bucketed), a ``check_vma`` ``shard_map`` body (deferred sums), ZeRO storage (``store="dp"``)
 with the hooks and in a ``shard_map`` body. The events:
@@ -30,11 +30,19 @@ from einshard.testing import MeshSpec, local_block
 DT = torch.float64
 B, C, F = 5, 3, 5
 SIZES = {"b": B, "c": C, "f": F}
+EVEN_AND_UNEVEN = pytest.mark.parametrize("size", ["uneven", "even"])
 MESHES = pytest.mark.parametrize("mesh", [
     pytest.param(MeshSpec((2,), ("dp",)), marks=pytest.mark.ranks(2), id="2"),
     pytest.param(MeshSpec((2, 2), ("dp", "tp")), marks=pytest.mark.ranks(4), id="2x2"),
 ])
 NAMES = ("g", "w")
+
+
+def _use(size: str) -> None:
+    """Set the whole sizes for the test running on this rank: uneven (5 over 2 ranks) or even (4)."""
+    global B, F, SIZES
+    B, F = (5, 5) if size == "uneven" else (4, 4)
+    SIZES = {"b": B, "c": C, "f": F}
 
 
 def _whole():
@@ -141,12 +149,14 @@ def _boom():
 
 
 @MESHES
+@EVEN_AND_UNEVEN
 @pytest.mark.parametrize("mechanism", list(MECHANISMS))
-def test_exception_mid_backward_leaves_nothing_behind(mesh, mechanism):
+def test_exception_mid_backward_leaves_nothing_behind(mesh, size, mechanism):
     """Backward raises (on every rank) after the gradient sums were queued, some started: after zero_grad
     the next step's gradient is the one-process gradient (it was twice that: the failed backward's sums
     were added at the end of the next one), with ``handle.wait()`` after the exception or not, zeroing
     ``.grad`` or setting it to ``None``, and also when the exception comes inside ``no_sync``."""
+    _use(size)
     m, net, handle, loss = _setup(mesh, mechanism)
     for wait_after, in_no_sync, to_none in ((False, False, True), (True, False, True), (False, False, False),
                                             (False, True, True)):
@@ -170,11 +180,13 @@ def test_exception_mid_backward_leaves_nothing_behind(mesh, mechanism):
 
 
 @MESHES
+@EVEN_AND_UNEVEN
 @pytest.mark.parametrize("mechanism", [k for k, v in MECHANISMS.items() if v[1] is not None])
-def test_autograd_grad_in_no_sync(mesh, mechanism):
+def test_autograd_grad_in_no_sync(mesh, size, mechanism):
     """``torch.autograd.grad`` inside ``no_sync()`` and after a ``no_sync`` micro-batch returns the summed
     gradient of its own call and leaves ``.grad`` alone; the held micro-batch reaches ``.grad`` with the
     next syncing backward."""
+    _use(size)
     m, net, handle, loss = _setup(mesh, mechanism)
     params = [getattr(net, k) for k in NAMES]
     with handle.no_sync():
@@ -195,6 +207,7 @@ def test_autograd_grad_in_no_sync(mesh, mechanism):
 def test_autograd_grad_between_backwards(mesh, mechanism):
     """Deferred sums (no ``no_sync`` there): ``torch.autograd.grad`` between two backwards returns its own
     summed gradient, and ``.grad`` holds the two backwards' sum."""
+    _use("uneven")
     m, net, handle, loss = _setup(mesh, mechanism)
     params = [getattr(net, k) for k in NAMES]
     loss(net, m, "x").backward()
@@ -210,6 +223,7 @@ def test_autograd_grad_between_backwards(mesh, mechanism):
 def test_a_backward_inside_a_backward_keeps_the_outer_ones_sums(mesh, mechanism):
     """A reentrant checkpoint runs a backward inside the running one: the inner backward's end neither
     drops nor writes the outer one's deferred sums (it is still running, not failed)."""
+    _use("uneven")
     m, net, handle, _ = _setup(mesh, mechanism)
     with es.use_mesh(m):
         xb = _rows(m, "x")
