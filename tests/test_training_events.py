@@ -241,3 +241,22 @@ def test_a_backward_inside_a_backward_keeps_the_outer_ones_sums(mesh, mechanism)
     if handle is not None:
         handle.remove()
     dist.barrier()
+
+
+@MESHES
+@pytest.mark.parametrize("mechanism", ["hooks_sync", "hooks_async"])
+def test_zero_grad_drops_held_no_sync_micro_batches(mesh, mechanism):
+    """A ``no_sync`` micro-batch, then ``zero_grad()`` (the step abandoned, as after an exception in a
+    later micro-batch): as in one process its contributions are gone; the next step's gradient is its own."""
+    _use("uneven")
+    m, net, handle, loss = _setup(mesh, mechanism)
+    with handle.no_sync():
+        loss(net, m, "x").backward()
+        with pytest.raises(_Boom):
+            loss(net, m, "x2", _boom).backward()
+    net.zero_grad(set_to_none=True)
+    loss(net, m, "x3").backward()
+    handle.wait()
+    _check({k: getattr(net, k).grad for k in NAMES}, m, net, _reference("x3"))
+    handle.remove()
+    dist.barrier()

@@ -18,7 +18,8 @@ What is summed is exactly what arrived since the last sum: earlier (summed)
 contents of ``.grad`` are held apart, so repeated ``backward()`` without
 zeroing (micro-batches) is exact, and a parameter that got no gradient keeps
 ``.grad is None``. Inside :meth:`GradBucketer.no_sync` contributions are only
-accumulated; the first backward after it (or ``wait()``) sums them all, once.
+accumulated; the first backward after it (or ``wait()``) sums them all, once;
+``zero_grad()`` (``.grad`` set to ``None``) drops them, as in one process.
 ``torch.autograd.grad`` never accumulates: the gradient it returns for a
 hooked parameter is summed at once, synchronously (inside ``no_sync`` too: the
 held contributions stay held). What a backward contributes is its own until it
@@ -204,6 +205,7 @@ class GradBucketer:
                 return C.all_reduce(grad, bucket.group)
             now = self._backwards.current()
             key = (bucket, i)
+            _forget_if_dropped(bucket, i, p)
             if self.synchronous and not self._no_sync:
                 held = _sum(bucket.held.pop(i, None), now.held.pop(key, None))
                 return C.all_reduce(grad if held is None else held + grad, bucket.group)
@@ -276,6 +278,7 @@ class GradBucketer:
         parts, modes = [], []
         for i, p in enumerate(bucket.params):
             key = (bucket, i)
+            _forget_if_dropped(bucket, i, p)
             held = _sum(bucket.held.get(i), None if now is None else now.held.pop(key, None))
             own = p.grad if i in bucket.in_grad else None
             if own is not None:
@@ -349,6 +352,15 @@ class GradBucketer:
             _release(p, self)
         self._removed = True
         return self
+
+
+def _forget_if_dropped(bucket: _Bucket, i: int, p) -> None:
+    """``p.grad is None`` although finished backwards left contributions to sum (they always leave a
+    ``.grad``): the user dropped the gradient (``zero_grad()``), as in one process they are gone."""
+    if p.grad is None:
+        bucket.held.pop(i, None)
+        if i in bucket.in_grad and bucket.in_grad[i] is None:
+            del bucket.in_grad[i]
 
 
 def _sum(a, b):
