@@ -244,7 +244,7 @@ def test_a_backward_inside_a_backward_keeps_the_outer_ones_sums(mesh, mechanism)
 
 
 @MESHES
-@pytest.mark.parametrize("mechanism", ["hooks_sync", "hooks_async"])
+@pytest.mark.parametrize("mechanism", ["hooks_sync", "hooks_async", "zero_hooks"])
 def test_zero_grad_drops_held_no_sync_micro_batches(mesh, mechanism):
     """A ``no_sync`` micro-batch, then ``zero_grad()`` (the step abandoned, as after an exception in a
     later micro-batch): as in one process its contributions are gone; the next step's gradient is its own."""

@@ -279,8 +279,8 @@ class _Gather(torch.autograd.Function):
         if owner is not None and not ctx.plan.cast_only and _accumulates_into(leaf):
             # (torch.autograd.grad returns the gradient of its call alone: no_sync's sums are not its own)
             grad = owner.accumulated(ctx.shard, grad)
-            if grad is None:  # inside no_sync: kept unreduced until the first backward after it
-                return None, None, None, None
+            if grad is None:  # inside no_sync: kept unreduced until the first backward after it; a zero .grad
+                return torch.zeros_like(ctx.shard), None, None, None  # marks it (zero_grad() drops it)
         if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
             ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
             if owner is not None:
@@ -583,7 +583,10 @@ class ZeroUnits:
 
     def accumulated(self, p, grad):
         """``grad`` (a stored parameter's partial compute-block gradient) plus what ``no_sync`` kept of it;
-        ``None`` inside ``no_sync`` (it is kept, unreduced, by the running backward until it ends)."""
+        ``None`` inside ``no_sync`` (it is kept, unreduced, by the running backward until it ends). What
+        ``no_sync`` kept is dropped when ``p.grad`` is ``None`` (``zero_grad()`` since; it leaves a ``.grad``)."""
+        if p.grad is None:
+            self._unreduced.pop(id(p), None)
         if self._no_sync:
             kept = self._backwards.current().unreduced
             held = kept.get(id(p))
@@ -605,6 +608,8 @@ class ZeroUnits:
         """Reduce-scatter what ``no_sync`` kept into the shards' ``.grad`` (no backward came after it)."""
         held, self._unreduced = self._unreduced, {}
         for p, plan, grad in held.values():
+            if p.grad is None:  # zero_grad() since: dropped, as in one process
+                continue
             with torch.no_grad():
                 part = plan.scatter(grad, p.dtype)
                 p.grad = part if p.grad is None else p.grad.add_(part)
