@@ -41,6 +41,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", 
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
+
 def accumulates(node) -> bool:
     """Whether the running backward accumulates into the leaf of AccumulateGrad ``node`` (``False`` inside
     ``torch.autograd.grad``, which returns the gradient instead)."""
