@@ -20,6 +20,7 @@ variables, and hands a result back under a :func:`fresh_name` with
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import operator
@@ -31,7 +32,7 @@ import torch.distributed.distributed_c10d as _c10d
 from .errors import EinshardError
 
 __all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
-           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "keep_collectives_apart", "static_value"]
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "refuse", "keep_collectives_apart", "static_value"]
 
 #: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
 traced = torch.compiler.is_dynamo_compiling
@@ -44,12 +45,31 @@ def constant_result(fn):
     mark on ``fn`` that dynamo reads when it traces a call. Before dynamo is
     loaded, the mark is set here directly; a test checks that torch's own
     decorator still sets exactly this mark.
+
+    A refusal (``EinshardError``) it raises while dynamo traces reaches the caller as an ``EinshardError``
+    whose message is einshard's (:func:`trace_error`), not dynamo's wrapper around it.
     """
-    _PLANNERS.append(fn)
+    planner = _surfacing(fn)
+    _PLANNERS.extend((fn, planner))
     if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
+        return torch.compiler.assume_constant_result(planner)
+    planner._dynamo_marked_constant = True
+    return planner
+
+
+def _surfacing(fn):
+    """``fn``, raising its ``EinshardError`` as a :func:`trace_error` while compiling (dynamo would wrap it)."""
+
+    @functools.wraps(fn)
+    def planner(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except EinshardError as err:
+            if not torch.compiler.is_compiling() or isinstance(err, tuple(_TRACE_ERROR)):
+                raise
+            raise trace_error(str(err)) from err
+
+    return planner
 
 
 _PLANNERS: list = []  # every function marked by constant_result
@@ -167,7 +187,7 @@ def trace_error(message: str) -> EinshardError:
     is, so the error is both.
     """
     if not _TRACE_ERROR:
-        exc = sys.modules["torch._dynamo.exc"]
+        exc = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
 
         class EinshardCompileError(EinshardError, exc.UserError):
             """An einshard error found while ``torch.compile`` traces."""
@@ -178,9 +198,31 @@ def trace_error(message: str) -> EinshardError:
             def __str__(self) -> str:
                 return self.msg
 
+            def __reduce__(self):  # made again in the process that unpickles it
+                return trace_error, (self.msg,)
+
         EinshardCompileError.__module__, EinshardCompileError.__qualname__ = "einshard", "EinshardCompileError"
         _TRACE_ERROR.append(EinshardCompileError)
     return _TRACE_ERROR[0](message)
+
+
+def refuse(message: str) -> None:
+    """Raise ``EinshardError(message)`` so that it reaches the caller as an ``EinshardError`` with einshard's
+    message, from any code: in code dynamo traces, from trace-time Python (a ``raise`` there would reach
+    the caller as dynamo's "Observed exception"); else directly.
+
+    Under ``torch.compile(fullgraph=True)`` the caller gets a :func:`trace_error`. Without ``fullgraph``,
+    dynamo runs the frame eagerly instead of compiling it (as for any code it does not support), and the
+    eager call refuses or not as eager code does.
+    """
+    if traced():
+        _refuse_at_trace_time(message)
+    raise EinshardError(message)
+
+
+@constant_result
+def _refuse_at_trace_time(message: str) -> int:
+    raise trace_error(message)
 
 
 def static_shape(t) -> tuple:

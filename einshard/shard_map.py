@@ -271,7 +271,7 @@ class ShardMap:
         """
         outer = _context.current().shard_map
         if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
-            raise EinshardError(f"shard_map: {self!r} is called inside the body of another shard_map")
+            _trace.refuse(f"shard_map: {self!r} is called inside the body of another shard_map")
         mesh = self.mesh if self.mesh is not None else _context.current().mesh
         stored = _stored_argument(args)
         if stored is not None:
@@ -582,7 +582,7 @@ def _refuse_traced_duties(leaves) -> None:
     gradient, and cannot tag it for the duty's executors, which would sum it again)."""
     for i, x in enumerate(leaves):
         if isinstance(x, _Parameter) and (native_duty(x) or body_duty_error(x) is not None):
-            raise EinshardError(
+            _trace.refuse(
                 f"shard_map under torch.compile: argument leaf {i} (shape {tuple(x.shape)}) carries a gradient "
                 "duty; the compiled body (check_vma=True) sums its gradient itself, and reduce_grad_ or the hooks "
                 "would sum it again. Register it without a duty (grad='none'), or call the shard_map eagerly"
@@ -674,7 +674,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
     """``(vma mask, declared dims it lacks)`` of output leaf ``i``; ``ValueError`` when it varies undeclared."""
     m = tracker.mask_of(x)
     if m & _vma.UNKNOWN:
-        _vma.refuse(
+        _trace.refuse(
             f"shard_map under torch.compile: einshard cannot decide over which mesh dimensions output "
             f"out{leaf_path(out, i)} varies: it depends on a tensor that crossed a graph break inside the body "
             "without einshard's tag; avoid the graph break (fullgraph=True shows where it is)"
@@ -682,7 +682,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
     bad = m & ~declared
     if bad:
         dim = tracker.info.dims(bad)[0]
-        _vma.refuse(
+        _trace.refuse(
             f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
             f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
             f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
@@ -700,8 +700,8 @@ def _trace_leaves(leaves) -> tuple:
     for x in leaves:
         if isinstance(x, _Tensor):
             if maybe_dtensor(x):
-                raise EinshardError("shard_map under torch.compile: DTensor arguments are not supported; "
-                                 "pass local tensors (x.to_local())")
+                _trace.refuse("shard_map under torch.compile: DTensor arguments are not supported; "
+                              "pass local tensors (x.to_local())")
             out.append((_trace.static_shape(x), x.dtype))
         else:
             out.append(None)

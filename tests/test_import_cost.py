@@ -24,9 +24,10 @@ def test_constant_result_sets_the_mark_torch_sets():
     def theirs():
         return 1
 
-    _trace.constant_result(ours)
+    planner = _trace.constant_result(ours)  # ours, raising its EinshardError as dynamo passes it on
     marked = torch.compiler.assume_constant_result(theirs)  # imports dynamo; fine in the test process
     assert marked is theirs
     added = set(vars(theirs))
     assert added == {"_dynamo_marked_constant"} and theirs._dynamo_marked_constant is True
-    assert vars(ours) == vars(theirs)
+    assert planner.__wrapped__ is ours and planner() == 1
+    assert {k: v for k, v in vars(planner).items() if k != "__wrapped__"} == vars(theirs)

@@ -37,6 +37,7 @@ import torch
 
 from .._split import compute_split_shapes_for_factors
 from .. import collectives as C
+from ..backwards import PerBackward
 from ..errors import EinshardError
 from ..grad_sums import DeferredSums, accumulates
 from ..ops.einshard import einshard
@@ -284,17 +285,23 @@ class _Gather(torch.autograd.Function):
         if ctx.side is not None:  # a check_vma body: whole contributions sliced, partial ones reduce-scattered
             return ctx.plan.summed_grad(grad, ctx.side, ctx.dtype), None, None, None
         owner = ctx.plan.owner
-        if owner is not None and not ctx.plan.cast_only:
-            grad = owner.accumulated(ctx.shard, grad)
-            if grad is None:  # inside no_sync: kept unreduced until the first backward after it
-                return None, None, None, None
         leaf = ctx.next_functions[0][0]  # the shard's AccumulateGrad
+        if owner is not None and not ctx.plan.cast_only and _accumulates_into(leaf):
+            # (torch.autograd.grad returns the gradient of its call alone: no_sync's sums are not its own)
+            grad = owner.accumulated(ctx.shard, grad)
+            if grad is None:  # inside no_sync: kept unreduced until the first backward after it; a zero .grad
+                return torch.zeros_like(ctx.shard), None, None, None  # marks it (zero_grad() drops it)
         if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
             ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
             if owner is not None:
                 owner.deferred(leaf.variable)
             return None, None, None, None
         return ctx.plan.scatter(grad, ctx.dtype), None, None, None
+
+
+def _accumulates_into(leaf) -> bool:
+    """Whether the running backward accumulates into the leaf of AccumulateGrad node ``leaf``."""
+    return leaf is not None and hasattr(leaf, "variable") and accumulates(leaf)
 
 
 def gather_parameter(p: torch.nn.Parameter, plan: _Plan, pending=None, side=None) -> GatheredParameter:
@@ -467,9 +474,11 @@ class ZeroUnits:
         self._ahead: dict = {}  # id(p) -> (p, pending gather) issued ahead of its use (forward or backward)
         self._unit_of: dict = {}  # id(p) -> the index of the module that gathers it
         self._back_order: list = []  # the parameters in the order backward first gathered them again
-        self._pending_in_unit: dict = {}  # unit index -> its parameters' gradients not yet bucketed (this backward)
         self._no_sync = 0
         self._unreduced: dict = {}  # id(p) -> (p, plan, the compute block's gradient summed locally in no_sync)
+        # per backward: what it kept in no_sync (joins _unreduced when it ends; dropped if it raised) and its
+        # units' parameters whose gradients are not yet bucketed
+        self._backwards = PerBackward(_ZeroPass, self._end_of_backward, _ZeroPass.clear)
         given = _check_units(module, units)
         unit_of: dict = {}  # module name -> the unit (module) whose forward gathers its parameters
         grouped: dict = {}  # id(unit) -> (unit, [((owner, name), p, plan)])
@@ -546,13 +555,14 @@ class ZeroUnits:
         unit = self._unit_of.get(id(p))
         if unit is None:
             return
-        left = self._pending_in_unit.get(unit)
+        pending_in_unit = self._backwards.current().pending_in_unit
+        left = pending_in_unit.get(unit)
         if left is None:
             left = {id(q) for _, q, plan in self._units[unit][1] if not plan.cast_only}
-            self._pending_in_unit[unit] = left
+            pending_in_unit[unit] = left
         left.discard(id(p))
         if not left:
-            del self._pending_in_unit[unit]
+            del pending_in_unit[unit]
             self.sums.start_filling()
 
     def _neighbour(self, unit: int, step: int) -> int | None:
@@ -652,7 +662,7 @@ class ZeroUnits:
     def wait(self) -> "ZeroUnits":
         """End of a step: the order is recorded (after the first), unused prefetches are waited for and dropped."""
         self._recording = False
-        self._pending_in_unit.clear()
+        self._backwards.purge()
         self._flush_unreduced()
         for _, pending, _ in self._ahead.values():
             _drop(pending)
@@ -663,14 +673,23 @@ class ZeroUnits:
 
     def accumulated(self, p, grad):
         """``grad`` (a stored parameter's partial compute-block gradient) plus what ``no_sync`` kept of it;
-        ``None`` inside ``no_sync`` (it is kept, unreduced, instead)."""
-        held = self._unreduced.pop(id(p), None)
-        if held is not None:
-            grad = held[2].add_(grad) if held[2].dtype == grad.dtype else held[2] + grad.to(held[2].dtype)
+        ``None`` inside ``no_sync`` (it is kept, unreduced, by the running backward until it ends). What
+        ``no_sync`` kept is dropped when ``p.grad`` is ``None`` (``zero_grad()`` since; it leaves a ``.grad``)."""
+        if p.grad is None:
+            self._unreduced.pop(id(p), None)
         if self._no_sync:
-            self._unreduced[id(p)] = (p, self._plan_of(p), grad if held is not None else grad.clone())
+            kept = self._backwards.current().unreduced
+            held = kept.get(id(p))
+            kept[id(p)] = (p, self._plan_of(p), grad.clone() if held is None else _add_into(held[2], grad))
             return None
-        return grad
+        held = self._unreduced.pop(id(p), None)
+        return grad if held is None else _add_into(held[2], grad)
+
+    def _end_of_backward(self, now: "_ZeroPass") -> None:
+        """What the backward ``now`` kept in ``no_sync`` joins what earlier ones kept."""
+        for key, (p, plan, grad) in now.unreduced.items():
+            held = self._unreduced.get(key)
+            self._unreduced[key] = (p, plan, grad if held is None else _add_into(held[2], grad))
 
     def _plan_of(self, p):
         return next(plan for _, stored in self._units for _, q, plan in stored if q is p)
@@ -679,6 +698,8 @@ class ZeroUnits:
         """Reduce-scatter what ``no_sync`` kept into the shards' ``.grad`` (no backward came after it)."""
         held, self._unreduced = self._unreduced, {}
         for p, plan, grad in held.values():
+            if p.grad is None:  # zero_grad() since: dropped, as in one process
+                continue
             with torch.no_grad():
                 part = plan.scatter(grad, p.dtype)
                 p.grad = part if p.grad is None else p.grad.add_(part)
@@ -686,7 +707,9 @@ class ZeroUnits:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate the stored parameters' gradients unreduced (a compute block each, in the gradient's
-        dtype); the first backward after the block (or :meth:`wait`) reduce-scatters the sum, once."""
+        dtype); the first backward after the block (or :meth:`wait`) reduce-scatters the sum, once.
+        ``torch.autograd.grad`` (inside the block or after it) returns its own call's gradient alone, and
+        what a backward that raised kept is dropped."""
         self._no_sync += 1
         try:
             yield self
@@ -701,6 +724,27 @@ class ZeroUnits:
             if getattr(p, _INSTALLED, None) is self:
                 delattr(p, _INSTALLED)
         return self
+
+
+class _ZeroPass:
+    """One backward's part of :class:`ZeroUnits`: ``unreduced`` (what it kept in ``no_sync``, by ``id(p)``),
+    ``pending_in_unit`` (unit index -> its parameters whose gradients are not yet bucketed)."""
+
+    __slots__ = ("unreduced", "pending_in_unit")
+
+    def __init__(self):
+        self.unreduced: dict = {}
+        self.pending_in_unit: dict = {}
+
+    def clear(self) -> None:
+        """A backward that raised: what it kept is dropped."""
+        self.unreduced.clear()
+        self.pending_in_unit.clear()
+
+
+def _add_into(held: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``held += grad`` (in ``held``'s dtype)."""
+    return held.add_(grad) if held.dtype == grad.dtype else held + grad.to(held.dtype)
 
 
 def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES,
