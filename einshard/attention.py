@@ -43,6 +43,7 @@ from . import collectives as C
 from . import vma as _vma
 from ._cache import BoundedCache
 from ._split import compute_split_shapes, is_size
+from .attention_kernels import enabled_backends, kernel as kernel_for
 from .errors import EinshardError
 from .exchange import Exchange
 from .mesh import resolve_mesh
@@ -324,25 +325,15 @@ def _wait(pending) -> torch.Tensor:
 # -- ring attention: the block computations ---------------------------------------------------------
 
 
-def _scores(q, k, scale: float, diagonal: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if diagonal:  # a chunk against itself: position i sees positions <= i
-        n = s.shape[-1]
-        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
-    return s
-
-
-def _attend(q, k, v, scale: float, diagonal: bool):
-    """``(softmax(q k^T) v, logsumexp)`` of one block pair."""
-    s = _scores(q, k, scale, diagonal)
-    m = s.amax(-1, keepdim=True)
-    p = s.sub_(m).exp_()
-    total = p.sum(-1, keepdim=True)
-    return torch.matmul(p, v).div_(total), (m + total.log()).squeeze(-1)
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where block results are merged and gradients summed: float32, or float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _merge(acc, o, lse):
-    """Two partial attention results over disjoint keys combined (log-sum-exp weights)."""
+    """Two partial attention results over disjoint keys combined (log-sum-exp weights), in ``lse``'s dtype
+    (float32, or float64 for float64)."""
+    o = o.to(lse.dtype)
     if acc is None:
         return o, lse
     o0, lse0 = acc
@@ -350,65 +341,94 @@ def _merge(acc, o, lse):
     return o0 * (lse0 - new).exp().unsqueeze(-1) + o * (lse - new).exp().unsqueeze(-1), new
 
 
-def _ring_forward(ring: _Ring, q, k, v, scale: float):
+def _add(total, part, offset: int, n: int):
+    """``total`` (``None``: nothing yet) plus ``part`` at rows ``offset ...`` of an ``n``-row sum along ``-2``."""
+    if total is None and offset == 0 and part.shape[-2] == n:
+        return part
+    if total is None:
+        total = part.new_zeros(part.shape[:-2] + (n, part.shape[-1]))
+    total[..., offset:offset + part.shape[-2], :] += part
+    return total
+
+
+def _split(kv, d: int):
+    return kv[..., :d], kv[..., d:]
+
+
+def _ring_forward(ring: _Ring, kernel, q, k, v, scale: float):
     """``(out, lse)`` of this rank's queries against every block of keys, the ring's transfers overlapped."""
     d = q.shape[-1]
     acc: dict[int, tuple] = {}  # q offset -> (out, lse) of that chunk of rows so far
-    kv = torch.cat([k, v], -1)
+    kv = torch.cat([k, v], -1) if ring.size > 1 else None  # what travels: keys and values in one message
     last = ring.size - 1
     for t, (_, pairs, incoming) in enumerate(ring.steps):
         pending = _start(ring, kv, incoming) if t < last else None  # in flight while this block computes
         for qo, ql, ko, kl, diagonal in pairs:
-            o, lse = _attend(q[..., qo:qo + ql, :], kv[..., ko:ko + kl, :d], kv[..., ko:ko + kl, d:], scale, diagonal)
+            o, lse = kernel.forward(q[..., qo:qo + ql, :], k[..., ko:ko + kl, :], v[..., ko:ko + kl, :],
+                                    diagonal, scale)
             acc[qo] = _merge(acc.get(qo), o, lse)
         if pending is not None:
             kv = _wait(pending)
+            k, v = _split(kv, d)
     if not acc:  # this rank holds no positions
-        return v.new_zeros(q.shape[:-1] + (v.shape[-1],)), q.new_zeros(q.shape[:-1])
+        return v.new_zeros(q.shape[:-1] + (v.shape[-1],)), q.new_zeros(q.shape[:-1], dtype=_sum_dtype(q.dtype))
     order = sorted(acc)
-    return torch.cat([acc[i][0] for i in order], -2), torch.cat([acc[i][1] for i in order], -1)
+    out = acc[0][0] if len(order) == 1 else torch.cat([acc[i][0] for i in order], -2)
+    lse = acc[0][1] if len(order) == 1 else torch.cat([acc[i][1] for i in order], -1)
+    return out.to(q.dtype), lse
 
 
-def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, scale: float):
-    """``(dq, dk, dv)``: the ring once more, each block's key/value gradients travelling with it back home."""
-    d = q.shape[-1]
-    delta = (dout * out).sum(-1, keepdim=True)
-    dq = torch.zeros_like(q)
-    kv = torch.cat([k, v], -1)
-    if _compiling():  # tied to dout (a sum of none of its elements): the partitioner cannot move the
-        kv = kv + dout.reshape(-1)[:0].sum()  # backward's transfers into the forward, away from their matmuls
+def _ring_backward(ring: _Ring, kernel, q, k, v, out, lse, dout, scale: float):
+    """``(dq, dk, dv)``: the ring once more, each block's key/value gradients travelling with it back home.
+
+    Every block pair's gradients come from the kernel's backward given the
+    merged output and log-sum-exp of its rows; they are summed in ``lse``'s
+    dtype (float32, or float64), and key/value gradients travel in it.
+    """
+    d, n, acc = q.shape[-1], q.shape[-2], _sum_dtype(q.dtype)
+    dq = None
+    kv = torch.cat([k, v], -1) if ring.size > 1 else None
+    if kv is not None and _compiling():  # tied to dout (a sum of none of its elements): the partitioner cannot
+        kv = kv + dout.reshape(-1)[:0].sum()  # move the backward's transfers into the forward, away from their work
+        k, v = _split(kv, d)
     last = ring.size - 1
     travelling = None  # the gradient of the held block, summed over the ranks it has visited
     for t, (held, pairs, incoming) in enumerate(ring.steps):
         pending = _start(ring, kv, incoming) if t < last else None
-        grads = kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]))
+        dk = dv = None
         for qo, ql, ko, kl, diagonal in pairs:
-            qq, kk, vv = q[..., qo:qo + ql, :], kv[..., ko:ko + kl, :d], kv[..., ko:ko + kl, d:]
-            g = dout[..., qo:qo + ql, :]
-            p = _scores(qq, kk, scale, diagonal).sub_(lse[..., qo:qo + ql, None]).exp_()
-            grads[..., ko:ko + kl, d:] += torch.matmul(p.transpose(-1, -2), g)
-            ds = p.mul_(torch.matmul(g, vv.transpose(-1, -2)).sub_(delta[..., qo:qo + ql, :])).mul_(scale)
-            dq[..., qo:qo + ql, :] += torch.matmul(ds, kk)
-            grads[..., ko:ko + kl, :d] += torch.matmul(ds.transpose(-1, -2), qq)
+            rows = slice(qo, qo + ql)
+            gq, gk, gv = kernel.backward(dout[..., rows, :], q[..., rows, :], k[..., ko:ko + kl, :],
+                                         v[..., ko:ko + kl, :], out[..., rows, :], lse[..., rows], diagonal, scale)
+            dq = _add(dq, gq.to(acc), qo, n)
+            dk, dv = _add(dk, gk.to(acc), ko, held), _add(dv, gv.to(acc), ko, held)
+        if ring.size == 1:
+            break
+        grads = torch.cat([dk, dv], -1) if dk is not None else kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]),
+                                                                                dtype=acc)
         if travelling is not None:
             grads = grads + _wait(travelling)
         # on to the next rank; after the last step every block's gradient arrives at its owner
-        travelling = _start(ring, grads, incoming) if ring.size > 1 else None
+        travelling = _start(ring, grads, incoming)
         if pending is not None:
             kv = _wait(pending)
+            k, v = _split(kv, d)
     if travelling is not None:
-        grads = _wait(travelling)
-    return dq, grads[..., :d].contiguous(), grads[..., d:].contiguous()
+        dk, dv = _split(_wait(travelling), d)
+    dq = q.new_zeros(q.shape) if dq is None else dq
+    dk = k.new_zeros(k.shape) if dk is None else dk
+    dv = v.new_zeros(v.shape) if dv is None else dv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention on local blocks: the forward ring, and a backward that runs the ring again."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, scale):
-        out, lse = _ring_forward(ring, q, k, v, scale)
+    def forward(ctx, q, k, v, ring, kernel, scale):
+        out, lse = _ring_forward(ring, kernel, q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.kernel, ctx.scale = ring, kernel, scale
         return out
 
     @staticmethod
@@ -416,8 +436,8 @@ class _RingAttention(torch.autograd.Function):
         if torch.is_grad_enabled() and not _compiling():  # create_graph=True: the raw transfers have no graph
             raise EinshardError("ring_attention: double backward (create_graph=True) is not supported")
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, dout.contiguous(), ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, q, k, v, out, lse, dout.contiguous(), ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh):
@@ -430,8 +450,9 @@ def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh):
             ("head dims", (tuple(q.shape[-1:]), tuple(v.shape[-1:]))), ("layout", layout), ("causal", bool(causal)),
             ("lengths", seq.lengths)))
     ring = _plan(_Ring, seq, bool(causal))
+    kernel = _plan(kernel_for, str(q.device), q.dtype, q.shape[-1], v.shape[-1], enabled_backends())
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, scale)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, kernel, scale)
 
 
 def _formula(dim: str) -> str:

@@ -19,12 +19,14 @@ import doctest
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.attention
+import torch.nn.functional as F
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
-from einshard import attention
+from einshard import attention, attention_kernels
 from einshard import collectives as C
 from einshard._split import compute_split_shapes
 from einshard.attention import from_zigzag, to_zigzag, zigzag_indices, zigzag_shapes
@@ -32,25 +34,32 @@ from einshard.testing import MeshSpec
 
 DT = torch.float64
 TOL = dict(rtol=0, atol=1e-12)
+# float32 through the fused kernel (CPU flash) against F.scaled_dot_product_attention on the whole tensors (the
+# same kernel): blocks merged in another order, so rounding differs; torch's own float32 default tolerance
+FUSED_TOL = dict(rtol=1.3e-6, atol=1e-5)
 LAYERS = {"ring": es.ring_attention, "ulysses": es.ulysses_attention}
 # (causal, layout, uneven): every combination the layers support
 CASES = [(False, "contiguous", False), (False, "contiguous", True), (True, "contiguous", False),
          (True, "contiguous", True), (True, "zigzag", False), (True, "zigzag", True), (False, "zigzag", True)]
 
 
-def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e: int = 5):
+def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e: int = 5, dtype=DT):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, n, w, generator=g, dtype=DT) for w in (d, d, e, e)]  # Q, K, V, cotangent
+    return [torch.randn(batch, heads, n, w, generator=g, dtype=DT).to(dtype) for w in (d, d, e, e)]  # Q, K, V, cotangent
 
 
 def _reference(Q, K, V, G, causal: bool):
-    """Plain softmax attention on whole tensors: the output and the gradients of Q, K, V for cotangent G."""
+    """Attention on whole tensors: the output and the gradients of Q, K, V for cotangent G. Plain softmax
+    attention in float64; ``F.scaled_dot_product_attention`` (its fused kernel) in lower precision."""
     Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
-    s = Q @ K.transpose(-1, -2) * Q.shape[-1] ** -0.5
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    O = s.softmax(-1) @ V
+    if Q.dtype == DT:
+        s = Q @ K.transpose(-1, -2) * Q.shape[-1] ** -0.5
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        O = s.softmax(-1) @ V
+    else:
+        O = F.scaled_dot_product_attention(Q, K, V, is_causal=causal)
     O.backward(G)
     return O.detach(), Q.grad, K.grad, V.grad
 
@@ -71,16 +80,17 @@ def _length(size: int, uneven: bool) -> int:
     return 4 * size + 3 if uneven else 4 * size
 
 
-def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp"):
+def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp", dtype=DT):
     """One case on this rank: the layer's block of the output and gradients against the whole reference.
 
     ``run(fn, q, k, v, g)``: how to call ``fn(q, k, v)`` and backpropagate ``g`` (default: under
     ``es.use_mesh``); ``batch_dim``: the mesh dimension that splits the batch too; ``dim``: the one
-    that splits the sequence.
+    that splits the sequence; ``dtype``: float64 (the exact path, to 1e-12) or float32 (the fused kernel,
+    against ``F.scaled_dot_product_attention`` on the whole tensors to ``FUSED_TOL``).
     """
     size, block = mesh.size(dim), mesh.index(dim)
-    n = _length(size, uneven)
-    Q, K, V, G = _whole(n)
+    n = _length(size, uneven) if dtype == DT else 40 * size + 3 * uneven  # longer blocks for the kernel
+    Q, K, V, G = _whole(n, dtype=dtype) if dtype == DT else _whole(n, d=8, e=8, dtype=dtype)
     O, dQ, dK, dV = _reference(Q, K, V, G, causal)
     pos, shapes = _positions(n, size, block, layout, uneven)
     rows = slice(None)
@@ -101,7 +111,8 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="s
         o = run(fn, q, k, v, g)
     what = f"{layer} causal={causal} {layout} uneven={uneven}"
     for name, got, want in (("out", o, O), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
-        torch.testing.assert_close(got, want[rows][:, :, pos], **TOL, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(got, want[rows][:, :, pos], **(TOL if dtype == DT else FUSED_TOL),
+                                   msg=lambda m: f"{what} {name}: {m}")
 
 
 # -- values and gradients, eager -------------------------------------------------------------------
@@ -113,6 +124,15 @@ def test_layers_match_whole_attention(layer, size):
     mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
     for causal, layout, uneven in CASES:
         _check(layer, mesh, causal, layout, uneven)
+
+
+@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.ranks(n)) for n in (1, 2, 4)])
+def test_ring_on_the_fused_kernel_matches_whole_sdpa(size):
+    # float32 on CPU: every block pair through aten._scaled_dot_product_flash_attention_for_cpu and its backward
+    assert attention_kernels.kernel("cpu", torch.float32, 8, 8).name == "cpu_flash"
+    mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
+    for causal, layout, uneven in CASES:
+        _check("ring", mesh, causal, layout, uneven, dtype=torch.float32)
 
 
 _PERMUTED: dict = {}
@@ -231,6 +251,8 @@ def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
     for causal, layout, uneven in (CASES[0], CASES[3], CASES[5]):
         torch._dynamo.reset()
         _check("ring", mesh, causal, layout, uneven, run=run)
+    torch._dynamo.reset()  # the fused kernel's ops in the graph
+    _check("ring", mesh, True, "zigzag", True, run=run, dtype=torch.float32)
     single = es.wrap_mesh(MeshSpec((size, 1), ("dp", "sp")).build())  # a ring of one rank: no transfers
     torch._dynamo.reset()
     _check("ring", single, True, "zigzag", True, run=run_on(single))
@@ -249,6 +271,24 @@ def test_ulysses_attention_compiles_in_shard_map(check_vma):
     with es.use_mesh(mesh):
         torch._dynamo.reset()
         _check("ulysses", mesh, *CASES[1], run=run)  # not causal, contiguous, uneven
+
+
+def test_the_fused_ops_have_the_signatures_the_kernels_call():
+    for name, args in attention_kernels.FUSED_OPS.items():
+        op = getattr(torch.ops.aten, name).default
+        assert tuple(a.name for a in op._schema.arguments) == args, (name, op._schema)
+
+
+def test_kernel_choice_follows_device_dtype_and_head_sizes(monkeypatch):
+    kernel = attention_kernels.kernel
+    assert kernel("cpu", torch.float32, 8, 8).name == "cpu_flash"
+    assert kernel("cpu", torch.bfloat16, 64, 64).name == "cpu_flash"
+    assert kernel("cpu", torch.float64, 8, 8) is attention_kernels.EXACT  # float64: the exact path
+    assert kernel("cpu", torch.float32, 8, 5) is attention_kernels.EXACT  # no fused kernel for d != e
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # what F.sdpa would run
+        assert kernel("cpu", torch.float32, 8, 8) is attention_kernels.EXACT
+    monkeypatch.setattr(attention_kernels, "_USABLE", set())  # a torch whose ops differ: the exact path
+    assert kernel("cpu", torch.float32, 8, 8) is attention_kernels.EXACT
 
 
 # -- the zigzag layout ------------------------------------------------------------------------------
@@ -366,17 +406,28 @@ def _check_overlap(events, posts: int, final_exempt: bool):
         if final_exempt and batch == posts - 1:
             continue  # the last gradient's way home: nothing is left to compute
         between = names[start + 1:end]
-        assert between.count("bmm") >= 2, (batch, between)  # the block's q k^T and p v (or its gradients)
+        # the block's q k^T and p v (or their gradients), or one call of the fused kernel (or its backward)
+        assert between.count("bmm") >= 2 or any(n.startswith(FLASH) for n in between), (batch, between)
+
+
+FLASH = "_scaled_dot_product_flash_attention_for_cpu"
 
 
 @pytest.mark.ranks(4)
-@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
-def test_ring_transfers_overlap_the_block_computations(causal, layout):
+@pytest.mark.parametrize("causal,layout,dtype", [(False, "contiguous", DT), (True, "zigzag", DT),
+                                                 (True, "zigzag", torch.float32)])
+def test_ring_transfers_overlap_the_block_computations(causal, layout, dtype):
     mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())
-    q, k, v = (torch.randn(1, 2, 8, 4, dtype=DT, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 8, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     with es.use_mesh(mesh):
         with _Trace() as forward:
             o = es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+        names = [name for name, _ in forward.events]
+        assert ("bmm" in names) == (dtype == DT) and (FLASH in names) == (dtype != DT), names  # which path
+        if dtype != DT:  # the math backend chosen for F.sdpa: the ring's exact path
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), _Trace() as math:
+                es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+            assert "bmm" in [name for name, _ in math.events]
         _check_overlap(forward.events, 3, final_exempt=False)  # P - 1 transfers of keys and values
         with _Trace() as backward:
             o.backward(torch.ones_like(o))
