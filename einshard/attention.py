@@ -222,13 +222,24 @@ def _check_qkv(what: str, q, k, v, min_dim: int) -> str | None:
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         return f"{what}: q, k and v must have one dtype and device, got {q.dtype}/{q.device}, " \
                f"{k.dtype}/{k.device}, {v.dtype}/{v.device}"
-    if k.shape != q.shape:
+    if k.shape != q.shape and not _grouped(q, k):
         return f"{what}: k must have q's shape {tuple(q.shape)} (self-attention: q, k and v split alike), " \
-               f"got {tuple(k.shape)}"
-    if v.shape[:-1] != q.shape[:-1]:
-        return f"{what}: v must have q's shape but for the last dimension, got {tuple(v.shape)} for q of " \
-               f"shape {tuple(q.shape)}"
+               f"or fewer heads (dimension -3) that divide q's (grouped-query attention), got {tuple(k.shape)}"
+    if v.shape[:-1] != k.shape[:-1]:
+        return f"{what}: v must have k's shape but for the last dimension, got {tuple(v.shape)} for k of " \
+               f"shape {tuple(k.shape)}"
     return None
+
+
+def _grouped(q, k) -> bool:
+    """Whether ``k`` has ``q``'s shape but for fewer heads (dimension ``-3``) that divide ``q``'s."""
+    return (q.dim() >= 3 and k.dim() == q.dim() and k.shape[:-3] == q.shape[:-3] and k.shape[-2:] == q.shape[-2:]
+            and 0 < k.shape[-3] and q.shape[-3] % k.shape[-3] == 0)
+
+
+def _groups(q, k) -> int:
+    """Query heads per key/value head (1 without grouped-query attention)."""
+    return q.shape[-3] // k.shape[-3] if k.shape != q.shape else 1
 
 
 def _agree(what: str, group, error: str | None, facts) -> None:
@@ -446,11 +457,11 @@ def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh):
     seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
                 _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
     _agree(what, seq.group, error or seq.error,
-           (("dtype", q.dtype), ("device", q.device), ("leading dims", tuple(q.shape[:-2])),
+           (("dtype", q.dtype), ("device", q.device), ("leading dims", (tuple(q.shape[:-2]), tuple(k.shape[:-2]))),
             ("head dims", (tuple(q.shape[-1:]), tuple(v.shape[-1:]))), ("layout", layout), ("causal", bool(causal)),
             ("lengths", seq.lengths)))
     ring = _plan(_Ring, seq, bool(causal))
-    kernel = _plan(kernel_for, str(q.device), q.dtype, q.shape[-1], v.shape[-1], enabled_backends())
+    kernel = _plan(kernel_for, str(q.device), q.dtype, q.shape[-1], v.shape[-1], enabled_backends(), _groups(q, k))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, kernel, scale)
 
@@ -472,6 +483,11 @@ def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contigu
     ``r``-th run of positions) or ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r``
     of ``2P``, so causal work is even: :func:`zigzag_indices`). ``shapes``:
     every rank's number of positions (default: as many as this rank).
+    Grouped-query attention: ``k`` and ``v`` ``(..., h_kv, n, d)`` with
+    ``h_kv`` dividing ``q``'s heads (``enable_gqa=True``); they travel
+    unrepeated. Block pairs run on the fused kernel
+    ``F.scaled_dot_product_attention`` would run (:mod:`einshard.attention_kernels`;
+    float64: exact matmuls).
     Works inside ``shard_map`` (the output varies over ``dim``), under
     ``es.use_mesh`` and under ``torch.compile``; double backward is not
     supported.
@@ -502,6 +518,8 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     and the whole sequence (a zigzag sequence is put in order first). Heads
     that do not divide by the ranks are split as evenly as possible (the
     first ranks take one more; with fewer heads than ranks some get none).
+    Grouped-query attention (``k``, ``v`` with fewer heads, dividing ``q``'s):
+    the key/value heads are split so, the query heads by whole groups.
     Backward: the formulas' adjoints around attention's own backward.
 
     >>> o = es.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
@@ -511,20 +529,23 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
                 _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
     _agree(what, seq.group, error or seq.error, (("dtype", q.dtype), ("device", q.device), ("layout", layout),
+                                                  ("shapes but n", (q.shape[:-2], k.shape[:-2])),
                                                   ("causal", bool(causal)), ("lengths", seq.lengths)))
-    label, size = seq.label, seq.size
-    heads = q.shape[-3]  # as even as possible: the first ranks take one more
-    splits = {label: {"n": list(seq.lengths), "h": [heads // size + (i < heads % size) for i in range(size)]}}
-    kw = {"shapes": splits} if mesh is None else {"shapes": splits, "mesh": mesh}
+    label, size, groups = seq.label, seq.size, _groups(q, k)
+    heads = k.shape[-3]  # key/value heads as even as possible (the first ranks take one more); query heads by group
+    split = [heads // size + (i < heads % size) for i in range(size)]
+    kw, qkw = ({"shapes": {label: {"n": list(seq.lengths), "h": [h * g for h in split]}}} for g in (1, groups))
+    if mesh is not None:
+        kw["mesh"] = qkw["mesh"] = mesh
     to_heads, to_sequence = f"... h n/{label} d -> ... h/{label} n d", f"... h/{label} n d -> ... h n/{label} d"
-    qh, kh, vh = einshard(to_heads, q, **kw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
+    qh, kh, vh = einshard(to_heads, q, **qkw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
     runs = seq.runs() if layout == "zigzag" else None
     if runs is not None:  # attend in the sequence's own order: its chunks sorted
         qh, kh, vh = _reorder(qh, runs), _reorder(kh, runs), _reorder(vh, runs)
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(causal), scale=scale)
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(causal), scale=scale, enable_gqa=groups > 1)
     if runs is not None:
         o = _reorder(o, sorted(((pos, n, off) for off, n, pos in runs), key=lambda r: r[2]))  # back to storage
-    return einshard(to_sequence, o, **kw)
+    return einshard(to_sequence, o, **qkw)
 
 
 def _reorder(x: torch.Tensor, runs) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
 class _Exact:
     """Plain matmuls, the block's scores materialised: exact in any dtype (the reference in float64)."""
 
-    name = "exact"
+    name, native_gqa = "exact", False
 
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float):
@@ -111,7 +111,7 @@ EXACT = _Exact()
 class _CpuFlash:
     """``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward."""
 
-    name = "cpu_flash"
+    name, native_gqa = "cpu_flash", True  # kv heads broadcast over groups of q heads, as enable_gqa=True
 
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float):
@@ -129,7 +129,7 @@ class _CpuFlash:
 class _CudaFlash:
     """``aten._scaled_dot_product_flash_attention`` and its backward (no dropout: the random state unused)."""
 
-    name = "cuda_flash"
+    name, native_gqa = "cuda_flash", True
 
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float):
@@ -149,7 +149,7 @@ class _CudaFlash:
 class _CudaEfficient:
     """``aten._scaled_dot_product_efficient_attention`` and its backward (its log-sum-exp padded to 32 rows)."""
 
-    name = "cuda_efficient"
+    name, native_gqa = "cuda_efficient", False
 
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float):
@@ -169,6 +169,37 @@ class _CudaEfficient:
         return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
 
 
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(..., h, n, d)`` with every head repeated ``groups`` times in place (``repeat_interleave`` on ``-3``)."""
+    shape = x.shape
+    return x.unsqueeze(-3).expand(*shape[:-2], groups, *shape[-2:]).reshape(*shape[:-3], -1, *shape[-2:])
+
+
+def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The adjoint of :func:`_repeat`: every run of ``groups`` heads summed."""
+    shape = x.shape
+    return x.reshape(*shape[:-3], -1, groups, *shape[-2:]).sum(-3)
+
+
+class _Grouped:
+    """Grouped-query attention on a kernel without it: the block's keys and values repeated over each group of
+    query heads (here, per block pair; never before they travel), their gradients summed back."""
+
+    native_gqa = True
+
+    def __init__(self, base, groups: int):
+        self.base, self.groups = base, groups
+        self.name = f"{base.name} (kv heads repeated x{groups} per block)"
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        return self.base.forward(q, _repeat(k, self.groups), _repeat(v, self.groups), causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        dq, dk, dv = self.base.backward(dout, q, _repeat(k, self.groups), _repeat(v, self.groups), out, lse,
+                                        causal, scale)
+        return dq, _fold(dk, self.groups), _fold(dv, self.groups)
+
+
 _FUSED = {  # device type, backend: the kernel, needing these ops
     ("cpu", SDPBackend.FLASH_ATTENTION): (_CpuFlash(), ("_scaled_dot_product_flash_attention_for_cpu",
                                                         "_scaled_dot_product_flash_attention_for_cpu_backward")),
@@ -180,15 +211,22 @@ _FUSED = {  # device type, backend: the kernel, needing these ops
 
 
 @_trace.constant_result
-def enabled_backends() -> tuple:
-    """Which SDPA backends are enabled now (``torch.nn.attention.sdpa_kernel`` sets them): flash, efficient,
-    math, cuDNN."""
+def enabled_backends() -> str:
+    """Which SDPA backends are enabled now (``torch.nn.attention.sdpa_kernel`` sets them), as a string of
+    the names (a constant under ``torch.compile``)."""
     b = torch.backends.cuda
-    return b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled()
+    flags = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
+             "math": b.math_sdp_enabled(), "cudnn": b.cudnn_sdp_enabled()}
+    return " ".join(name for name, on in flags.items() if on)
 
 
-def kernel(device: str, dtype: torch.dtype, d: int, e: int, enabled: tuple = ()):
+def kernel(device: str, dtype: torch.dtype, d: int, e: int, enabled: str = "", groups: int = 1):
     """The kernel for blocks of ``dtype`` on ``device`` with key width ``d`` and value width ``e``.
+
+    ``groups``: query heads per key/value head (grouped-query attention,
+    ``enable_gqa=True``; head ``i`` of ``q`` attends with key/value head
+    ``i // groups``): a kernel without it gets keys and values repeated per
+    block pair.
 
     ``enabled``: :func:`enabled_backends` when the choice is made, for a
     caller that keeps choices (the choice depends on them; not read here).
@@ -202,13 +240,18 @@ def kernel(device: str, dtype: torch.dtype, d: int, e: int, enabled: tuple = ())
     (``F.scaled_dot_product_attention`` pads those itself), and where this
     torch lacks the op or its arguments differ (:data:`FUSED_OPS`).
     """
-    dev = torch.device(device)
+    found = _fused(torch.device(device), dtype, d, e, groups)
+    return found if groups == 1 or found.native_gqa else _Grouped(found, groups)
+
+
+def _fused(dev: torch.device, dtype: torch.dtype, d: int, e: int, groups: int):
     if dtype == torch.float64 or dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and (d % 8 or e % 8)):
         return EXACT
-    q, k, v = (torch.zeros(1, 1, 16, w, dtype=dtype, device=dev) for w in (d, d, e))
-    choice = SDPBackend(_aten._fused_sdp_choice(q, k, v))
+    q, k, v = (torch.zeros(1, h, 16, w, dtype=dtype, device=dev) for h, w in ((groups, d), (1, d), (1, e)))
+    gqa = groups > 1
+    choice = SDPBackend(_aten._fused_sdp_choice(q, k, v, enable_gqa=gqa))
     if dev.type == "cuda" and choice == SDPBackend.CUDNN_ATTENTION:
-        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, gqa)
         choice = (SDPBackend.FLASH_ATTENTION if torch.backends.cuda.can_use_flash_attention(params) else
                   SDPBackend.EFFICIENT_ATTENTION if torch.backends.cuda.can_use_efficient_attention(params) else
                   SDPBackend.MATH)

@@ -43,25 +43,33 @@ CASES = [(False, "contiguous", False), (False, "contiguous", True), (True, "cont
          (True, "contiguous", True), (True, "zigzag", False), (True, "zigzag", True), (False, "zigzag", True)]
 
 
-def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e: int = 5, dtype=DT):
+def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e: int = 5, dtype=DT, kv_heads=None):
+    """Q, K, V and the cotangent; K and V with ``kv_heads`` heads (grouped-query attention) if given."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, n, w, generator=g, dtype=DT).to(dtype) for w in (d, d, e, e)]  # Q, K, V, cotangent
+    kv = heads if kv_heads is None else kv_heads
+    return [torch.randn(batch, h, n, w, generator=g, dtype=DT).to(dtype)
+            for h, w in ((heads, d), (kv, d), (kv, e), (heads, e))]
 
 
 def _reference(Q, K, V, G, causal: bool):
     """Attention on whole tensors: the output and the gradients of Q, K, V for cotangent G. Plain softmax
     attention in float64; ``F.scaled_dot_product_attention`` (its fused kernel) in lower precision."""
     Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
-    if Q.dtype == DT:
-        s = Q @ K.transpose(-1, -2) * Q.shape[-1] ** -0.5
-        if causal:
-            n = s.shape[-1]
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        O = s.softmax(-1) @ V
-    else:
-        O = F.scaled_dot_product_attention(Q, K, V, is_causal=causal)
+    O = _attend_whole(Q, K, V, causal)
     O.backward(G)
     return O.detach(), Q.grad, K.grad, V.grad
+
+
+def _attend_whole(Q, K, V, causal: bool):
+    groups = Q.shape[1] // K.shape[1]
+    if Q.dtype != DT:
+        return F.scaled_dot_product_attention(Q, K, V, is_causal=causal, enable_gqa=groups > 1)
+    K, V = K.repeat_interleave(groups, 1), V.repeat_interleave(groups, 1)  # grouped-query: head i uses i // groups
+    s = Q @ K.transpose(-1, -2) * Q.shape[-1] ** -0.5
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ V
 
 
 def _positions(n: int, size: int, block: int, layout: str, uneven: bool):
@@ -80,17 +88,19 @@ def _length(size: int, uneven: bool) -> int:
     return 4 * size + 3 if uneven else 4 * size
 
 
-def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp", dtype=DT):
+def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp", dtype=DT, heads=(3, None)):
     """One case on this rank: the layer's block of the output and gradients against the whole reference.
 
     ``run(fn, q, k, v, g)``: how to call ``fn(q, k, v)`` and backpropagate ``g`` (default: under
     ``es.use_mesh``); ``batch_dim``: the mesh dimension that splits the batch too; ``dim``: the one
     that splits the sequence; ``dtype``: float64 (the exact path, to 1e-12) or float32 (the fused kernel,
-    against ``F.scaled_dot_product_attention`` on the whole tensors to ``FUSED_TOL``).
+    against ``F.scaled_dot_product_attention`` on the whole tensors to ``FUSED_TOL``); ``heads``: of ``q``,
+    and of ``k`` and ``v`` (``None``: as many).
     """
     size, block = mesh.size(dim), mesh.index(dim)
     n = _length(size, uneven) if dtype == DT else 40 * size + 3 * uneven  # longer blocks for the kernel
-    Q, K, V, G = _whole(n, dtype=dtype) if dtype == DT else _whole(n, d=8, e=8, dtype=dtype)
+    widths = {} if dtype == DT else dict(d=8, e=8)
+    Q, K, V, G = _whole(n, dtype=dtype, heads=heads[0], kv_heads=heads[1], **widths)
     O, dQ, dK, dV = _reference(Q, K, V, G, causal)
     pos, shapes = _positions(n, size, block, layout, uneven)
     rows = slice(None)
@@ -133,6 +143,26 @@ def test_ring_on_the_fused_kernel_matches_whole_sdpa(size):
     mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
     for causal, layout, uneven in CASES:
         _check("ring", mesh, causal, layout, uneven, dtype=torch.float32)
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_grouped_query_attention_matches_whole_attention(layer, monkeypatch):
+    # 6 query heads, 2 key/value heads: q head i attends with k/v head i // 3 (enable_gqa=True)
+    sent = []
+    original = C.isend_irecv
+
+    def recording(sends, recvs, *args, **kwargs):
+        sent.extend(tuple(t.shape) for _, t in sends)
+        return original(sends, recvs, *args, **kwargs)
+
+    monkeypatch.setattr(C, "isend_irecv", recording)
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    for dtype in (DT, torch.float32):
+        for causal, layout, uneven in CASES:
+            _check(layer, mesh, causal, layout, uneven, dtype=dtype, heads=(6, 2))
+    if layer == "ring":  # keys and values travel with their own 2 heads, not repeated to 6
+        assert sent and all(shape[1] == 2 for shape in sent), sent
 
 
 _PERMUTED: dict = {}
