@@ -472,7 +472,7 @@ def _formula(dim: str) -> str:
 
 
 def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contiguous", scale=None, shapes=None,
-                   mesh=None):
+                   mesh=None, ulysses=None):
     """Attention of this rank's queries to the whole sequence, keys and values passed around a ring.
 
     ``q``, ``k``: ``(..., n, d)``, ``v``: ``(..., n, e)``, this rank's block of
@@ -492,8 +492,21 @@ def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contigu
     ``es.use_mesh`` and under ``torch.compile``; double backward is not
     supported.
 
+    2-D sequence parallelism: with ``ulysses="sp"`` the sequence is split
+    over the compound dimension ``dim-ulysses`` (``dim`` major; ``shapes``:
+    every rank's length in that order); an all-to-all over ``ulysses``
+    swaps its split for a head split (as :func:`ulysses_attention`), the
+    ring runs over ``dim`` on the ring blocks (``layout`` is theirs: with
+    zigzag, each zigzag block split contiguously over ``ulysses``), and a
+    second all-to-all swaps back. ``q``, ``k``, ``v`` then need heads:
+    ``(..., h, n, d)``.
+
     >>> o = es.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")  # doctest: +SKIP
+    >>> o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True)  # doctest: +SKIP
     """
+    if ulysses is not None:
+        return _ring_ulysses(q, k, v, dim, ulysses, causal=causal, layout=layout, scale=scale, shapes=shapes,
+                             mesh=mesh)
     return _vma.formula_op(_ring_op, _formula(_dim_text(dim)), (q, k, v), dim=dim, causal=causal,
                            layout=layout, scale=scale, shapes=shapes, mesh=mesh)
 
@@ -531,26 +544,66 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     _agree(what, seq.group, error or seq.error, (("dtype", q.dtype), ("device", q.device), ("layout", layout),
                                                   ("shapes but n", (q.shape[:-2], k.shape[:-2])),
                                                   ("causal", bool(causal)), ("lengths", seq.lengths)))
-    label, size, groups = seq.label, seq.size, _groups(q, k)
-    heads = k.shape[-3]  # key/value heads as even as possible (the first ranks take one more); query heads by group
-    split = [heads // size + (i < heads % size) for i in range(size)]
-    kw, qkw = ({"shapes": {label: {"n": list(seq.lengths), "h": [h * g for h in split]}}} for g in (1, groups))
-    if mesh is not None:
-        kw["mesh"] = qkw["mesh"] = mesh
-    to_heads, to_sequence = f"... h n/{label} d -> ... h/{label} n d", f"... h/{label} n d -> ... h n/{label} d"
-    qh, kh, vh = einshard(to_heads, q, **qkw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
+    groups = _groups(q, k)
+    qh, kh, vh, back = _to_heads(q, k, v, seq.label, seq.size, {seq.label: {"n": list(seq.lengths)}}, mesh)
     runs = seq.runs() if layout == "zigzag" else None
     if runs is not None:  # attend in the sequence's own order: its chunks sorted
         qh, kh, vh = _reorder(qh, runs), _reorder(kh, runs), _reorder(vh, runs)
     o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(causal), scale=scale, enable_gqa=groups > 1)
     if runs is not None:
         o = _reorder(o, sorted(((pos, n, off) for off, n, pos in runs), key=lambda r: r[2]))  # back to storage
-    return einshard(to_sequence, o, **qkw)
+    return back(o)
 
 
-def _reorder(x: torch.Tensor, runs) -> torch.Tensor:
-    """The runs ``(start, length, ...)`` of ``x`` along the sequence axis, concatenated in that order."""
-    return torch.cat([x.narrow(-2, start, n) for start, n, _ in runs], -2)
+def _to_heads(q, k, v, label: str, size: int, sequence: dict, mesh, split_to: str = ""):
+    """``q``, ``k``, ``v`` with a sequence split swapped for a head split over ``label`` (``size`` ranks), and the
+    function swapping an output back: ``... h n/{label} d -> ... h/{label} n d`` (2-D: the sequence split over
+    a compound dimension, of which ``split_to`` keeps its split: ``... h n/{cp-sp} d -> ... h/{sp} n/{cp} d``).
+    ``sequence``: the formulas' shapes of ``n``. Key/value heads as even as possible (the first ranks take one
+    more), query heads by whole groups with them."""
+    groups, heads = _groups(q, k), k.shape[-3]
+    split = [heads // size + (i < heads % size) for i in range(size)]
+    kw, qkw = ({"shapes": {**sequence, label: {**sequence.get(label, {}), "h": [h * g for h in split]}}}
+               for g in (1, groups))
+    if mesh is not None:
+        kw["mesh"] = qkw["mesh"] = mesh
+    n_in = f"n/{next(iter(sequence))}"
+    n_out = f"n/{split_to}" if split_to else "n"
+    to_heads, to_sequence = f"... h {n_in} d -> ... h/{label} {n_out} d", f"... h/{label} {n_out} d -> ... h {n_in} d"
+    qh, kh, vh = einshard(to_heads, q, **qkw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
+    return qh, kh, vh, lambda o: einshard(to_sequence, o, **qkw)
+
+
+# -- 2-D: Ulysses over one mesh dimension, the ring over another ---------------------------------------
+
+
+def _ring_ulysses(q, k, v, dim, ulysses, *, causal, layout, scale, shapes, mesh):
+    """:func:`ring_attention` with ``ulysses=``: a head split over ``ulysses``, the ring over ``dim`` between."""
+    what = "ring_attention"
+    error = _check_qkv(what, q, k, v, 3)
+    m = resolve_mesh(mesh)
+    ring_name, uly_name = _dim_name(what, dim), _dim_name(what, ulysses)
+    local = _trace.static_shape(q)[-2] if q.dim() >= 2 else 0
+    whole = _plan(_Sequence, what, m, f"{ring_name}-{uly_name}", "contiguous", local, _shapes_arg(what, shapes))
+    ring_lengths = _plan(_ring_blocks, m, uly_name, whole.lengths)
+    if layout == "zigzag" and list(ring_lengths) != zigzag_shapes(sum(ring_lengths), len(ring_lengths)):
+        error = error or (f"{what}: zigzag blocks of a {sum(ring_lengths)}-long sequence over the "
+                          f"{len(ring_lengths)} ranks of {ring_name!r} hold {zigzag_shapes(sum(ring_lengths), len(ring_lengths))} "
+                          f"positions, but the ring blocks (each split over {uly_name!r}) hold {list(ring_lengths)}")
+    _agree(what, whole.group, error or whole.error,
+           (("dtype", q.dtype), ("device", q.device), ("shapes but n", (q.shape[:-2], k.shape[:-2])),
+            ("layout", layout), ("causal", bool(causal)), ("lengths", whole.lengths)))
+    ring_label, uly = m.label(m.dims(ring_name)), m.dims(uly_name)
+    qh, kh, vh, back = _to_heads(q, k, v, m.label(uly), m.size(uly), {
+        whole.label: {"n": list(whole.lengths)}, ring_label: {"n": list(ring_lengths)}}, mesh, split_to=ring_label)
+    o = ring_attention(qh, kh, vh, dim, causal=causal, layout=layout, scale=scale, shapes=ring_lengths, mesh=mesh)
+    return back(o)
+
+
+def _ring_blocks(mesh, ulysses: str, lengths) -> tuple:
+    """Every ring block's length: the sum over its ``ulysses`` ranks (``lengths``: in ``ring-ulysses`` order)."""
+    size = mesh.size(mesh.dims(ulysses))
+    return tuple(sum(lengths[r * size:(r + 1) * size]) for r in range(len(lengths) // size))
 
 
 # -- converting between layouts ----------------------------------------------------------------------

@@ -165,6 +165,40 @@ def test_grouped_query_attention_matches_whole_attention(layer, monkeypatch):
         assert sent and all(shape[1] == 2 for shape in sent), sent
 
 
+def _positions_2d(n: int, mesh, layout: str, uneven: bool):
+    """2-D: ``(positions this rank holds, shapes=)``: ring blocks over ``cp`` (contiguous or zigzag), each split
+    contiguously over ``sp``; ``shapes`` in ``cp-sp`` order."""
+    rings, uly = mesh.size("cp"), mesh.size("sp")
+    if layout == "zigzag":
+        order, ring_lengths = zigzag_indices(n, rings), zigzag_shapes(n, rings)
+    else:
+        order, ring_lengths = torch.arange(n), compute_split_shapes(n, rings)
+    shapes = [s for length in ring_lengths for s in compute_split_shapes(length, uly)]
+    block = mesh.index("cp") * uly + mesh.index("sp")
+    start = sum(shapes[:block])
+    return order[start:start + shapes[block]], (shapes if uneven else None)
+
+
+@pytest.mark.ranks(4)
+def test_2d_ring_over_one_dimension_ulysses_over_another():
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("cp", "sp")).build())
+    for dtype, heads in ((DT, (3, None)), (DT, (4, 2)), (torch.float32, (4, 2))):
+        for causal, layout, uneven in CASES:
+            n = (_length(4, uneven) if dtype == DT else 160 + 3 * uneven)
+            Q, K, V, G = _whole(n, dtype=dtype, heads=heads[0], kv_heads=heads[1],
+                                **({} if dtype == DT else dict(d=8, e=8)))
+            O, dQ, dK, dV = _reference(Q, K, V, G, causal)
+            pos, shapes = _positions_2d(n, mesh, layout, uneven)
+            q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (Q, K, V))
+            with es.use_mesh(mesh):
+                o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=causal, layout=layout, shapes=shapes)
+            o.backward(G[:, :, pos])
+            what = f"2-D {dtype} heads={heads} causal={causal} {layout} uneven={uneven}"
+            for name, got, want in (("out", o, O), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
+                torch.testing.assert_close(got, want[:, :, pos], **(TOL if dtype == DT else FUSED_TOL),
+                                           msg=lambda m: f"{what} {name}: {m}")
+
+
 _PERMUTED: dict = {}
 
 
