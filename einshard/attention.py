@@ -268,7 +268,7 @@ class _Ring:
 
     __slots__ = ("size", "group", "group_name", "send_to", "recv_from", "steps")
 
-    def __init__(self, seq: _Sequence, causal: bool):
+    def __init__(self, seq: _Sequence, causal: bool, documents=None):
         size, b, lengths, chunks = seq.size, seq.block, seq.lengths, seq.chunks
         self.size, self.group = size, seq.group
         self.group_name = seq.group.group_name if seq.group is not None else None
@@ -276,7 +276,9 @@ class _Ring:
         self.steps = []  # per step: (held block's length, pairs, length of the block received next)
         for t in range(size):
             j = (b - t) % size
-            self.steps.append((lengths[j], _pairs(chunks[b], chunks[j], lengths[b], lengths[j], causal),
+            pairs = (_pairs(chunks[b], chunks[j], lengths[b], lengths[j], causal) if documents is None else
+                     _document_pairs(chunks[b], chunks[j], causal, documents))
+            self.steps.append((lengths[j], pairs,
                                lengths[(j - 1) % size]))
 
 
@@ -298,6 +300,48 @@ def _pairs(qs, ks, nq: int, nk: int, causal: bool) -> tuple:
             # else: wholly after the query chunk (chunks of one layout never overlap in part)
         out.extend((qoff, qlen, koff, klen, False) for koff, klen in visible)
     return tuple(out)
+
+
+def _spans(documents) -> list:
+    """The ``(start, end)`` of every non-empty document in the whole sequence."""
+    spans, start = [], 0
+    for length in documents:
+        if length:
+            spans.append((start, start + length))
+        start += length
+    return spans
+
+
+def _document_pairs(qs, ks, causal: bool, documents) -> tuple:
+    """:func:`_pairs` of a packed sequence: every chunk pair cut at the documents' bounds into the pairs of
+    their parts in one document (attention stays within documents: no pair needs a mask)."""
+    out, spans = [], _spans(documents)
+    for qstart, qlen, qoff in qs:
+        for kstart, klen, koff in ks:
+            diagonal = (kstart, klen) == (qstart, qlen)
+            if causal and not diagonal and kstart + klen > qstart:
+                continue  # wholly after the query chunk
+            for a, b in spans:
+                qa, qb, ka, kb = max(qstart, a), min(qstart + qlen, b), max(kstart, a), min(kstart + klen, b)
+                if qb > qa and kb > ka:
+                    out.append((qoff + qa - qstart, qb - qa, koff + ka - kstart, kb - ka, causal and diagonal))
+    return tuple(out)
+
+
+def _documents_arg(what: str, documents, n: int):
+    """``documents=`` as a tuple of lengths summing to ``n`` (``None`` stays); a problem as a message."""
+    if documents is None:
+        return None, None
+    if isinstance(documents, torch.Tensor):
+        documents = documents.tolist()
+    if isinstance(documents, (str, bytes)) or not hasattr(documents, "__len__") or \
+            not all(is_size(s) for s in documents):
+        return None, f"{what}: documents must be a list of per-document lengths, got {documents!r}"
+    documents = tuple(int(s) for s in documents)
+    if sum(documents) != n:
+        return None, (f"{what}: the documents' lengths {list(documents)} sum to {sum(documents)}, but the "
+                      f"sequence has {n} positions")
+    return documents, None
 
 
 # -- ring attention: the transfers ------------------------------------------------------------------
@@ -383,7 +427,7 @@ def _ring_forward(ring: _Ring, kernel, q, k, v, scale: float):
             k, v = _split(kv, d)
     if not acc:  # this rank holds no positions
         return v.new_zeros(q.shape[:-1] + (v.shape[-1],)), q.new_zeros(q.shape[:-1], dtype=_sum_dtype(q.dtype))
-    order = sorted(acc)
+    order = sorted(acc)  # runs of rows (chunks, or their parts in one document) that partition the rows
     out = acc[0][0] if len(order) == 1 else torch.cat([acc[i][0] for i in order], -2)
     lse = acc[0][1] if len(order) == 1 else torch.cat([acc[i][1] for i in order], -1)
     return out.to(q.dtype), lse
@@ -451,16 +495,17 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh):
+def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh, documents):
     what = "ring_attention"
     error = _check_qkv(what, q, k, v, 2)
     seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
                 _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
-    _agree(what, seq.group, error or seq.error,
+    documents, bad = _documents_arg(what, documents, sum(seq.lengths))
+    _agree(what, seq.group, error or bad or seq.error,
            (("dtype", q.dtype), ("device", q.device), ("leading dims", (tuple(q.shape[:-2]), tuple(k.shape[:-2]))),
             ("head dims", (tuple(q.shape[-1:]), tuple(v.shape[-1:]))), ("layout", layout), ("causal", bool(causal)),
-            ("lengths", seq.lengths)))
-    ring = _plan(_Ring, seq, bool(causal))
+            ("lengths", seq.lengths), ("documents", documents)))
+    ring = _plan(_Ring, seq, bool(causal), documents)
     kernel = _plan(kernel_for, str(q.device), q.dtype, q.shape[-1], v.shape[-1], enabled_backends(), _groups(q, k))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, kernel, scale)
@@ -472,7 +517,7 @@ def _formula(dim: str) -> str:
 
 
 def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contiguous", scale=None, shapes=None,
-                   mesh=None, ulysses=None):
+                   mesh=None, ulysses=None, documents=None):
     """Attention of this rank's queries to the whole sequence, keys and values passed around a ring.
 
     ``q``, ``k``: ``(..., n, d)``, ``v``: ``(..., n, e)``, this rank's block of
@@ -492,6 +537,11 @@ def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contigu
     ``es.use_mesh`` and under ``torch.compile``; double backward is not
     supported.
 
+    Packed sequences: ``documents`` (the lengths of the documents packed
+    one after another into the whole sequence, summing to its length; the
+    ``cu_seqlens`` convention as lengths) keeps attention within each
+    document: block pairs are cut at the documents' bounds, pairs of
+    different documents skipped (no mask is formed).
     2-D sequence parallelism: with ``ulysses="sp"`` the sequence is split
     over the compound dimension ``dim-ulysses`` (``dim`` major; ``shapes``:
     every rank's length in that order); an all-to-all over ``ulysses``
@@ -506,9 +556,9 @@ def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contigu
     """
     if ulysses is not None:
         return _ring_ulysses(q, k, v, dim, ulysses, causal=causal, layout=layout, scale=scale, shapes=shapes,
-                             mesh=mesh)
+                             mesh=mesh, documents=documents)
     return _vma.formula_op(_ring_op, _formula(_dim_text(dim)), (q, k, v), dim=dim, causal=causal,
-                           layout=layout, scale=scale, shapes=shapes, mesh=mesh)
+                           layout=layout, scale=scale, shapes=shapes, mesh=mesh, documents=documents)
 
 
 def _dim_text(dim) -> str:
@@ -521,7 +571,7 @@ def _dim_text(dim) -> str:
 
 
 def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contiguous", scale=None,
-                      shapes=None, mesh=None):
+                      shapes=None, mesh=None, documents=None):
     """Attention on whole sequences after an all-to-all swaps the sequence split for a head split.
 
     Same interface as :func:`ring_attention`, with heads: ``q``, ``k``
@@ -533,7 +583,10 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     first ranks take one more; with fewer heads than ranks some get none).
     Grouped-query attention (``k``, ``v`` with fewer heads, dividing ``q``'s):
     the key/value heads are split so, the query heads by whole groups.
-    Backward: the formulas' adjoints around attention's own backward.
+    Packed sequences (``documents``, as for :func:`ring_attention`): one
+    ``F.scaled_dot_product_attention`` per document, on its slice of the
+    whole sequence. Backward: the formulas' adjoints around attention's own
+    backward.
 
     >>> o = es.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
     """
@@ -541,18 +594,27 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     error = _check_qkv(what, q, k, v, 3)
     seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
                 _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
-    _agree(what, seq.group, error or seq.error, (("dtype", q.dtype), ("device", q.device), ("layout", layout),
-                                                  ("shapes but n", (q.shape[:-2], k.shape[:-2])),
-                                                  ("causal", bool(causal)), ("lengths", seq.lengths)))
+    documents, bad = _documents_arg(what, documents, sum(seq.lengths))
+    _agree(what, seq.group, error or bad or seq.error,
+           (("dtype", q.dtype), ("device", q.device), ("layout", layout), ("causal", bool(causal)),
+            ("shapes but n", (q.shape[:-2], k.shape[:-2])), ("lengths", seq.lengths), ("documents", documents)))
     groups = _groups(q, k)
     qh, kh, vh, back = _to_heads(q, k, v, seq.label, seq.size, {seq.label: {"n": list(seq.lengths)}}, mesh)
     runs = seq.runs() if layout == "zigzag" else None
     if runs is not None:  # attend in the sequence's own order: its chunks sorted
         qh, kh, vh = _reorder(qh, runs), _reorder(kh, runs), _reorder(vh, runs)
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(causal), scale=scale, enable_gqa=groups > 1)
+    spans = [(0, sum(seq.lengths))] if documents is None else _spans(documents)
+    o = [F.scaled_dot_product_attention(qh[..., a:b, :], kh[..., a:b, :], vh[..., a:b, :], is_causal=bool(causal),
+                                        scale=scale, enable_gqa=groups > 1) for a, b in spans]
+    o = o[0] if len(o) == 1 else torch.cat(o, -2)
     if runs is not None:
         o = _reorder(o, sorted(((pos, n, off) for off, n, pos in runs), key=lambda r: r[2]))  # back to storage
     return back(o)
+
+
+def _reorder(x: torch.Tensor, runs) -> torch.Tensor:
+    """The runs ``(start, length, ...)`` of ``x`` along the sequence axis, concatenated in that order."""
+    return torch.cat([x.narrow(-2, start, n) for start, n, _ in runs], -2)
 
 
 def _to_heads(q, k, v, label: str, size: int, sequence: dict, mesh, split_to: str = ""):
@@ -577,7 +639,7 @@ def _to_heads(q, k, v, label: str, size: int, sequence: dict, mesh, split_to: st
 # -- 2-D: Ulysses over one mesh dimension, the ring over another ---------------------------------------
 
 
-def _ring_ulysses(q, k, v, dim, ulysses, *, causal, layout, scale, shapes, mesh):
+def _ring_ulysses(q, k, v, dim, ulysses, *, causal, layout, scale, shapes, mesh, documents):
     """:func:`ring_attention` with ``ulysses=``: a head split over ``ulysses``, the ring over ``dim`` between."""
     what = "ring_attention"
     error = _check_qkv(what, q, k, v, 3)
@@ -590,13 +652,15 @@ def _ring_ulysses(q, k, v, dim, ulysses, *, causal, layout, scale, shapes, mesh)
         error = error or (f"{what}: zigzag blocks of a {sum(ring_lengths)}-long sequence over the "
                           f"{len(ring_lengths)} ranks of {ring_name!r} hold {zigzag_shapes(sum(ring_lengths), len(ring_lengths))} "
                           f"positions, but the ring blocks (each split over {uly_name!r}) hold {list(ring_lengths)}")
-    _agree(what, whole.group, error or whole.error,
+    documents, bad = _documents_arg(what, documents, sum(whole.lengths))
+    _agree(what, whole.group, error or bad or whole.error,
            (("dtype", q.dtype), ("device", q.device), ("shapes but n", (q.shape[:-2], k.shape[:-2])),
-            ("layout", layout), ("causal", bool(causal)), ("lengths", whole.lengths)))
+            ("layout", layout), ("causal", bool(causal)), ("lengths", whole.lengths), ("documents", documents)))
     ring_label, uly = m.label(m.dims(ring_name)), m.dims(uly_name)
     qh, kh, vh, back = _to_heads(q, k, v, m.label(uly), m.size(uly), {
         whole.label: {"n": list(whole.lengths)}, ring_label: {"n": list(ring_lengths)}}, mesh, split_to=ring_label)
-    o = ring_attention(qh, kh, vh, dim, causal=causal, layout=layout, scale=scale, shapes=ring_lengths, mesh=mesh)
+    o = ring_attention(qh, kh, vh, dim, causal=causal, layout=layout, scale=scale, shapes=ring_lengths, mesh=mesh,
+                       documents=documents)
     return back(o)
 
 

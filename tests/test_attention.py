@@ -51,11 +51,21 @@ def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e:
             for h, w in ((heads, d), (kv, d), (kv, e), (heads, e))]
 
 
-def _reference(Q, K, V, G, causal: bool):
+def _documents(n: int) -> list:
+    """A packing of ``n`` positions into documents (one of them empty)."""
+    return [n // 4, 0, n - n // 4 - 1, 1]
+
+
+def _reference(Q, K, V, G, causal: bool, documents=None):
     """Attention on whole tensors: the output and the gradients of Q, K, V for cotangent G. Plain softmax
-    attention in float64; ``F.scaled_dot_product_attention`` (its fused kernel) in lower precision."""
+    attention in float64; ``F.scaled_dot_product_attention`` (its fused kernel) in lower precision.
+    ``documents``: each document attended on its own."""
     Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
-    O = _attend_whole(Q, K, V, causal)
+    bounds = [0]
+    for length in documents or [Q.shape[2]]:
+        bounds.append(bounds[-1] + length)
+    O = torch.cat([_attend_whole(Q[:, :, a:b], K[:, :, a:b], V[:, :, a:b], causal)
+                   for a, b in zip(bounds, bounds[1:]) if b > a], 2)
     O.backward(G)
     return O.detach(), Q.grad, K.grad, V.grad
 
@@ -88,7 +98,8 @@ def _length(size: int, uneven: bool) -> int:
     return 4 * size + 3 if uneven else 4 * size
 
 
-def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp", dtype=DT, heads=(3, None)):
+def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp", dtype=DT, heads=(3, None),
+           packed=False):
     """One case on this rank: the layer's block of the output and gradients against the whole reference.
 
     ``run(fn, q, k, v, g)``: how to call ``fn(q, k, v)`` and backpropagate ``g`` (default: under
@@ -101,7 +112,8 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="s
     n = _length(size, uneven) if dtype == DT else 40 * size + 3 * uneven  # longer blocks for the kernel
     widths = {} if dtype == DT else dict(d=8, e=8)
     Q, K, V, G = _whole(n, dtype=dtype, heads=heads[0], kv_heads=heads[1], **widths)
-    O, dQ, dK, dV = _reference(Q, K, V, G, causal)
+    documents = _documents(n) if packed else None
+    O, dQ, dK, dV = _reference(Q, K, V, G, causal, documents)
     pos, shapes = _positions(n, size, block, layout, uneven)
     rows = slice(None)
     if batch_dim is not None:
@@ -111,7 +123,8 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="s
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def fn(q, k, v):
-        return LAYERS[layer](q, k, v, dim, causal=causal, layout=layout, shapes=shapes)
+        return LAYERS[layer](q, k, v, dim, causal=causal, layout=layout, shapes=shapes,
+                             **({"documents": documents} if packed else {}))
 
     if run is None:
         with es.use_mesh(mesh):
@@ -119,7 +132,7 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="s
         o.backward(g)
     else:
         o = run(fn, q, k, v, g)
-    what = f"{layer} causal={causal} {layout} uneven={uneven}"
+    what = f"{layer} causal={causal} {layout} uneven={uneven} packed={packed} {dtype}"
     for name, got, want in (("out", o, O), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
         torch.testing.assert_close(got, want[rows][:, :, pos], **(TOL if dtype == DT else FUSED_TOL),
                                    msg=lambda m: f"{what} {name}: {m}")
@@ -187,16 +200,34 @@ def test_2d_ring_over_one_dimension_ulysses_over_another():
             n = (_length(4, uneven) if dtype == DT else 160 + 3 * uneven)
             Q, K, V, G = _whole(n, dtype=dtype, heads=heads[0], kv_heads=heads[1],
                                 **({} if dtype == DT else dict(d=8, e=8)))
-            O, dQ, dK, dV = _reference(Q, K, V, G, causal)
+            documents = _documents(n) if heads[1] else None  # packed documents with the grouped heads
+            O, dQ, dK, dV = _reference(Q, K, V, G, causal, documents)
             pos, shapes = _positions_2d(n, mesh, layout, uneven)
             q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (Q, K, V))
             with es.use_mesh(mesh):
-                o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=causal, layout=layout, shapes=shapes)
+                o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=causal, layout=layout, shapes=shapes,
+                                      documents=documents)
             o.backward(G[:, :, pos])
-            what = f"2-D {dtype} heads={heads} causal={causal} {layout} uneven={uneven}"
+            what = f"2-D {dtype} heads={heads} documents={documents} causal={causal} {layout} uneven={uneven}"
             for name, got, want in (("out", o, O), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
                 torch.testing.assert_close(got, want[:, :, pos], **(TOL if dtype == DT else FUSED_TOL),
                                            msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_packed_sequences_attend_within_their_documents(layer):
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    for dtype in (DT, torch.float32):
+        for causal, layout, uneven in CASES:
+            _check(layer, mesh, causal, layout, uneven, dtype=dtype, packed=True)
+
+
+def test_packed_pairs_are_cut_at_document_bounds():
+    # zigzag over 2 ranks of 16 positions: rank 0 holds chunks 0 (0-3) and 3 (12-15); documents 0-5, 6-15
+    pairs = attention._document_pairs(((0, 4, 0), (12, 4, 4)), ((0, 4, 0), (12, 4, 4)), True, (6, 10))
+    assert pairs == ((0, 4, 0, 4, True), (4, 4, 4, 4, True))  # 12-15 sees not 0-3: another document
+    assert attention._document_pairs(((4, 4, 0),), ((0, 4, 0),), True, (6, 10)) == ((0, 2, 0, 4, False),)
 
 
 _PERMUTED: dict = {}
