@@ -648,10 +648,11 @@ def _ring_ulysses(q, k, v, dim, ulysses, *, causal, layout, scale, shapes, mesh,
     local = _trace.static_shape(q)[-2] if q.dim() >= 2 else 0
     whole = _plan(_Sequence, what, m, f"{ring_name}-{uly_name}", "contiguous", local, _shapes_arg(what, shapes))
     ring_lengths = _plan(_ring_blocks, m, uly_name, whole.lengths)
-    if layout == "zigzag" and list(ring_lengths) != zigzag_shapes(sum(ring_lengths), len(ring_lengths)):
+    zigzag = zigzag_shapes(sum(ring_lengths), len(ring_lengths))
+    if layout == "zigzag" and list(ring_lengths) != zigzag:
         error = error or (f"{what}: zigzag blocks of a {sum(ring_lengths)}-long sequence over the "
-                          f"{len(ring_lengths)} ranks of {ring_name!r} hold {zigzag_shapes(sum(ring_lengths), len(ring_lengths))} "
-                          f"positions, but the ring blocks (each split over {uly_name!r}) hold {list(ring_lengths)}")
+                          f"{len(ring_lengths)} ranks of {ring_name!r} hold {zigzag} positions, but the ring "
+                          f"blocks (each split over {uly_name!r}) hold {list(ring_lengths)}")
     documents, bad = _documents_arg(what, documents, sum(whole.lengths))
     _agree(what, whole.group, error or bad or whole.error,
            (("dtype", q.dtype), ("device", q.device), ("shapes but n", (q.shape[:-2], k.shape[:-2])),

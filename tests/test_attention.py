@@ -577,6 +577,10 @@ def test_refusals_before_any_transfer():
                 layer(q, q.float(), q, "sp")
             with pytest.raises(ValueError, match="zigzag blocks of a 7-long sequence"):
                 layer(q, q, q, "sp", layout="zigzag", shapes=[4, 3])
+            with pytest.raises(ValueError, match=r"the documents' lengths \[3, 3\] sum to 6, but the sequence has 8"):
+                layer(q, q, q, "sp", documents=[3, 3])
+            with pytest.raises(ValueError, match="fewer heads .* that divide q's"):
+                layer(q, q[:, :1].expand(1, 3, 4, 3), q[:, :1], "sp")
         with pytest.raises(ValueError, match="at least 3 dimensions"):
             es.ulysses_attention(q[0, 0], q[0, 0], q[0, 0], "sp")
         with pytest.raises(ValueError, match="must be a torch.Tensor"):
