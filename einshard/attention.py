@@ -603,7 +603,7 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     runs = seq.runs() if layout == "zigzag" else None
     if runs is not None:  # attend in the sequence's own order: its chunks sorted
         qh, kh, vh = _reorder(qh, runs), _reorder(kh, runs), _reorder(vh, runs)
-    spans = [(0, sum(seq.lengths))] if documents is None else _spans(documents)
+    spans = [(0, sum(seq.lengths))] if documents is None else _spans(documents) or [(0, 0)]
     o = [F.scaled_dot_product_attention(qh[..., a:b, :], kh[..., a:b, :], vh[..., a:b, :], is_causal=bool(causal),
                                         scale=scale, enable_gqa=groups > 1) for a, b in spans]
     o = o[0] if len(o) == 1 else torch.cat(o, -2)

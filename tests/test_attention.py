@@ -346,8 +346,8 @@ def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
     for causal, layout, uneven in (CASES[0], CASES[3], CASES[5]):
         torch._dynamo.reset()
         _check("ring", mesh, causal, layout, uneven, run=run)
-    torch._dynamo.reset()  # the fused kernel's ops in the graph
-    _check("ring", mesh, True, "zigzag", True, run=run, dtype=torch.float32)
+    torch._dynamo.reset()  # the fused kernel's ops in the graph, on a packed sequence's cut block pairs
+    _check("ring", mesh, True, "zigzag", True, run=run, dtype=torch.float32, packed=True)
     single = es.wrap_mesh(MeshSpec((size, 1), ("dp", "sp")).build())  # a ring of one rank: no transfers
     torch._dynamo.reset()
     _check("ring", single, True, "zigzag", True, run=run_on(single))
