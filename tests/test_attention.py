@@ -230,6 +230,27 @@ def test_packed_pairs_are_cut_at_document_bounds():
     assert attention._document_pairs(((4, 4, 0),), ((0, 4, 0),), True, (6, 10)) == ((0, 2, 0, 4, False),)
 
 
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
+def test_2d_ring_compiles_fullgraph():
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("cp", "sp")).build())
+    n = 19
+    Q, K, V, G = _whole(n, heads=4, kv_heads=2)
+    O, dQ, dK, dV = _reference(Q, K, V, G, True, _documents(n))
+    pos, shapes = _positions_2d(n, mesh, "zigzag", True)
+    q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (Q, K, V))
+
+    def step(q, k, v):
+        with es.use_mesh(mesh):
+            return es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag", shapes=shapes,
+                                     documents=_documents(n))
+
+    torch._dynamo.reset()
+    o = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
+    o.backward(G[:, :, pos])
+    for got, want in ((o, O), (q.grad, dQ), (k.grad, dK), (v.grad, dV)):
+        torch.testing.assert_close(got, want[:, :, pos], **TOL)
+
+
 _PERMUTED: dict = {}
 
 
