@@ -251,6 +251,30 @@ def test_2d_ring_compiles_fullgraph():
         torch.testing.assert_close(got, want[:, :, pos], **TOL)
 
 
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_2d_ring_in_shard_map(check_vma):
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("cp", "sp")).build())
+    n = 16
+    Q, K, V, G = _whole(n, heads=4, kv_heads=2)
+    O, dQ, dK, dV = _reference(Q, K, V, G, True)
+    order = zigzag_indices(n, 2)  # zigzag blocks over cp, each split over sp: contiguous blocks over cp-sp
+    q, k, v = (t[:, :, order].clone().requires_grad_() for t in (Q, K, V))
+
+    def body(q, k, v):
+        o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag")
+        if check_vma:
+            assert es.get_vma(o) == frozenset({"cp", "sp"})
+        return o
+
+    attend = es.shard_map(body, in_specs=("b h n d -> b h n/cp-sp d",) * 3, out_specs="b h n/cp-sp d -> b h n d",
+                          mesh=mesh, check_vma=check_vma)
+    o = attend(q, k, v)
+    o.backward(G[:, :, order])
+    for got, want in ((o, O), (q.grad, dQ), (k.grad, dK), (v.grad, dV)):
+        torch.testing.assert_close(got, want[:, :, order], **TOL)
+
+
 _PERMUTED: dict = {}
 
 
