@@ -223,14 +223,6 @@ def enabled_backends() -> str:
 def kernel(device: str, dtype: torch.dtype, d: int, e: int, enabled: str = "", groups: int = 1):
     """The kernel for blocks of ``dtype`` on ``device`` with key width ``d`` and value width ``e``.
 
-    ``groups``: query heads per key/value head (grouped-query attention,
-    ``enable_gqa=True``; head ``i`` of ``q`` attends with key/value head
-    ``i // groups``): a kernel without it gets keys and values repeated per
-    block pair.
-
-    ``enabled``: :func:`enabled_backends` when the choice is made, for a
-    caller that keeps choices (the choice depends on them; not read here).
-
     The backend ``F.scaled_dot_product_attention`` chooses for such tensors
     (``aten._fused_sdp_choice`` on a probe of that device, dtype and head
     sizes, under the backends enabled now); cuDNN, whose backward wants the
@@ -239,6 +231,14 @@ def kernel(device: str, dtype: torch.dtype, d: int, e: int, enabled: str = "", g
     for the math backend, for CUDA head sizes that are not a multiple of 8
     (``F.scaled_dot_product_attention`` pads those itself), and where this
     torch lacks the op or its arguments differ (:data:`FUSED_OPS`).
+
+    ``groups``: query heads per key/value head (grouped-query attention,
+    ``enable_gqa=True``; head ``i`` of ``q`` attends with key/value head
+    ``i // groups``): a kernel without it gets keys and values repeated per
+    block pair.
+
+    ``enabled``: :func:`enabled_backends` when the choice is made, for a
+    caller that keeps choices (the choice depends on them; not read here).
     """
     found = _fused(torch.device(device), dtype, d, e, groups)
     return found if groups == 1 or found.native_gqa else _Grouped(found, groups)

@@ -425,6 +425,8 @@ def test_kernel_choice_follows_device_dtype_and_head_sizes(monkeypatch):
     assert kernel("cpu", torch.bfloat16, 64, 64).name == "cpu_flash"
     assert kernel("cpu", torch.float64, 8, 8) is attention_kernels.EXACT  # float64: the exact path
     assert kernel("cpu", torch.float32, 8, 5) is attention_kernels.EXACT  # no fused kernel for d != e
+    assert kernel("cpu", torch.float32, 8, 8, groups=3).name == "cpu_flash"  # grouped heads: native
+    assert kernel("cpu", torch.float64, 8, 8, groups=3).name == "exact (kv heads repeated x3 per block)"
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # what F.sdpa would run
         assert kernel("cpu", torch.float32, 8, 8) is attention_kernels.EXACT
     monkeypatch.setattr(attention_kernels, "_USABLE", set())  # a torch whose ops differ: the exact path
