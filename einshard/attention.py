@@ -43,6 +43,7 @@ from . import collectives as C
 from . import vma as _vma
 from ._cache import BoundedCache
 from ._split import compute_split_shapes, is_size
+from .attention_kernels import enabled_backends, kernel as kernel_for
 from .errors import EinshardError
 from .exchange import Exchange
 from .mesh import resolve_mesh
@@ -221,13 +222,24 @@ def _check_qkv(what: str, q, k, v, min_dim: int) -> str | None:
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         return f"{what}: q, k and v must have one dtype and device, got {q.dtype}/{q.device}, " \
                f"{k.dtype}/{k.device}, {v.dtype}/{v.device}"
-    if k.shape != q.shape:
+    if k.shape != q.shape and not _grouped(q, k):
         return f"{what}: k must have q's shape {tuple(q.shape)} (self-attention: q, k and v split alike), " \
-               f"got {tuple(k.shape)}"
-    if v.shape[:-1] != q.shape[:-1]:
-        return f"{what}: v must have q's shape but for the last dimension, got {tuple(v.shape)} for q of " \
-               f"shape {tuple(q.shape)}"
+               f"or fewer heads (dimension -3) that divide q's (grouped-query attention), got {tuple(k.shape)}"
+    if v.shape[:-1] != k.shape[:-1]:
+        return f"{what}: v must have k's shape but for the last dimension, got {tuple(v.shape)} for k of " \
+               f"shape {tuple(k.shape)}"
     return None
+
+
+def _grouped(q, k) -> bool:
+    """Whether ``k`` has ``q``'s shape but for fewer heads (dimension ``-3``) that divide ``q``'s."""
+    return (q.dim() >= 3 and k.dim() == q.dim() and k.shape[:-3] == q.shape[:-3] and k.shape[-2:] == q.shape[-2:]
+            and 0 < k.shape[-3] and q.shape[-3] % k.shape[-3] == 0)
+
+
+def _groups(q, k) -> int:
+    """Query heads per key/value head (1 without grouped-query attention)."""
+    return q.shape[-3] // k.shape[-3] if k.shape != q.shape else 1
 
 
 def _agree(what: str, group, error: str | None, facts) -> None:
@@ -256,7 +268,7 @@ class _Ring:
 
     __slots__ = ("size", "group", "group_name", "send_to", "recv_from", "steps")
 
-    def __init__(self, seq: _Sequence, causal: bool):
+    def __init__(self, seq: _Sequence, causal: bool, documents=None):
         size, b, lengths, chunks = seq.size, seq.block, seq.lengths, seq.chunks
         self.size, self.group = size, seq.group
         self.group_name = seq.group.group_name if seq.group is not None else None
@@ -264,7 +276,9 @@ class _Ring:
         self.steps = []  # per step: (held block's length, pairs, length of the block received next)
         for t in range(size):
             j = (b - t) % size
-            self.steps.append((lengths[j], _pairs(chunks[b], chunks[j], lengths[b], lengths[j], causal),
+            pairs = (_pairs(chunks[b], chunks[j], lengths[b], lengths[j], causal) if documents is None else
+                     _document_pairs(chunks[b], chunks[j], causal, documents))
+            self.steps.append((lengths[j], pairs,
                                lengths[(j - 1) % size]))
 
 
@@ -286,6 +300,48 @@ def _pairs(qs, ks, nq: int, nk: int, causal: bool) -> tuple:
             # else: wholly after the query chunk (chunks of one layout never overlap in part)
         out.extend((qoff, qlen, koff, klen, False) for koff, klen in visible)
     return tuple(out)
+
+
+def _spans(documents) -> list:
+    """The ``(start, end)`` of every non-empty document in the whole sequence."""
+    spans, start = [], 0
+    for length in documents:
+        if length:
+            spans.append((start, start + length))
+        start += length
+    return spans
+
+
+def _document_pairs(qs, ks, causal: bool, documents) -> tuple:
+    """:func:`_pairs` of a packed sequence: every chunk pair cut at the documents' bounds into the pairs of
+    their parts in one document (attention stays within documents: no pair needs a mask)."""
+    out, spans = [], _spans(documents)
+    for qstart, qlen, qoff in qs:
+        for kstart, klen, koff in ks:
+            diagonal = (kstart, klen) == (qstart, qlen)
+            if causal and not diagonal and kstart + klen > qstart:
+                continue  # wholly after the query chunk
+            for a, b in spans:
+                qa, qb, ka, kb = max(qstart, a), min(qstart + qlen, b), max(kstart, a), min(kstart + klen, b)
+                if qb > qa and kb > ka:
+                    out.append((qoff + qa - qstart, qb - qa, koff + ka - kstart, kb - ka, causal and diagonal))
+    return tuple(out)
+
+
+def _documents_arg(what: str, documents, n: int):
+    """``documents=`` as a tuple of lengths summing to ``n`` (``None`` stays); a problem as a message."""
+    if documents is None:
+        return None, None
+    if isinstance(documents, torch.Tensor):
+        documents = documents.tolist()
+    if isinstance(documents, (str, bytes)) or not hasattr(documents, "__len__") or \
+            not all(is_size(s) for s in documents):
+        return None, f"{what}: documents must be a list of per-document lengths, got {documents!r}"
+    documents = tuple(int(s) for s in documents)
+    if sum(documents) != n:
+        return None, (f"{what}: the documents' lengths {list(documents)} sum to {sum(documents)}, but the "
+                      f"sequence has {n} positions")
+    return documents, None
 
 
 # -- ring attention: the transfers ------------------------------------------------------------------
@@ -324,25 +380,15 @@ def _wait(pending) -> torch.Tensor:
 # -- ring attention: the block computations ---------------------------------------------------------
 
 
-def _scores(q, k, scale: float, diagonal: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if diagonal:  # a chunk against itself: position i sees positions <= i
-        n = s.shape[-1]
-        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
-    return s
-
-
-def _attend(q, k, v, scale: float, diagonal: bool):
-    """``(softmax(q k^T) v, logsumexp)`` of one block pair."""
-    s = _scores(q, k, scale, diagonal)
-    m = s.amax(-1, keepdim=True)
-    p = s.sub_(m).exp_()
-    total = p.sum(-1, keepdim=True)
-    return torch.matmul(p, v).div_(total), (m + total.log()).squeeze(-1)
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where block results are merged and gradients summed: float32, or float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _merge(acc, o, lse):
-    """Two partial attention results over disjoint keys combined (log-sum-exp weights)."""
+    """Two partial attention results over disjoint keys combined (log-sum-exp weights), in ``lse``'s dtype
+    (float32, or float64 for float64)."""
+    o = o.to(lse.dtype)
     if acc is None:
         return o, lse
     o0, lse0 = acc
@@ -350,65 +396,94 @@ def _merge(acc, o, lse):
     return o0 * (lse0 - new).exp().unsqueeze(-1) + o * (lse - new).exp().unsqueeze(-1), new
 
 
-def _ring_forward(ring: _Ring, q, k, v, scale: float):
+def _add(total, part, offset: int, n: int):
+    """``total`` (``None``: nothing yet) plus ``part`` at rows ``offset ...`` of an ``n``-row sum along ``-2``."""
+    if total is None and offset == 0 and part.shape[-2] == n:
+        return part
+    if total is None:
+        total = part.new_zeros(part.shape[:-2] + (n, part.shape[-1]))
+    total[..., offset:offset + part.shape[-2], :] += part
+    return total
+
+
+def _split(kv, d: int):
+    return kv[..., :d], kv[..., d:]
+
+
+def _ring_forward(ring: _Ring, kernel, q, k, v, scale: float):
     """``(out, lse)`` of this rank's queries against every block of keys, the ring's transfers overlapped."""
     d = q.shape[-1]
     acc: dict[int, tuple] = {}  # q offset -> (out, lse) of that chunk of rows so far
-    kv = torch.cat([k, v], -1)
+    kv = torch.cat([k, v], -1) if ring.size > 1 else None  # what travels: keys and values in one message
     last = ring.size - 1
     for t, (_, pairs, incoming) in enumerate(ring.steps):
         pending = _start(ring, kv, incoming) if t < last else None  # in flight while this block computes
         for qo, ql, ko, kl, diagonal in pairs:
-            o, lse = _attend(q[..., qo:qo + ql, :], kv[..., ko:ko + kl, :d], kv[..., ko:ko + kl, d:], scale, diagonal)
+            o, lse = kernel.forward(q[..., qo:qo + ql, :], k[..., ko:ko + kl, :], v[..., ko:ko + kl, :],
+                                    diagonal, scale)
             acc[qo] = _merge(acc.get(qo), o, lse)
         if pending is not None:
             kv = _wait(pending)
+            k, v = _split(kv, d)
     if not acc:  # this rank holds no positions
-        return v.new_zeros(q.shape[:-1] + (v.shape[-1],)), q.new_zeros(q.shape[:-1])
-    order = sorted(acc)
-    return torch.cat([acc[i][0] for i in order], -2), torch.cat([acc[i][1] for i in order], -1)
+        return v.new_zeros(q.shape[:-1] + (v.shape[-1],)), q.new_zeros(q.shape[:-1], dtype=_sum_dtype(q.dtype))
+    order = sorted(acc)  # runs of rows (chunks, or their parts in one document) that partition the rows
+    out = acc[0][0] if len(order) == 1 else torch.cat([acc[i][0] for i in order], -2)
+    lse = acc[0][1] if len(order) == 1 else torch.cat([acc[i][1] for i in order], -1)
+    return out.to(q.dtype), lse
 
 
-def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, scale: float):
-    """``(dq, dk, dv)``: the ring once more, each block's key/value gradients travelling with it back home."""
-    d = q.shape[-1]
-    delta = (dout * out).sum(-1, keepdim=True)
-    dq = torch.zeros_like(q)
-    kv = torch.cat([k, v], -1)
-    if _compiling():  # tied to dout (a sum of none of its elements): the partitioner cannot move the
-        kv = kv + dout.reshape(-1)[:0].sum()  # backward's transfers into the forward, away from their matmuls
+def _ring_backward(ring: _Ring, kernel, q, k, v, out, lse, dout, scale: float):
+    """``(dq, dk, dv)``: the ring once more, each block's key/value gradients travelling with it back home.
+
+    Every block pair's gradients come from the kernel's backward given the
+    merged output and log-sum-exp of its rows; they are summed in ``lse``'s
+    dtype (float32, or float64), and key/value gradients travel in it.
+    """
+    d, n, acc = q.shape[-1], q.shape[-2], _sum_dtype(q.dtype)
+    dq = None
+    kv = torch.cat([k, v], -1) if ring.size > 1 else None
+    if kv is not None and _compiling():  # tied to dout (a sum of none of its elements): the partitioner cannot
+        kv = kv + dout.reshape(-1)[:0].sum()  # move the backward's transfers into the forward, away from their work
+        k, v = _split(kv, d)
     last = ring.size - 1
     travelling = None  # the gradient of the held block, summed over the ranks it has visited
     for t, (held, pairs, incoming) in enumerate(ring.steps):
         pending = _start(ring, kv, incoming) if t < last else None
-        grads = kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]))
+        dk = dv = None
         for qo, ql, ko, kl, diagonal in pairs:
-            qq, kk, vv = q[..., qo:qo + ql, :], kv[..., ko:ko + kl, :d], kv[..., ko:ko + kl, d:]
-            g = dout[..., qo:qo + ql, :]
-            p = _scores(qq, kk, scale, diagonal).sub_(lse[..., qo:qo + ql, None]).exp_()
-            grads[..., ko:ko + kl, d:] += torch.matmul(p.transpose(-1, -2), g)
-            ds = p.mul_(torch.matmul(g, vv.transpose(-1, -2)).sub_(delta[..., qo:qo + ql, :])).mul_(scale)
-            dq[..., qo:qo + ql, :] += torch.matmul(ds, kk)
-            grads[..., ko:ko + kl, :d] += torch.matmul(ds.transpose(-1, -2), qq)
+            rows = slice(qo, qo + ql)
+            gq, gk, gv = kernel.backward(dout[..., rows, :], q[..., rows, :], k[..., ko:ko + kl, :],
+                                         v[..., ko:ko + kl, :], out[..., rows, :], lse[..., rows], diagonal, scale)
+            dq = _add(dq, gq.to(acc), qo, n)
+            dk, dv = _add(dk, gk.to(acc), ko, held), _add(dv, gv.to(acc), ko, held)
+        if ring.size == 1:
+            break
+        grads = torch.cat([dk, dv], -1) if dk is not None else kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]),
+                                                                                dtype=acc)
         if travelling is not None:
             grads = grads + _wait(travelling)
         # on to the next rank; after the last step every block's gradient arrives at its owner
-        travelling = _start(ring, grads, incoming) if ring.size > 1 else None
+        travelling = _start(ring, grads, incoming)
         if pending is not None:
             kv = _wait(pending)
+            k, v = _split(kv, d)
     if travelling is not None:
-        grads = _wait(travelling)
-    return dq, grads[..., :d].contiguous(), grads[..., d:].contiguous()
+        dk, dv = _split(_wait(travelling), d)
+    dq = q.new_zeros(q.shape) if dq is None else dq
+    dk = k.new_zeros(k.shape) if dk is None else dk
+    dv = v.new_zeros(v.shape) if dv is None else dv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention on local blocks: the forward ring, and a backward that runs the ring again."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, scale):
-        out, lse = _ring_forward(ring, q, k, v, scale)
+    def forward(ctx, q, k, v, ring, kernel, scale):
+        out, lse = _ring_forward(ring, kernel, q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.kernel, ctx.scale = ring, kernel, scale
         return out
 
     @staticmethod
@@ -416,22 +491,24 @@ class _RingAttention(torch.autograd.Function):
         if torch.is_grad_enabled() and not _compiling():  # create_graph=True: the raw transfers have no graph
             raise EinshardError("ring_attention: double backward (create_graph=True) is not supported")
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, dout.contiguous(), ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, q, k, v, out, lse, dout.contiguous(), ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
-def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh):
+def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh, documents):
     what = "ring_attention"
     error = _check_qkv(what, q, k, v, 2)
     seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
                 _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
-    _agree(what, seq.group, error or seq.error,
-           (("dtype", q.dtype), ("device", q.device), ("leading dims", tuple(q.shape[:-2])),
+    documents, bad = _documents_arg(what, documents, sum(seq.lengths))
+    _agree(what, seq.group, error or bad or seq.error,
+           (("dtype", q.dtype), ("device", q.device), ("leading dims", (tuple(q.shape[:-2]), tuple(k.shape[:-2]))),
             ("head dims", (tuple(q.shape[-1:]), tuple(v.shape[-1:]))), ("layout", layout), ("causal", bool(causal)),
-            ("lengths", seq.lengths)))
-    ring = _plan(_Ring, seq, bool(causal))
+            ("lengths", seq.lengths), ("documents", documents)))
+    ring = _plan(_Ring, seq, bool(causal), documents)
+    kernel = _plan(kernel_for, str(q.device), q.dtype, q.shape[-1], v.shape[-1], enabled_backends(), _groups(q, k))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, scale)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, kernel, scale)
 
 
 def _formula(dim: str) -> str:
@@ -440,7 +517,7 @@ def _formula(dim: str) -> str:
 
 
 def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contiguous", scale=None, shapes=None,
-                   mesh=None):
+                   mesh=None, ulysses=None, documents=None):
     """Attention of this rank's queries to the whole sequence, keys and values passed around a ring.
 
     ``q``, ``k``: ``(..., n, d)``, ``v``: ``(..., n, e)``, this rank's block of
@@ -451,14 +528,37 @@ def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contigu
     ``r``-th run of positions) or ``"zigzag"`` (chunks ``r`` and ``2P - 1 - r``
     of ``2P``, so causal work is even: :func:`zigzag_indices`). ``shapes``:
     every rank's number of positions (default: as many as this rank).
+    Grouped-query attention: ``k`` and ``v`` ``(..., h_kv, n, d)`` with
+    ``h_kv`` dividing ``q``'s heads (``enable_gqa=True``); they travel
+    unrepeated. Block pairs run on the fused kernel
+    ``F.scaled_dot_product_attention`` would run (:mod:`einshard.attention_kernels`;
+    float64: exact matmuls).
     Works inside ``shard_map`` (the output varies over ``dim``), under
     ``es.use_mesh`` and under ``torch.compile``; double backward is not
     supported.
 
+    Packed sequences: ``documents`` (the lengths of the documents packed
+    one after another into the whole sequence, summing to its length; the
+    ``cu_seqlens`` convention as lengths) keeps attention within each
+    document: block pairs are cut at the documents' bounds, pairs of
+    different documents skipped (no mask is formed).
+    2-D sequence parallelism: with ``ulysses="sp"`` the sequence is split
+    over the compound dimension ``dim-ulysses`` (``dim`` major; ``shapes``:
+    every rank's length in that order); an all-to-all over ``ulysses``
+    swaps its split for a head split (as :func:`ulysses_attention`), the
+    ring runs over ``dim`` on the ring blocks (``layout`` is theirs: with
+    zigzag, each zigzag block split contiguously over ``ulysses``), and a
+    second all-to-all swaps back. ``q``, ``k``, ``v`` then need heads:
+    ``(..., h, n, d)``.
+
     >>> o = es.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")  # doctest: +SKIP
+    >>> o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True)  # doctest: +SKIP
     """
+    if ulysses is not None:
+        return _ring_ulysses(q, k, v, dim, ulysses, causal=causal, layout=layout, scale=scale, shapes=shapes,
+                             mesh=mesh, documents=documents)
     return _vma.formula_op(_ring_op, _formula(_dim_text(dim)), (q, k, v), dim=dim, causal=causal,
-                           layout=layout, scale=scale, shapes=shapes, mesh=mesh)
+                           layout=layout, scale=scale, shapes=shapes, mesh=mesh, documents=documents)
 
 
 def _dim_text(dim) -> str:
@@ -471,7 +571,7 @@ def _dim_text(dim) -> str:
 
 
 def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contiguous", scale=None,
-                      shapes=None, mesh=None):
+                      shapes=None, mesh=None, documents=None):
     """Attention on whole sequences after an all-to-all swaps the sequence split for a head split.
 
     Same interface as :func:`ring_attention`, with heads: ``q``, ``k``
@@ -481,7 +581,12 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     and the whole sequence (a zigzag sequence is put in order first). Heads
     that do not divide by the ranks are split as evenly as possible (the
     first ranks take one more; with fewer heads than ranks some get none).
-    Backward: the formulas' adjoints around attention's own backward.
+    Grouped-query attention (``k``, ``v`` with fewer heads, dividing ``q``'s):
+    the key/value heads are split so, the query heads by whole groups.
+    Packed sequences (``documents``, as for :func:`ring_attention`): one
+    ``F.scaled_dot_product_attention`` per document, on its slice of the
+    whole sequence. Backward: the formulas' adjoints around attention's own
+    backward.
 
     >>> o = es.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
     """
@@ -490,41 +595,96 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     where = resolve_mesh(mesh)
     seq = _plan(_Sequence, what, where, _dim_name(what, dim), layout,
                 _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
-    _agree(what, seq.group, error or seq.error, (("dtype", q.dtype), ("device", q.device), ("layout", layout),
-                                                  ("causal", bool(causal)), ("lengths", seq.lengths)))
-    label, size = seq.label, seq.size
-    heads = q.shape[-3]  # as even as possible: the first ranks take one more
-    splits = {"n": tuple(seq.lengths), "h": tuple(heads // size + (i < heads % size) for i in range(size))}
-    kw = {} if mesh is None else {"mesh": mesh}
-    if shapes is not None:  # the caller's shapes=: agreed on every call, like every explicit shapes=
-        return _ulysses(q, k, v, label, seq, causal, layout, scale, {**kw, "shapes": {label: splits}})
-    # derived from the blocks here: ambient split shapes, like shard_map's (no agreement on every call)
-    dims = where.dims(label)
-    ambient = {**_context.shapes_for(where), **{(dims, axis): s for axis, s in splits.items()}}
-    token = _context.push(mesh=where, shapes=ambient)
-    try:
-        return _ulysses(q, k, v, label, seq, causal, layout, scale, kw)
-    finally:
-        _context.pop(token)
-
-
-def _ulysses(q, k, v, label, seq, causal, layout, scale, kw):
-    """Ulysses attention once planned: the sequence split swapped for a head split and back (``kw``: the
-    formulas' mesh, and ``shapes=`` when the caller gave them)."""
-    to_heads, to_sequence = f"... h n/{label} d -> ... h/{label} n d", f"... h/{label} n d -> ... h n/{label} d"
-    qh, kh, vh = einshard(to_heads, q, **kw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
+    documents, bad = _documents_arg(what, documents, sum(seq.lengths))
+    _agree(what, seq.group, error or bad or seq.error,
+           (("dtype", q.dtype), ("device", q.device), ("layout", layout), ("causal", bool(causal)),
+            ("shapes but n", (q.shape[:-2], k.shape[:-2])), ("lengths", seq.lengths), ("documents", documents)))
+    groups = _groups(q, k)
+    qh, kh, vh, back = _to_heads(q, k, v, seq.label, seq.size, {seq.label: {"n": list(seq.lengths)}}, mesh)
     runs = seq.runs() if layout == "zigzag" else None
     if runs is not None:  # attend in the sequence's own order: its chunks sorted
         qh, kh, vh = _reorder(qh, runs), _reorder(kh, runs), _reorder(vh, runs)
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(causal), scale=scale)
+    spans = [(0, sum(seq.lengths))] if documents is None else _spans(documents) or [(0, 0)]
+    o = [F.scaled_dot_product_attention(qh[..., a:b, :], kh[..., a:b, :], vh[..., a:b, :], is_causal=bool(causal),
+                                        scale=scale, enable_gqa=groups > 1) for a, b in spans]
+    o = o[0] if len(o) == 1 else torch.cat(o, -2)
     if runs is not None:
         o = _reorder(o, sorted(((pos, n, off) for off, n, pos in runs), key=lambda r: r[2]))  # back to storage
-    return einshard(to_sequence, o, **kw)
+    return back(o)
 
 
 def _reorder(x: torch.Tensor, runs) -> torch.Tensor:
     """The runs ``(start, length, ...)`` of ``x`` along the sequence axis, concatenated in that order."""
     return torch.cat([x.narrow(-2, start, n) for start, n, _ in runs], -2)
+
+
+def _to_heads(q, k, v, label: str, size: int, sequence: dict, mesh, split_to: str = ""):
+    """``q``, ``k``, ``v`` with a sequence split swapped for a head split over ``label`` (``size`` ranks), and the
+    function swapping an output back: ``... h n/{label} d -> ... h/{label} n d`` (2-D: the sequence split over
+    a compound dimension, of which ``split_to`` keeps its split: ``... h n/{cp-sp} d -> ... h/{sp} n/{cp} d``).
+    ``sequence``: the formulas' shapes of ``n``. Key/value heads as even as possible (the first ranks take one
+    more), query heads by whole groups with them."""
+    groups, heads = _groups(q, k), k.shape[-3]
+    split = [heads // size + (i < heads % size) for i in range(size)]
+    where = resolve_mesh(mesh)
+    kv_shapes, q_shapes = (_ambient_shapes(where, {**sequence, label: {**sequence.get(label, {}),
+                                                                        "h": [h * g for h in split]}})
+                           for g in (1, groups))
+    kw = {} if mesh is None else {"mesh": mesh}
+
+    def move(formula, x, shapes):  # derived split shapes, ambient as in shard_map: no agreement on every call
+        token = _context.push(mesh=where, shapes=shapes)
+        try:
+            return einshard(formula, x, **kw)
+        finally:
+            _context.pop(token)
+
+    n_in = f"n/{next(iter(sequence))}"
+    n_out = f"n/{split_to}" if split_to else "n"
+    to_heads, to_sequence = f"... h {n_in} d -> ... h/{label} {n_out} d", f"... h/{label} {n_out} d -> ... h {n_in} d"
+    qh, kh, vh = move(to_heads, q, q_shapes), move(to_heads, k, kv_shapes), move(to_heads, v, kv_shapes)
+    return qh, kh, vh, lambda o: move(to_sequence, o, q_shapes)
+
+
+def _ambient_shapes(mesh, shapes: dict) -> dict:
+    """``shapes`` (``{label: {axis: split}}``, as ``shapes=`` takes them) over the ambient ones of ``mesh``."""
+    return {**_context.shapes_for(mesh), **{(mesh.dims(label), axis): tuple(split)
+                                            for label, axes in shapes.items() for axis, split in axes.items()}}
+
+
+# -- 2-D: Ulysses over one mesh dimension, the ring over another ---------------------------------------
+
+
+def _ring_ulysses(q, k, v, dim, ulysses, *, causal, layout, scale, shapes, mesh, documents):
+    """:func:`ring_attention` with ``ulysses=``: a head split over ``ulysses``, the ring over ``dim`` between."""
+    what = "ring_attention"
+    error = _check_qkv(what, q, k, v, 3)
+    m = resolve_mesh(mesh)
+    ring_name, uly_name = _dim_name(what, dim), _dim_name(what, ulysses)
+    local = _trace.static_shape(q)[-2] if q.dim() >= 2 else 0
+    whole = _plan(_Sequence, what, m, f"{ring_name}-{uly_name}", "contiguous", local, _shapes_arg(what, shapes))
+    ring_lengths = _plan(_ring_blocks, m, uly_name, whole.lengths)
+    zigzag = zigzag_shapes(sum(ring_lengths), len(ring_lengths))
+    if layout == "zigzag" and list(ring_lengths) != zigzag:
+        error = error or (f"{what}: zigzag blocks of a {sum(ring_lengths)}-long sequence over the "
+                          f"{len(ring_lengths)} ranks of {ring_name!r} hold {zigzag} positions, but the ring "
+                          f"blocks (each split over {uly_name!r}) hold {list(ring_lengths)}")
+    documents, bad = _documents_arg(what, documents, sum(whole.lengths))
+    _agree(what, whole.group, error or bad or whole.error,
+           (("dtype", q.dtype), ("device", q.device), ("shapes but n", (q.shape[:-2], k.shape[:-2])),
+            ("layout", layout), ("causal", bool(causal)), ("lengths", whole.lengths), ("documents", documents)))
+    ring_label, uly = m.label(m.dims(ring_name)), m.dims(uly_name)
+    qh, kh, vh, back = _to_heads(q, k, v, m.label(uly), m.size(uly), {
+        whole.label: {"n": list(whole.lengths)}, ring_label: {"n": list(ring_lengths)}}, mesh, split_to=ring_label)
+    o = ring_attention(qh, kh, vh, dim, causal=causal, layout=layout, scale=scale, shapes=ring_lengths, mesh=mesh,
+                       documents=documents)
+    return back(o)
+
+
+def _ring_blocks(mesh, ulysses: str, lengths) -> tuple:
+    """Every ring block's length: the sum over its ``ulysses`` ranks (``lengths``: in ``ring-ulysses`` order)."""
+    size = mesh.size(mesh.dims(ulysses))
+    return tuple(sum(lengths[r * size:(r + 1) * size]) for r in range(len(lengths) // size))
 
 
 # -- converting between layouts ----------------------------------------------------------------------

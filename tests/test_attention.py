@@ -19,12 +19,14 @@ import doctest
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.attention
+import torch.nn.functional as F
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
-from einshard import attention
+from einshard import attention, attention_kernels
 from einshard import collectives as C
 from einshard._split import compute_split_shapes
 from einshard.attention import from_zigzag, to_zigzag, zigzag_indices, zigzag_shapes
@@ -32,27 +34,52 @@ from einshard.testing import MeshSpec
 
 DT = torch.float64
 TOL = dict(rtol=0, atol=1e-12)
+# float32 through the fused kernel (CPU flash) against F.scaled_dot_product_attention on the whole tensors (the
+# same kernel): blocks merged in another order, so rounding differs; torch's own float32 default tolerance
+FUSED_TOL = dict(rtol=1.3e-6, atol=1e-5)
 LAYERS = {"ring": es.ring_attention, "ulysses": es.ulysses_attention}
 # (causal, layout, uneven): every combination the layers support
 CASES = [(False, "contiguous", False), (False, "contiguous", True), (True, "contiguous", False),
          (True, "contiguous", True), (True, "zigzag", False), (True, "zigzag", True), (False, "zigzag", True)]
 
 
-def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e: int = 5):
+def _whole(n: int, seed: int = 0, batch: int = 2, heads: int = 3, d: int = 4, e: int = 5, dtype=DT, kv_heads=None):
+    """Q, K, V and the cotangent; K and V with ``kv_heads`` heads (grouped-query attention) if given."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, n, w, generator=g, dtype=DT) for w in (d, d, e, e)]  # Q, K, V, cotangent
+    kv = heads if kv_heads is None else kv_heads
+    return [torch.randn(batch, h, n, w, generator=g, dtype=DT).to(dtype)
+            for h, w in ((heads, d), (kv, d), (kv, e), (heads, e))]
 
 
-def _reference(Q, K, V, G, causal: bool):
-    """Plain softmax attention on whole tensors: the output and the gradients of Q, K, V for cotangent G."""
+def _documents(n: int) -> list:
+    """A packing of ``n`` positions into documents (one of them empty)."""
+    return [n // 4, 0, n - n // 4 - 1, 1]
+
+
+def _reference(Q, K, V, G, causal: bool, documents=None):
+    """Attention on whole tensors: the output and the gradients of Q, K, V for cotangent G. Plain softmax
+    attention in float64; ``F.scaled_dot_product_attention`` (its fused kernel) in lower precision.
+    ``documents``: each document attended on its own."""
     Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
+    bounds = [0]
+    for length in documents or [Q.shape[2]]:
+        bounds.append(bounds[-1] + length)
+    O = torch.cat([_attend_whole(Q[:, :, a:b], K[:, :, a:b], V[:, :, a:b], causal)
+                   for a, b in zip(bounds, bounds[1:]) if b > a], 2)
+    O.backward(G)
+    return O.detach(), Q.grad, K.grad, V.grad
+
+
+def _attend_whole(Q, K, V, causal: bool):
+    groups = Q.shape[1] // K.shape[1]
+    if Q.dtype != DT:
+        return F.scaled_dot_product_attention(Q, K, V, is_causal=causal, enable_gqa=groups > 1)
+    K, V = K.repeat_interleave(groups, 1), V.repeat_interleave(groups, 1)  # grouped-query: head i uses i // groups
     s = Q @ K.transpose(-1, -2) * Q.shape[-1] ** -0.5
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    O = s.softmax(-1) @ V
-    O.backward(G)
-    return O.detach(), Q.grad, K.grad, V.grad
+    return s.softmax(-1) @ V
 
 
 def _positions(n: int, size: int, block: int, layout: str, uneven: bool):
@@ -71,17 +98,22 @@ def _length(size: int, uneven: bool) -> int:
     return 4 * size + 3 if uneven else 4 * size
 
 
-def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp"):
+def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="sp", dtype=DT, heads=(3, None),
+           packed=False):
     """One case on this rank: the layer's block of the output and gradients against the whole reference.
 
     ``run(fn, q, k, v, g)``: how to call ``fn(q, k, v)`` and backpropagate ``g`` (default: under
     ``es.use_mesh``); ``batch_dim``: the mesh dimension that splits the batch too; ``dim``: the one
-    that splits the sequence.
+    that splits the sequence; ``dtype``: float64 (the exact path, to 1e-12) or float32 (the fused kernel,
+    against ``F.scaled_dot_product_attention`` on the whole tensors to ``FUSED_TOL``); ``heads``: of ``q``,
+    and of ``k`` and ``v`` (``None``: as many).
     """
     size, block = mesh.size(dim), mesh.index(dim)
-    n = _length(size, uneven)
-    Q, K, V, G = _whole(n)
-    O, dQ, dK, dV = _reference(Q, K, V, G, causal)
+    n = _length(size, uneven) if dtype == DT else 40 * size + 3 * uneven  # longer blocks for the kernel
+    widths = {} if dtype == DT else dict(d=8, e=8)
+    Q, K, V, G = _whole(n, dtype=dtype, heads=heads[0], kv_heads=heads[1], **widths)
+    documents = _documents(n) if packed else None
+    O, dQ, dK, dV = _reference(Q, K, V, G, causal, documents)
     pos, shapes = _positions(n, size, block, layout, uneven)
     rows = slice(None)
     if batch_dim is not None:
@@ -91,7 +123,8 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="s
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def fn(q, k, v):
-        return LAYERS[layer](q, k, v, dim, causal=causal, layout=layout, shapes=shapes)
+        return LAYERS[layer](q, k, v, dim, causal=causal, layout=layout, shapes=shapes,
+                             **({"documents": documents} if packed else {}))
 
     if run is None:
         with es.use_mesh(mesh):
@@ -99,9 +132,10 @@ def _check(layer, mesh, causal, layout, uneven, run=None, batch_dim=None, dim="s
         o.backward(g)
     else:
         o = run(fn, q, k, v, g)
-    what = f"{layer} causal={causal} {layout} uneven={uneven}"
+    what = f"{layer} causal={causal} {layout} uneven={uneven} packed={packed} {dtype}"
     for name, got, want in (("out", o, O), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
-        torch.testing.assert_close(got, want[rows][:, :, pos], **TOL, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(got, want[rows][:, :, pos], **(TOL if dtype == DT else FUSED_TOL),
+                                   msg=lambda m: f"{what} {name}: {m}")
 
 
 # -- values and gradients, eager -------------------------------------------------------------------
@@ -113,6 +147,132 @@ def test_layers_match_whole_attention(layer, size):
     mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
     for causal, layout, uneven in CASES:
         _check(layer, mesh, causal, layout, uneven)
+
+
+@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.ranks(n)) for n in (1, 2, 4)])
+def test_ring_on_the_fused_kernel_matches_whole_sdpa(size):
+    # float32 on CPU: every block pair through aten._scaled_dot_product_flash_attention_for_cpu and its backward
+    assert attention_kernels.kernel("cpu", torch.float32, 8, 8).name == "cpu_flash"
+    mesh = es.wrap_mesh(MeshSpec((size,), ("sp",)).build())
+    for causal, layout, uneven in CASES:
+        _check("ring", mesh, causal, layout, uneven, dtype=torch.float32)
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_grouped_query_attention_matches_whole_attention(layer, monkeypatch):
+    # 6 query heads, 2 key/value heads: q head i attends with k/v head i // 3 (enable_gqa=True)
+    sent = []
+    original = C.isend_irecv
+
+    def recording(sends, recvs, *args, **kwargs):
+        sent.extend(tuple(t.shape) for _, t in sends)
+        return original(sends, recvs, *args, **kwargs)
+
+    monkeypatch.setattr(C, "isend_irecv", recording)
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    for dtype in (DT, torch.float32):
+        for causal, layout, uneven in CASES:
+            _check(layer, mesh, causal, layout, uneven, dtype=dtype, heads=(6, 2))
+    if layer == "ring":  # keys and values travel with their own 2 heads, not repeated to 6
+        assert sent and all(shape[1] == 2 for shape in sent), sent
+
+
+def _positions_2d(n: int, mesh, layout: str, uneven: bool):
+    """2-D: ``(positions this rank holds, shapes=)``: ring blocks over ``cp`` (contiguous or zigzag), each split
+    contiguously over ``sp``; ``shapes`` in ``cp-sp`` order."""
+    rings, uly = mesh.size("cp"), mesh.size("sp")
+    if layout == "zigzag":
+        order, ring_lengths = zigzag_indices(n, rings), zigzag_shapes(n, rings)
+    else:
+        order, ring_lengths = torch.arange(n), compute_split_shapes(n, rings)
+    shapes = [s for length in ring_lengths for s in compute_split_shapes(length, uly)]
+    block = mesh.index("cp") * uly + mesh.index("sp")
+    start = sum(shapes[:block])
+    return order[start:start + shapes[block]], (shapes if uneven else None)
+
+
+@pytest.mark.ranks(4)
+def test_2d_ring_over_one_dimension_ulysses_over_another():
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("cp", "sp")).build())
+    for dtype, heads in ((DT, (3, None)), (DT, (4, 2)), (torch.float32, (4, 2))):
+        for causal, layout, uneven in CASES:
+            n = (_length(4, uneven) if dtype == DT else 160 + 3 * uneven)
+            Q, K, V, G = _whole(n, dtype=dtype, heads=heads[0], kv_heads=heads[1],
+                                **({} if dtype == DT else dict(d=8, e=8)))
+            documents = _documents(n) if heads[1] else None  # packed documents with the grouped heads
+            O, dQ, dK, dV = _reference(Q, K, V, G, causal, documents)
+            pos, shapes = _positions_2d(n, mesh, layout, uneven)
+            q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (Q, K, V))
+            with es.use_mesh(mesh):
+                o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=causal, layout=layout, shapes=shapes,
+                                      documents=documents)
+            o.backward(G[:, :, pos])
+            what = f"2-D {dtype} heads={heads} documents={documents} causal={causal} {layout} uneven={uneven}"
+            for name, got, want in (("out", o, O), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
+                torch.testing.assert_close(got, want[:, :, pos], **(TOL if dtype == DT else FUSED_TOL),
+                                           msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_packed_sequences_attend_within_their_documents(layer):
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    for dtype in (DT, torch.float32):
+        for causal, layout, uneven in CASES:
+            _check(layer, mesh, causal, layout, uneven, dtype=dtype, packed=True)
+
+
+def test_packed_pairs_are_cut_at_document_bounds():
+    # zigzag over 2 ranks of 16 positions: rank 0 holds chunks 0 (0-3) and 3 (12-15); documents 0-5, 6-15
+    pairs = attention._document_pairs(((0, 4, 0), (12, 4, 4)), ((0, 4, 0), (12, 4, 4)), True, (6, 10))
+    assert pairs == ((0, 4, 0, 4, True), (4, 4, 4, 4, True))  # 12-15 sees not 0-3: another document
+    assert attention._document_pairs(((4, 4, 0),), ((0, 4, 0),), True, (6, 10)) == ((0, 2, 0, 4, False),)
+
+
+@pytest.mark.ranks(4, timeout=600)  # compiles: minutes on a loaded 2-core machine
+def test_2d_ring_compiles_fullgraph():
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("cp", "sp")).build())
+    n = 19
+    Q, K, V, G = _whole(n, heads=4, kv_heads=2)
+    O, dQ, dK, dV = _reference(Q, K, V, G, True, _documents(n))
+    pos, shapes = _positions_2d(n, mesh, "zigzag", True)
+    q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (Q, K, V))
+
+    def step(q, k, v):
+        with es.use_mesh(mesh):
+            return es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag", shapes=shapes,
+                                     documents=_documents(n))
+
+    torch._dynamo.reset()
+    o = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
+    o.backward(G[:, :, pos])
+    for got, want in ((o, O), (q.grad, dQ), (k.grad, dK), (v.grad, dV)):
+        torch.testing.assert_close(got, want[:, :, pos], **TOL)
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_2d_ring_in_shard_map(check_vma):
+    mesh = es.wrap_mesh(MeshSpec((2, 2), ("cp", "sp")).build())
+    n = 16
+    Q, K, V, G = _whole(n, heads=4, kv_heads=2)
+    O, dQ, dK, dV = _reference(Q, K, V, G, True)
+    order = zigzag_indices(n, 2)  # zigzag blocks over cp, each split over sp: contiguous blocks over cp-sp
+    q, k, v = (t[:, :, order].clone().requires_grad_() for t in (Q, K, V))
+
+    def body(q, k, v):
+        o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag")
+        if check_vma:
+            assert es.get_vma(o) == frozenset({"cp", "sp"})
+        return o
+
+    attend = es.shard_map(body, in_specs=("b h n d -> b h n/cp-sp d",) * 3, out_specs="b h n/cp-sp d -> b h n d",
+                          mesh=mesh, check_vma=check_vma)
+    o = attend(q, k, v)
+    o.backward(G[:, :, order])
+    for got, want in ((o, O), (q.grad, dQ), (k.grad, dK), (v.grad, dV)):
+        torch.testing.assert_close(got, want[:, :, order], **TOL)
 
 
 _PERMUTED: dict = {}
@@ -231,6 +391,8 @@ def test_ring_attention_compiles_fullgraph_under_use_mesh(size):
     for causal, layout, uneven in (CASES[0], CASES[3], CASES[5]):
         torch._dynamo.reset()
         _check("ring", mesh, causal, layout, uneven, run=run)
+    torch._dynamo.reset()  # the fused kernel's ops in the graph, on a packed sequence's cut block pairs
+    _check("ring", mesh, True, "zigzag", True, run=run, dtype=torch.float32, packed=True)
     single = es.wrap_mesh(MeshSpec((size, 1), ("dp", "sp")).build())  # a ring of one rank: no transfers
     torch._dynamo.reset()
     _check("ring", single, True, "zigzag", True, run=run_on(single))
@@ -249,6 +411,26 @@ def test_ulysses_attention_compiles_in_shard_map(check_vma):
     with es.use_mesh(mesh):
         torch._dynamo.reset()
         _check("ulysses", mesh, *CASES[1], run=run)  # not causal, contiguous, uneven
+
+
+def test_the_fused_ops_have_the_signatures_the_kernels_call():
+    for name, args in attention_kernels.FUSED_OPS.items():
+        op = getattr(torch.ops.aten, name).default
+        assert tuple(a.name for a in op._schema.arguments) == args, (name, op._schema)
+
+
+def test_kernel_choice_follows_device_dtype_and_head_sizes(monkeypatch):
+    kernel = attention_kernels.kernel
+    assert kernel("cpu", torch.float32, 8, 8).name == "cpu_flash"
+    assert kernel("cpu", torch.bfloat16, 64, 64).name == "cpu_flash"
+    assert kernel("cpu", torch.float64, 8, 8) is attention_kernels.EXACT  # float64: the exact path
+    assert kernel("cpu", torch.float32, 8, 5) is attention_kernels.EXACT  # no fused kernel for d != e
+    assert kernel("cpu", torch.float32, 8, 8, groups=3).name == "cpu_flash"  # grouped heads: native
+    assert kernel("cpu", torch.float64, 8, 8, groups=3).name == "exact (kv heads repeated x3 per block)"
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # what F.sdpa would run
+        assert kernel("cpu", torch.float32, 8, 8) is attention_kernels.EXACT
+    monkeypatch.setattr(attention_kernels, "_USABLE", set())  # a torch whose ops differ: the exact path
+    assert kernel("cpu", torch.float32, 8, 8) is attention_kernels.EXACT
 
 
 # -- the zigzag layout ------------------------------------------------------------------------------
@@ -366,17 +548,28 @@ def _check_overlap(events, posts: int, final_exempt: bool):
         if final_exempt and batch == posts - 1:
             continue  # the last gradient's way home: nothing is left to compute
         between = names[start + 1:end]
-        assert between.count("bmm") >= 2, (batch, between)  # the block's q k^T and p v (or its gradients)
+        # the block's q k^T and p v (or their gradients), or one call of the fused kernel (or its backward)
+        assert between.count("bmm") >= 2 or any(n.startswith(FLASH) for n in between), (batch, between)
+
+
+FLASH = "_scaled_dot_product_flash_attention_for_cpu"
 
 
 @pytest.mark.ranks(4)
-@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
-def test_ring_transfers_overlap_the_block_computations(causal, layout):
+@pytest.mark.parametrize("causal,layout,dtype", [(False, "contiguous", DT), (True, "zigzag", DT),
+                                                 (True, "zigzag", torch.float32)])
+def test_ring_transfers_overlap_the_block_computations(causal, layout, dtype):
     mesh = es.wrap_mesh(MeshSpec((4,), ("sp",)).build())
-    q, k, v = (torch.randn(1, 2, 8, 4, dtype=DT, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 8, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     with es.use_mesh(mesh):
         with _Trace() as forward:
             o = es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+        names = [name for name, _ in forward.events]
+        assert ("bmm" in names) == (dtype == DT) and (FLASH in names) == (dtype != DT), names  # which path
+        if dtype != DT:  # the math backend chosen for F.sdpa: the ring's exact path
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), _Trace() as math:
+                es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+            assert "bmm" in [name for name, _ in math.events]
         _check_overlap(forward.events, 3, final_exempt=False)  # P - 1 transfers of keys and values
         with _Trace() as backward:
             o.backward(torch.ones_like(o))
@@ -431,6 +624,10 @@ def test_refusals_before_any_transfer():
                 layer(q, q.float(), q, "sp")
             with pytest.raises(ValueError, match="zigzag blocks of a 7-long sequence"):
                 layer(q, q, q, "sp", layout="zigzag", shapes=[4, 3])
+            with pytest.raises(ValueError, match=r"the documents' lengths \[3, 3\] sum to 6, but the sequence has 8"):
+                layer(q, q, q, "sp", documents=[3, 3])
+            with pytest.raises(ValueError, match="fewer heads .* that divide q's"):
+                layer(q, q[:, :1].expand(1, 3, 4, 3), q[:, :1], "sp")
         with pytest.raises(ValueError, match="at least 3 dimensions"):
             es.ulysses_attention(q[0, 0], q[0, 0], q[0, 0], "sp")
         with pytest.raises(ValueError, match="must be a torch.Tensor"):
