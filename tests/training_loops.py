@@ -13,15 +13,16 @@ between them; loss ``sum(y ** 2)``) is held twice on every rank:
 
 A sequence of *events* (:data:`EVENTS`: forward, backward, ``retain_graph``, ``torch.autograd.grad``
 with an ``inputs`` subset, a ``no_sync`` micro-batch, an exception raised in the middle of backward,
-an in-place update or a reload of the weights, a partial ``no_grad`` forward, ``functional_call``,
+an auxiliary loss term switched on or off, an in-place update or a reload of the weights, a partial ``no_grad`` forward, ``functional_call``,
 a DCP save and load on another mesh, an optimizer step, ``zero_grad``) is generated in the pytest
 process (by hypothesis, which shrinks it) and :func:`run_sequence` runs the whole sequence on every
 rank: each event is applied to both models, and after it the values it returned, every parameter
 and every gradient must be equal (torch's default float64 tolerances), or both sides must have
 raised. The first event where they differ is reported with the sequence up to it, on every rank.
 
-:data:`KNOWN_FAILING` lists the combinations that fail on this branch because of bugs fixed
-elsewhere; ``EINSHARD_LOOPS_ALL=1`` runs everything. ``tests/test_training_loops.py`` runs it.
+:data:`KNOWN_FAILING` (temporary) lists the events and situations that fail before the fixes of the
+bugs the harness found; the runs leave them out or step around them, and ``EINSHARD_LOOPS_ALL=1``
+runs everything. ``tests/test_training_loops.py`` runs the harness (docs/testing.md).
 """
 
 from __future__ import annotations
