@@ -99,7 +99,7 @@ def test_compiled_training_loop_with_every_event(mechanism):
 
 # -- the long run ---------------------------------------------------------------------------------------------
 
-LONG = int(os.environ.get("EINSHARD_LOOPS_EXAMPLES", "60"))
+LONG = int(os.environ.get("EINSHARD_LOOPS_EXAMPLES", "30"))
 
 
 PAIRS = [(m, s) for m in MECHANISMS for s in MESHES if not known_failing(m, s)]
