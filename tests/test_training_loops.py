@@ -120,7 +120,7 @@ def test_training_loops_long(mechanism, mesh):
 
 
 # -- what the harness found beyond issue 29's table: shrunk sequences, as regression tests --------------------
-# TEMPORARY xfail (strict): each is fixed on no branch yet; the fix removes the mark and its KNOWN_FAILING entry.
+# TEMPORARY xfail (strict): not fixed yet; the fix removes the mark and its KNOWN_FAILING entry.
 
 
 @pytest.mark.xfail(strict=True, reason="F1: a check_vma=True shard_map body with stored parameters, called under "
@@ -137,10 +137,9 @@ def test_a_formula_on_a_parameter_that_does_not_vary_over_dp_counts_its_gradient
     check((mechanism, "4", "even", "sgd", [("aux", True), ("backward", False)]))
 
 
-@pytest.mark.xfail(strict=True, reason="F3: zero_grad() after a no_sync micro-batch: the hooks still sum the "
-                   "dropped micro-batch into the next backward's gradient")
 @pytest.mark.parametrize("mechanism", ["hooks-sync", "zero-hooks"])
 def test_zero_grad_drops_a_held_no_sync_micro_batch(mechanism):
+    """F3 (fixed with issue 29's no_sync fixes): zero_grad() after a no_sync micro-batch drops it."""
     check((mechanism, "2x2", "even", "sgd", [("no_sync", 0), ("zero_grad", True), ("backward", False)]), False)
 
 

@@ -65,7 +65,9 @@ class Mechanism:
     (the model code run by ``functional_call`` in a body); ``grad``: the duty registered on every
     parameter; ``store``: stored over ``dp``; ``vma``: the body's ``check_vma``; ``hooks``: the native
     hooks installed; ``compiled``: the body under ``torch.compile(backend="aot_eager")``; ``parent``: the
-    model reads ``norm.g`` outside ``norm``'s forward too; ``units``: the hooks' ``units=[model]``.
+    model reads ``norm.g`` outside ``norm``'s forward too; ``units``: the hooks' ``units=[model]``;
+    ``refused``: the library refuses the model (an ``EinshardError`` containing this text, on every rank),
+    as documented, and the sequence ends there.
     """
 
     style: str
@@ -76,6 +78,7 @@ class Mechanism:
     compiled: bool = False
     parent: bool = False
     units: bool = False
+    refused: str = ""
 
 
 MECHANISMS = {
@@ -85,9 +88,10 @@ MECHANISMS = {
     "shard_map-novma": Mechanism("shard_map", "dp:async", vma=False, hooks=True),
     "zero-hooks": Mechanism("hooks", "dp", store=True, hooks=True),
     "zero-hooks-units": Mechanism("hooks", "dp", store=True, hooks=True, parent=True, units=True),
-    "zero-hooks-parent": Mechanism("hooks", "dp", store=True, hooks=True, parent=True),
+    "zero-hooks-parent": Mechanism("hooks", "dp", store=True, hooks=True, parent=True,
+                                   refused="outside the forward of the module that gathers it"),
     "zero-shard_map": Mechanism("shard_map", "dp", store=True),
-    "zero-shard_map-novma": Mechanism("shard_map", "dp", store=True, vma=False),
+    "zero-shard_map-novma": Mechanism("shard_map", "dp", store=True, vma=False, refused="shard_map(check_vma=False)"),
     "compiled": Mechanism("shard_map", None, compiled=True),
     "zero-compiled-novma": Mechanism("shard_map", "dp", store=True, vma=False, compiled=True),
 }
@@ -106,46 +110,22 @@ SITUATIONS = {
     "partial-prefetch": "a partial forward (a module left out): the loop calls the hooks' wait() after it",
 }
 
-_ZERO = ("zero-hooks", "zero-hooks-units", "zero-hooks-parent", "zero-shard_map", "zero-shard_map-novma",
-         "zero-compiled-novma")
-CAUSES = {  # the values of KNOWN_FAILING: issue 29's classes by number, findings F1-F4
-    1: "an exception in the middle of backward: its queued sums are added to the next backward",
-    2: "store= on a mesh whose group rank order differs from the mesh order: gathers permuted",
-    3: "torch.autograd.grad inside no_sync() or after a no_sync micro-batch (ZeRO hooks)",
-    4: "a stored weight changed while a graph is alive: re-gathered silently instead of raising",
-    5: "a partial forward, then a reload: the prefetched gather of the old weights is used",
-    6: "a stored parameter read outside its unit's forward: its slice is used",
-    7: "a compiled shard_map(check_vma=False) body with a stored parameter gets the slice",
-    8: "check_vma=False, a stored parameter whose use does not vary over dp: gradient counted dp times",
-    9: "functional_call with the ZeRO hooks: the registered weights are used, not the ones passed",
-    10: "es.to_dtensor on a mesh like [[3, 1], [2, 0]]: full_tensor() of the DTensors is wrong",
-    # found by this harness, beyond the issue's table
+CAUSES = {  # the values of KNOWN_FAILING: issue 29's class 7, and what this harness found beyond its table
+    7: "a compiled shard_map(check_vma=False) body with a stored parameter (not re-run after the fixes)",
     "F1": "a check_vma=True body with stored parameters under torch.no_grad(): AttributeError in params.zero",
     "F2": "a formula on a parameter with a duty that does not vary over dp ('c, c ->'), outside a check_vma "
           "body: its gradient is summed over dp (dp times too large)",
-    "F3": "zero_grad() after a no_sync micro-batch: the next backward still adds the dropped micro-batch",
     "F4": "a tensor hook registered inside a compiled shard_map body: InternalTorchDynamoError in _leaf_key",
 }
-# TEMPORARY: what fails on this branch, by cause (CAUSES; the findings F1-F4 each have a regression test in
-# tests/test_training_loops.py). Each entry is (mechanism, mesh or "*", event,
-# situation or "*"): the runs do not draw that event, step around that situation, or (with "*") leave the
-# mechanism out on that mesh. After the fixes are merged this is empty (EINSHARD_LOOPS_ALL=1 ignores it).
+# TEMPORARY: what still fails, by cause (CAUSES; F1, F2, F4 each have an xfail regression test in
+# tests/test_training_loops.py). Each entry is (mechanism, mesh or "*", event, situation or "*"): the runs
+# do not draw that event, step around that situation (SITUATIONS), or (with "*") leave the mechanism out on
+# that mesh. Once those are fixed this is empty (EINSHARD_LOOPS_ALL=1 ignores it).
 KNOWN_FAILING: dict = {
-    **{(m, "*", "raise"): 1 for m in ("hooks-async", "shard_map", "shard_map-novma", "zero-hooks",
-                                       "zero-shard_map")},
-    **{(m, mesh, "*"): 2 for m in _ZERO for mesh in ("rev", "4-perm")},
-    **{(m, "*", "grad-no_sync"): 3 for m in ("zero-hooks", "zero-hooks-units")},
-    **{(m, "*", "live-update"): 4 for m in _ZERO},
-    ("zero-hooks", "*", "partial-prefetch"): 5,
-    ("zero-hooks-parent", "*", "*"): 6,
-    ("zero-shard_map-novma", "*", "aux"): 8,
-    **{(m, "*", "functional"): 9 for m in ("zero-hooks", "zero-hooks-units")},
     ("zero-shard_map", "*", "partial"): "F1",
     **{(m, "*", "aux"): "F2" for m in ("hooks-sync", "hooks-async", "shard_map-novma", "zero-hooks",
                                         "zero-hooks-units")},
-    **{(m, "*", "zero_grad-no_sync"): "F3" for m in ("hooks-sync", "zero-hooks", "zero-hooks-units")},
-    **{(m, "rev", "dcp"): 10 for m in ("hooks-sync", "hooks-async", "shard_map", "shard_map-novma", "compiled")},
-    ("zero-compiled-novma", "*", "*"): 7,  # here: dynamo's InternalTorchDynamoError in shard_map's _leaf_key
+    ("zero-compiled-novma", "*", "*"): 7,  # before the fixes: InternalTorchDynamoError in shard_map's _leaf_key
     ("compiled", "*", "raise"): "F4",
 }
 
@@ -405,6 +385,8 @@ class Loop:
 
     def backward(self, retain: bool) -> list:
         problems = self._ensure_pending()
+        if self.pending is None:  # the forward raised (on both sides, or the problem is reported)
+            return problems
         want, got = self.pending
         e1 = _attempt(lambda: want.backward(retain_graph=retain))[1]
         e2 = _attempt(lambda: (got.backward(retain_graph=retain), self.sharded.wait()))[1]
@@ -421,6 +403,8 @@ class Loop:
         if "grad-no_sync" in self.avoid and (in_no_sync or self.held):
             in_no_sync = self._sync()
         problems = self._ensure_pending()
+        if self.pending is None:  # the forward raised (on both sides, or the problem is reported)
+            return problems
         want, got = self.pending
         wp, sp = self.whole.get_parameter, self.sharded.net.get_parameter
         wg, e1 = _attempt(lambda: torch.autograd.grad(want, [wp(k) for k in names]))
@@ -595,6 +579,13 @@ class Loop:
         return problems
 
 
+def _refused_as_documented(mech: Mechanism, everyone: list) -> bool:
+    """Whether every rank's one problem is the sharded side's documented refusal of ``mech``."""
+    expected = "the sharded model raised EinshardError"
+    return bool(mech.refused) and all(len(p) == 1 and p[0].startswith(expected) and mech.refused in p[0]
+                                      for p in everyone)
+
+
 def _optimizer(name: str, params):
     params = list(params)
     return torch.optim.Adam(params, lr=0.05) if name == "adam" else torch.optim.SGD(params, lr=0.1, momentum=0.5)
@@ -629,6 +620,8 @@ def _run(loop: Loop, events) -> int:
             problems += loop.check_state()
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, problems[:3])
+        if _refused_as_documented(loop.mech, everyone):
+            return i
         if any(everyone):
             grouped: dict = {}
             for r, p in enumerate(everyone):
