@@ -93,7 +93,8 @@ MECHANISMS = {
     "zero-shard_map": Mechanism("shard_map", "dp", store=True),
     "zero-shard_map-novma": Mechanism("shard_map", "dp", store=True, vma=False, refused="shard_map(check_vma=False)"),
     "compiled": Mechanism("shard_map", None, compiled=True),
-    "zero-compiled-novma": Mechanism("shard_map", "dp", store=True, vma=False, compiled=True),
+    "zero-compiled-novma": Mechanism("shard_map", "dp", store=True, vma=False, compiled=True,
+                                     refused="shard_map(check_vma=False)"),
 }
 
 EVENTS = ("forward", "backward", "retain", "grad", "no_sync", "raise", "aux", "inplace", "reload", "partial",
@@ -110,8 +111,7 @@ SITUATIONS = {
     "partial-prefetch": "a partial forward (a module left out): the loop calls the hooks' wait() after it",
 }
 
-CAUSES = {  # the values of KNOWN_FAILING: issue 29's class 7, and what this harness found beyond its table
-    7: "a compiled shard_map(check_vma=False) body with a stored parameter (not re-run after the fixes)",
+CAUSES = {  # the values of KNOWN_FAILING: what this harness found beyond issue 29's table
     "F1": "a check_vma=True body with stored parameters under torch.no_grad(): AttributeError in params.zero",
     "F2": "a formula on a parameter with a duty that does not vary over dp ('c, c ->'), outside a check_vma "
           "body: its gradient is summed over dp (dp times too large)",
@@ -125,7 +125,6 @@ KNOWN_FAILING: dict = {
     ("zero-shard_map", "*", "partial"): "F1",
     **{(m, "*", "aux"): "F2" for m in ("hooks-sync", "hooks-async", "shard_map-novma", "zero-hooks",
                                         "zero-hooks-units")},
-    ("zero-compiled-novma", "*", "*"): 7,  # before the fixes: InternalTorchDynamoError in shard_map's _leaf_key
     ("compiled", "*", "raise"): "F4",
 }
 
