@@ -45,6 +45,7 @@ medians are reported. One JSON line per variant and world size::
 
     python benchmarks/bench_host.py                       # world sizes 2 and 8
     python benchmarks/bench_host.py --world-size 2 --rounds 21
+    python benchmarks/bench_host.py --group formula        # the size-1 formula alone
 
 Fields: ``bench`` (``"host"``), ``group`` (``tp``, ``dp_tp``, ``formula``),
 ``variant``, ``world_size``, ``us_per_step`` (median), ``min_us``,
@@ -312,20 +313,23 @@ def run_world(ws, args):
         torch.manual_seed(0)
         x = torch.randn(b, n, c)
         linears = 2 * args.layers
-        mesh = es.wrap_mesh(init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)))
-        weights = _weights(args.layers, c, f, ws)
-        variants, models = _tp_variants(weights, mesh, x)
-        _report("tp", _time(variants, args.number, args.rounds, args.warmup), _check(variants, models, "hand"),
-                "hand", args, ws, linears)
-        mesh2 = es.wrap_mesh(init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp")))
-        weights = _weights(args.layers, c, f, ws // 2)
-        variants, models = _dp_tp_variants(weights, mesh2, x)
-        _report("dp_tp", _time(variants, args.number, args.rounds, args.warmup), _check(variants, models, "hand_dp"),
-                "hand_dp", args, ws, linears)
-        mesh1 = es.wrap_mesh(init_device_mesh("cpu", (1, ws), mesh_dim_names=("one", "tp")))
-        variants = _one_formula(mesh1, x, torch.randn(f, c))
-        _report("formula", _time(variants, args.number * args.layers, args.rounds, args.warmup),
-                _check(variants, {}, "torch"), "torch", args, ws, 0)
+        if "tp" in args.group:
+            mesh = es.wrap_mesh(init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",)))
+            weights = _weights(args.layers, c, f, ws)
+            variants, models = _tp_variants(weights, mesh, x)
+            _report("tp", _time(variants, args.number, args.rounds, args.warmup), _check(variants, models, "hand"),
+                    "hand", args, ws, linears)
+        if "dp_tp" in args.group:
+            mesh2 = es.wrap_mesh(init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp")))
+            weights = _weights(args.layers, c, f, ws // 2)
+            variants, models = _dp_tp_variants(weights, mesh2, x)
+            _report("dp_tp", _time(variants, args.number, args.rounds, args.warmup),
+                    _check(variants, models, "hand_dp"), "hand_dp", args, ws, linears)
+        if "formula" in args.group:
+            mesh1 = es.wrap_mesh(init_device_mesh("cpu", (1, ws), mesh_dim_names=("one", "tp")))
+            variants = _one_formula(mesh1, x, torch.randn(f, c))
+            _report("formula", _time(variants, args.number * args.layers, args.rounds, args.warmup),
+                    _check(variants, {}, "torch"), "torch", args, ws, 0)
     finally:
         dist.destroy_process_group()
 
@@ -333,6 +337,8 @@ def run_world(ws, args):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--group", nargs="+", default=["tp", "dp_tp", "formula"], choices=["tp", "dp_tp", "formula"],
+                        help="which groups of variants to run (default all)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4)
