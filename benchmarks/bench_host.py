@@ -71,31 +71,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import einshard as es
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+from bench_tp_mlp import CopyToTP, ReduceFromTP  # Megatron's copy to / reduce from the tp region
 
 
 class Layer(torch.nn.Module):
@@ -109,8 +85,8 @@ class Layer(torch.nn.Module):
 
     def forward(self, x):
         if self.style == "hand":
-            h = F.gelu(F.linear(_CopyToTP.apply(x, self.group), self.w1, self.b1))
-            return x + _ReduceFromTP.apply(F.linear(h, self.w2), self.group) + self.b2
+            h = F.gelu(F.linear(CopyToTP.apply(x, self.group), self.w1, self.b1))
+            return x + ReduceFromTP.apply(F.linear(h, self.w2), self.group) + self.b2
         if self.style == "rows":  # rows split over dp (hooks, zero)
             h = F.gelu(es.einshard("b/dp n c, f/tp c -> b/dp n f/tp", x, self.w1) + self.b1)
             return x + es.einshard("b/dp n f/tp, c f/tp -> b/dp n c", h, self.w2) + self.b2

@@ -69,3 +69,33 @@ def _size_one(mesh):
 @pytest.mark.ranks(2)
 def test_size_one_dimension_runs_as_the_local_formula():
     run_on_ranks(2, _size_one, MeshSpec((1, 2), ("one", "tp")), timeout=120)
+
+
+def _steady_keys(mesh):
+    """The steady-state lookup keys what the full key does: each variation replans (or finds its own plan), twice."""
+    from dist_reference import check_formula
+
+    base = dict(formula="b n c, f/tp c -> b n f/tp", global_shapes=[(2, 3, 4), (6, 4)])
+    variations = [
+        {},
+        dict(dtype=torch.float32, atol=1e-5),                       # dtype
+        dict(global_shapes=[(2, 5, 4), (6, 4)]),                     # local shapes
+        dict(global_shapes=[(2, 3, 4), (7, 4)]),                     # uneven split shapes (shapes=)
+        dict(grad=False),                                             # requires_grad
+        dict(optimize="inference"),                                  # policy
+        dict(formula="b n c, f/tp c -> b n f"),                      # another output layout
+        dict(formula="b n c/tp, f c/tp -> b n f"),                   # another formula (a sum over tp)
+    ]
+    for checks_on in (False, True, False):                          # checks on and off
+        es.set_checks(checks_on)
+        try:
+            for variation in variations * 2:
+                check_formula(mesh, **{**base, **variation})
+        finally:
+            es.set_checks(False)
+    return True
+
+
+@pytest.mark.ranks(2)
+def test_steady_state_keys_differ_where_plans_differ():
+    run_on_ranks(2, _steady_keys, MeshSpec((2,), ("tp",)), timeout=180)
