@@ -42,7 +42,7 @@ import einshard as es
 from einshard.testing import MeshSpec, add_device_argument, launch, rank_device, synchronize
 
 
-class _CopyToTP(torch.autograd.Function):
+class CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -55,7 +55,7 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
@@ -69,8 +69,8 @@ class _ReduceFromTP(torch.autograd.Function):
 
 def _floor(group):
     def step(x, w1, b1, w2, b2):
-        h = F.gelu(F.linear(_CopyToTP.apply(x, group), w1, b1))
-        return _ReduceFromTP.apply(F.linear(h, w2), group) + b2
+        h = F.gelu(F.linear(CopyToTP.apply(x, group), w1, b1))
+        return ReduceFromTP.apply(F.linear(h, w2), group) + b2
 
     return step
 

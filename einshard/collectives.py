@@ -245,6 +245,8 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
     >>> y  # on 4 ranks  # doctest: +SKIP
     tensor([4., 4., 4.])
     """
+    if op == "sum" and not (async_op or _checks.ENABLED or _stats.is_active() or _trace.traced()):
+        return _sum_copy(x, group)  # the steady state: nothing to check, count or trace
     name = op.lower() if isinstance(op, str) else op
     if name not in _REDUCE_OPS:
         raise EinshardError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
@@ -267,6 +269,14 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         y = _contiguous_clone(x)
         reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[name])
     return _reduce_in_place(y, group, size, reduce_op, async_op)
+
+
+def _sum_copy(x: torch.Tensor, group) -> torch.Tensor:
+    """``all_reduce(x, group)`` with checks off, uncounted and untraced: a contiguous copy summed in place."""
+    y = x.detach().clone(memory_format=torch.contiguous_format)
+    if _size(group) > 1:
+        dist.all_reduce(torch.view_as_real(y) if y.is_complex() else y, group=group)
+    return y
 
 
 def all_reduce_owned(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -148,6 +148,24 @@ class Layout:
     def with_partial(self, partial: Iterable[str]) -> "Layout":
         return replace(self, partial=frozenset(partial))
 
+    def essential(self, mesh: MeshShape) -> "Layout":
+        """This layout without the mesh dimensions of size 1 (sharding or summing over one rank changes nothing).
+
+        Two layouts with equal essentials hold the same block on every rank: a transition between them is
+        the identity.
+
+        >>> mesh = MeshShape(("one", "tp"), (1, 2))
+        >>> a = Layout(("f", "c"), (4, 3), (("one",), ()), ((4,), None), frozenset({"one"}))
+        >>> a.essential(mesh) == Layout(("f", "c"), (4, 3), ((), ()), (None, None))
+        True
+        """
+        ones = {d for d, n in zip(mesh.names, mesh.shape) if n == 1}
+        if not ones:
+            return self
+        shard = tuple(tuple(d for d in dims if d not in ones) for dims in self.shard)
+        splits = tuple(s if dims else None for s, dims in zip(self.splits, shard))
+        return replace(self, shard=shard, splits=splits, partial=self.partial - ones)
+
     def data_equal(self, other: "Layout") -> bool:
         """Same blocks on every rank (partial and replicated both hold whole data)."""
         return self.shard == other.shard and self.splits == other.splits

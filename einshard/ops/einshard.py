@@ -151,7 +151,12 @@ class duties_satisfied:
 def _in_tracked_body() -> bool:
     """Whether a ``shard_map(check_vma=True)`` body runs here (read from the ambient context, so a
     recompute that restores the body's context plans as its forward did)."""
-    body = _context.current().shard_map
+    return _tracks(_context.current())
+
+
+def _tracks(ambient) -> bool:
+    """Whether ``ambient`` is the context of a ``shard_map(check_vma=True)`` body."""
+    body = ambient.shard_map
     return body is not None and body.tracker is not None
 
 
@@ -250,11 +255,12 @@ def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
 def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
     """A distributed formula without [param]: the operands' attached states may carry gradient duties."""
     key = _with_recorded_sizes(key, tensors)
-    if _SATISFIED or _in_tracked_body():  # inside shard_map(check_vma=True): the formula reduces every gradient
-        return run_distributed(key, tensors, mesh, shapes, optimize, policy)
+    ambient = _context.current()
+    if _SATISFIED or _tracks(ambient):  # inside shard_map(check_vma=True): the formula reduces every gradient
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy, ambient=ambient)
     duties = state_duties(tensors)
     if ANY not in duties:
-        return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties)
+        return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, ambient=ambient)
     plans: list = []  # attached pending duties: the plan resolves them after success
     out = run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, plans)
     if plans:

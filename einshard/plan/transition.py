@@ -74,7 +74,7 @@ def plan_gradient(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]
     elsewhere) instead of marking a copy varying, so summing it gives it once.
     """
     fresh = dst.partial - src.partial
-    if not fresh:
+    if not fresh or src.essential(mesh) == dst.essential(mesh):
         return plan_transition(src, dst, mesh)
     mid = dst.with_partial(dst.partial & src.partial)
     dims = tuple(d for d in mesh.names if d in fresh)
@@ -83,9 +83,12 @@ def plan_gradient(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]
 
 @lru_cache(maxsize=8192)
 def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]:
-    """The steps that turn ``src`` into ``dst`` (same axes, same order)."""
+    """The steps that turn ``src`` into ``dst`` (same axes, same order); none where they hold the same
+    blocks (equal :meth:`~einshard.layout.Layout.essential` layouts: only mesh dimensions of size 1 differ)."""
     if src.axes != dst.axes or src.sizes != dst.sizes:
         raise EinshardError(f"transition between different tensors: '{src}' -> '{dst}'")
+    if src.essential(mesh) == dst.essential(mesh):
+        return ()
     steps: list[Step] = []
     cur = src
 
