@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import _trace
+from . import _torch_compat, _trace
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
@@ -206,7 +206,7 @@ class _TracedExchange(torch.autograd.Function):
     def forward(ctx, x, ex, fill):
         ctx.ex = ex
         y = ex.run_traced(x, fill)
-        return x.view_as(x) if y is x else y
+        return x.view_as(x) if y is x else _torch_compat.traced_function_result(y)
 
     @staticmethod
     def backward(ctx, grad):

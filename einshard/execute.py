@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from . import _trace
+from . import _torch_compat, _trace
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
@@ -176,7 +176,7 @@ class _TracedTransition(torch.autograd.Function):
     def forward(ctx, x, ex):
         ctx.ex = ex
         y = ex.run_traced(x)
-        return x.view_as(x) if y is x else y
+        return x.view_as(x) if y is x else _torch_compat.traced_function_result(y)
 
     @staticmethod
     def backward(ctx, grad):

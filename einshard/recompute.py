@@ -40,14 +40,14 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _context
+from . import _context, _torch_compat
 from . import policy as _policy
 from . import vma as _vma
 from .errors import EinshardError
 
 __all__ = ["Forward", "capture", "replay", "install", "installed"]
 
-_compiling = torch.compiler.is_compiling
+_compiling = _torch_compat.is_compiling
 _FrameBase = getattr(_torch_checkpoint, "_CheckpointFrame", None)
 _Reentrant = getattr(_torch_checkpoint, "CheckpointFunction", None)
 _INSTALLED: list = []  # the original (CheckpointFunction.forward, _CheckpointFrame) once installed
