@@ -10,13 +10,25 @@ installed torch, so a release that changes what a shim assumes fails there.
   marked ``assume_constant_result``). ``torch.compiler.is_compiling`` is true
   in the latter only from torch 2.13 on, so trace-time Python enters
   :func:`trace_time`.
+- :func:`traced_function_result`: the copy that keeps torch 2.11 from
+  zeroing a gradient through a traced autograd Function.
+- activation checkpointing (:class:`CheckpointFrame`,
+  :func:`install_checkpoint`): ``torch.utils.checkpoint`` has no public hook
+  that runs a region's recompute in a context of the caller's choosing with
+  the region's arguments (``context_fn`` gets no arguments, and only where
+  the caller passes it), so einshard subclasses the frame of the
+  non-reentrant implementation and wraps the reentrant ``forward``. The
+  frame learns the region's inputs through ``save_inputs`` from torch 2.12
+  on; torch 2.11 saves them with ``_NoopSaveInputs``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint as _checkpoint
 
-__all__ = ["TORCH_VERSION", "is_compiling", "trace_time"]
+__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "CheckpointFrame",
+           "install_checkpoint", "original_reentrant_forward", "checkpoint_installed"]
 
 #: the installed torch release as ``(major, minor)``
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -53,3 +65,73 @@ def traced_function_result(y: torch.Tensor) -> torch.Tensor:
     """What the forward of an autograd Function run under ``torch.compile`` returns for ``y``, the result of
     functional collectives: ``y``, or a copy of it on the releases with the aliased-output bug (above)."""
     return y.clone() if _ALIASED_FUNCTION_OUTPUT_BUG else y
+
+
+# -- activation checkpointing -------------------------------------------------------------------
+
+_Frame = _checkpoint._CheckpointFrame
+_Reentrant = _checkpoint.CheckpointFunction
+_SAVES_INPUTS = hasattr(_Frame, "save_inputs")  # torch >= 2.12
+_NEW_FRAME: list = []  # torch 2.11: the frame whose inputs are saved next
+
+
+class CheckpointFrame(_Frame):
+    """The frame of a non-reentrant checkpoint (``use_reentrant=False``), told its region's inputs.
+
+    Subclasses override :meth:`inputs_saved`; :func:`install_checkpoint` makes
+    ``torch.utils.checkpoint`` use the subclass.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not _SAVES_INPUTS:
+            _NEW_FRAME[:] = [self]
+
+    def inputs_saved(self, inputs: tuple) -> None:
+        """Called as the region's forward starts with the inputs its recompute will get."""
+
+    if _SAVES_INPUTS:
+
+        def save_inputs(self, *args):
+            self.inputs_saved(args)
+            super().save_inputs(*args)
+
+
+if not _SAVES_INPUTS:
+    _NoopSaveInputs = _checkpoint._NoopSaveInputs
+
+    class _SaveInputs(_NoopSaveInputs):
+        """torch 2.11's ``_NoopSaveInputs``, applied to ``(dummy, kwargs, *args)`` right after the frame is made."""
+
+        @staticmethod
+        def forward(*args):
+            if _NEW_FRAME:
+                _NEW_FRAME.pop().inputs_saved(args[1:])
+            return _NoopSaveInputs.forward(*args)
+
+
+_ORIGINAL: list = []  # (CheckpointFunction.forward, _CheckpointFrame, _NoopSaveInputs) once installed
+
+
+def install_checkpoint(frame: type, reentrant_forward) -> None:
+    """Make ``torch.utils.checkpoint`` use ``frame`` (a :class:`CheckpointFrame`) for non-reentrant regions and
+    ``reentrant_forward(ctx, run_function, preserve_rng_state, *args)`` as ``CheckpointFunction.forward`` (which
+    runs torch's own with :func:`original_reentrant_forward`)."""
+    if _ORIGINAL:
+        return
+    forward = vars(_Reentrant)["forward"]
+    _ORIGINAL[:] = [forward.__func__, _Frame, getattr(_checkpoint, "_NoopSaveInputs", None)]
+    _Reentrant.forward = staticmethod(reentrant_forward)
+    _checkpoint._CheckpointFrame = frame
+    if not _SAVES_INPUTS:
+        _checkpoint._NoopSaveInputs = _SaveInputs
+
+
+def original_reentrant_forward(ctx, run_function, preserve_rng_state, *args):
+    """torch's own ``CheckpointFunction.forward``."""
+    return _ORIGINAL[0](ctx, run_function, preserve_rng_state, *args)
+
+
+def checkpoint_installed(frame: type) -> bool:
+    """Whether ``torch.utils.checkpoint`` runs non-reentrant regions with ``frame``."""
+    return bool(_ORIGINAL) and _checkpoint._CheckpointFrame is frame
