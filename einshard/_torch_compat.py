@@ -20,15 +20,25 @@ installed torch, so a release that changes what a shim assumes fails there.
   non-reentrant implementation and wraps the reentrant ``forward``. The
   frame learns the region's inputs through ``save_inputs`` from torch 2.12
   on; torch 2.11 saves them with ``_NoopSaveInputs``.
+- torch internals with no public equivalent (the last section): the
+  autograd engine's current graph task, functorch's transform state, the
+  torch-function mode stack, fake tensors, a process group by name, the
+  C entry points of ``einsum`` and ``autograd.Function.apply``. Each is a
+  name here and nowhere else in einshard.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed.distributed_c10d as _c10d
 import torch.utils.checkpoint as _checkpoint
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "CheckpointFrame",
-           "install_checkpoint", "original_reentrant_forward", "checkpoint_installed"]
+           "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
+           "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
+           "disabled_torch_function_impl", "DisableTorchFunction", "EnableTorchFunction", "push_torch_function_mode",
+           "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group"]
 
 #: the installed torch release as ``(major, minor)``
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -135,3 +145,30 @@ def original_reentrant_forward(ctx, run_function, preserve_rng_state, *args):
 def checkpoint_installed(frame: type) -> bool:
     """Whether ``torch.utils.checkpoint`` runs non-reentrant regions with ``frame``."""
     return bool(_ORIGINAL) and _checkpoint._CheckpointFrame is frame
+
+
+# -- torch internals with no public equivalent ----------------------------------------------------
+
+#: the id of the autograd graph task running on this thread (-1: none, i.e. not in a backward)
+current_graph_task_id = torch._C._current_graph_task_id
+#: the autograd engine (its ``queue_callback`` runs a function at the end of the running backward)
+autograd_engine = torch.autograd.Variable._execution_engine
+#: whether the running backward will execute an autograd node (only inside a backward)
+will_engine_execute_node = torch._C._will_engine_execute_node
+#: whether a functorch transform (vmap, grad, jvp, ...) is active
+functorch_transforms_active = torch._C._are_functorch_transforms_active
+#: ``autograd.Function.apply`` without its Python-level handling of functorch transforms (unbound)
+function_base_apply = torch._C._FunctionBase.__dict__["apply"]
+#: the ``__torch_function__`` of a tensor subclass that opts out of the protocol
+disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+#: the torch-function protocol off (on) for a ``with`` block, modes included
+DisableTorchFunction = torch._C.DisableTorchFunction
+EnableTorchFunction = torch._C._EnableTorchFunction
+#: the torch-function mode stack, as ``TorchFunctionMode.__enter__``/``__exit__`` use it
+push_torch_function_mode = torch._C._push_on_torch_function_stack
+pop_torch_function_mode = torch._C._pop_torch_function_stack
+torch_function_stack_len = torch._C._len_torch_function_stack
+#: ``torch.einsum`` without its Python-level argument handling
+einsum_entry = torch._C._VariableFunctions.einsum
+#: the process group of a ``group.group_name``
+resolve_process_group = _c10d._resolve_process_group

@@ -30,7 +30,6 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as _c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch_compat
@@ -266,7 +265,7 @@ def group_name(group):
 
 def resolve_group(name):
     """The process group named by :func:`group_name` (at trace time)."""
-    return None if name is None else _c10d._resolve_process_group(name)
+    return None if name is None else _torch_compat.resolve_process_group(name)
 
 
 def stand_in(shape, dtype, device) -> torch.Tensor:

@@ -23,7 +23,7 @@ from . import collectives as C
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _torch_compat.functorch_transforms_active
 
 __all__ = ["Exchange", "exchange_group", "runs_exchange"]
 

@@ -25,7 +25,7 @@ from .mappings import make_mapping
 from .plan.transition import Step, plan_gradient, plan_transition
 from .primitives import PRIMITIVES, Site
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _torch_compat.functorch_transforms_active
 _traced = _trace.traced  # (hot paths: one global read)
 
 __all__ = ["Transition", "compile_step", "transition"]

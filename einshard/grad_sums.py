@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from . import _torch_compat
 from . import collectives as C
 from .mappings import allreduce_forward_identity_backward
 
@@ -39,15 +40,15 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", 
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-_engine = torch.autograd.Variable._execution_engine
-_graph_task = torch._C._current_graph_task_id
+_engine = _torch_compat.autograd_engine
+_graph_task = _torch_compat.current_graph_task_id
 
 
 def accumulates(node) -> bool:
     """Whether the running backward accumulates into the leaf of AccumulateGrad ``node`` (``False`` inside
     ``torch.autograd.grad``, which returns the gradient instead)."""
     try:
-        return torch._C._will_engine_execute_node(node)
+        return _torch_compat.will_engine_execute_node(node)
     except RuntimeError as err:  # torch refuses the question for leaves while autograd.grad runs
         if "autograd.grad" in str(err):
             return False

@@ -134,3 +134,89 @@ def test_checkpoint_frames_learn_their_inputs():
     assert inputs[0] is x and inputs[1] == 3.0
     assert torch.allclose(x.grad, 3.0 * torch.cos(3.0 * x.detach()))
     assert torch_checkpoint.CheckpointFunction.forward is recompute._reentrant_forward
+
+
+# -- torch internals with no public equivalent ----------------------------------------------------
+
+
+def test_autograd_engine_internals():
+    seen = {}
+    x = torch.ones(2, requires_grad=True)
+    y = x * 3
+
+    def hook(grad):
+        seen["task"] = _torch_compat.current_graph_task_id()
+        seen["executes"] = _torch_compat.will_engine_execute_node(y.grad_fn)
+        _torch_compat.autograd_engine.queue_callback(lambda: seen.setdefault("end", x.grad is not None))
+        return grad
+
+    y.register_hook(hook)
+    assert _torch_compat.current_graph_task_id() == -1
+    y.sum().backward()
+    assert seen["task"] != -1 and seen["executes"] is True
+    assert seen["end"] is True  # the callback ran at the end of the backward: the leaf's gradient was in by then
+
+
+def test_functorch_and_function_apply():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    raw = _torch_compat.function_base_apply.__get__(None, Double)
+    raw(x).sum().backward()
+    assert x.grad.tolist() == [2.0] * 3
+    assert not _torch_compat.functorch_transforms_active()
+    assert torch.func.vmap(lambda t: t * int(_torch_compat.functorch_transforms_active()))(x).tolist() == [1.0] * 3
+
+
+def test_torch_function_internals():
+    calls = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    depth = _torch_compat.torch_function_stack_len()
+    mode = Mode()
+    _torch_compat.push_torch_function_mode(mode)
+    try:
+        assert _torch_compat.torch_function_stack_len() == depth + 1
+        torch.ones(1).add(1)
+        seen = len(calls)
+        with _torch_compat.DisableTorchFunction():
+            torch.ones(1).add(1)
+            assert len(calls) == seen
+            with _torch_compat.EnableTorchFunction():
+                torch.ones(1).add(1)
+                assert len(calls) > seen
+    finally:
+        assert _torch_compat.pop_torch_function_mode() is mode
+
+    class Plain(torch.Tensor):
+        __torch_function__ = _torch_compat.disabled_torch_function_impl
+
+    assert type(torch.ones(2).as_subclass(Plain) + 1) is torch.Tensor
+
+
+def test_fake_tensors_einsum_and_groups(tmp_path):
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        assert isinstance(torch.ones(2), _torch_compat.FakeTensor)
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    assert torch.equal(_torch_compat.einsum_entry("ij,jk->ik", [a, b], path=None), torch.einsum("ij,jk->ik", a, b))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        assert _torch_compat.resolve_process_group(group.group_name) is group
+    finally:
+        dist.destroy_process_group()

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .. import _torch_compat
 from .. import collectives as C
 from ..errors import EinshardError
 from ..grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
@@ -43,8 +44,8 @@ __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 # id(Parameter) -> (weak references to it and to the GradBucketer whose hooks sum its gradient); weak, so a
 # model dropped with its hooks still registered is freed
 _HOOKED: dict = {}
-_engine = torch.autograd.Variable._execution_engine
-_graph_task = torch._C._current_graph_task_id
+_engine = _torch_compat.autograd_engine
+_graph_task = _torch_compat.current_graph_task_id
 
 
 def hooked_by(p) -> "GradBucketer | None":
