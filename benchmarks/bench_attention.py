@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import einshard as es
 from bench_gpt import peak_memory  # (the same measure as the GPT benchmark's)
 from einshard.attention import zigzag_indices
-from einshard.testing import MeshSpec, spawn
+from einshard.testing import MeshSpec, add_device_argument, launch, rank_device, synchronize
 
 
 def log(msg: str) -> None:
@@ -56,8 +56,8 @@ def log(msg: str) -> None:
 def _gather(mesh, n):
     size, block = mesh.size("sp"), mesh.index("sp")
     rows = n // size
-    above = torch.ones(rows, n, dtype=torch.bool).triu(1 + block * rows)  # this rank's rows of the causal mask
-    mask = torch.zeros(rows, n).masked_fill(above, float("-inf"))
+    above = torch.ones(rows, n, dtype=torch.bool, device=rank_device()).triu(1 + block * rows)  # this rank's rows
+    mask = torch.zeros(rows, n, device=rank_device()).masked_fill(above, float("-inf"))  # of the causal mask
 
     def attend(q, k, v):
         with es.use_mesh(mesh):
@@ -102,9 +102,9 @@ def on_rank(seqs, batch, heads, dim, repeats, warmup):
     rows = []
     for n in seqs:
         g = torch.Generator().manual_seed(n)
-        whole = [torch.randn(batch, heads, n, dim, generator=g) for _ in range(4)]  # q, k, v, cotangent
-        contiguous = torch.arange(block * (n // size), (block + 1) * (n // size))
-        zz = zigzag_indices(n, size)[block * (n // size):(block + 1) * (n // size)]
+        whole = [torch.randn(batch, heads, n, dim, generator=g).to(rank_device()) for _ in range(4)]  # q k v cot.
+        contiguous = torch.arange(block * (n // size), (block + 1) * (n // size), device=rank_device())
+        zz = zigzag_indices(n, size, device=rank_device())[block * (n // size):(block + 1) * (n // size)]
         variants = {  # name: (attend, positions of this rank's block)
             "gather": (_gather(mesh, n), contiguous),
             "ring": (_layer(mesh, es.ring_attention, layout="zigzag"), zz),
@@ -133,13 +133,16 @@ def on_rank(seqs, batch, heads, dim, repeats, warmup):
         for i in range(warmup + repeats):
             for name in variants:
                 dist.barrier()
+                synchronize()
                 start = time.perf_counter()
                 step(name)
+                synchronize()
                 if i >= warmup:
                     times[name].append(time.perf_counter() - start)
         for name in variants:
             peak = peak_memory(lambda: step(name))
-            stats = torch.tensor([statistics.median(times[name]) * 1e3, peak], dtype=torch.float64)
+            stats = torch.tensor([statistics.median(times[name]) * 1e3, peak], dtype=torch.float64,
+                                 device=rank_device())
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             rows.append({"case": "attention", "variant": name, "seq": n, "ms": round(stats[0].item(), 1),
                          "peak_mem_bytes": int(stats[1].item())})
@@ -173,11 +176,14 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant (default 5)")
     parser.add_argument("--warmup", type=int, default=1)
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     if any(n % 8 for n in args.seqs):
         parser.error("sequence lengths must divide by 8 (2 zigzag chunks per rank on 4 ranks)")
-    results = spawn(on_rank, 4, args=(args.seqs, args.batch, args.heads, args.head_dim, args.repeats, args.warmup),
-                    timeout=3600, checks=False)
+    results = launch(on_rank, 4, args=(args.seqs, args.batch, args.heads, args.head_dim, args.repeats, args.warmup),
+                     timeout=3600, checks=False, device=args.device)
+    if results is None:  # another rank under torchrun: rank 0 prints
+        return 0
     for row in results[0]:
         print(json.dumps(row), flush=True)
     return 0

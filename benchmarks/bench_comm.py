@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import einshard as es
 from einshard.helpers import compute_split_shapes
-from einshard.testing import MeshSpec, local_block, spawn
+from einshard.testing import MeshSpec, add_device_argument, launch, local_block, rank_device
 
 ITEM = 4  # float32
 
@@ -80,7 +80,7 @@ def _run_case(mesh_key, formula, shapes, policy):
     g = torch.Generator().manual_seed(0)
     inputs = []
     for spec, gshape in zip(parsed.inputs, shapes):
-        whole = torch.randn(gshape, generator=g)
+        whole = torch.randn(gshape, generator=g).to(rank_device())
         inputs.append(local_block(whole, str(spec), mesh).requires_grad_())
     table = {}
     for spec, gshape in zip(parsed.inputs, shapes):
@@ -96,7 +96,8 @@ def _run_case(mesh_key, formula, shapes, policy):
     with es.count_communication() as bwd:
         out.backward(cot)
     # the data moved (a call with shapes= also agrees across ranks: kind 'check', not data)
-    sent = torch.tensor([float(fwd.data.sent_bytes), float(bwd.data.sent_bytes)], dtype=torch.float64)
+    sent = torch.tensor([float(fwd.data.sent_bytes), float(bwd.data.sent_bytes)], dtype=torch.float64,
+                        device=rank_device())
     dist.all_reduce(sent)
     return (sent / dist.get_world_size()).tolist()
 
@@ -118,8 +119,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=256, help="every axis has this length")
     parser.add_argument("--policy", default="training")
+    add_device_argument(parser)
     args = parser.parse_args()
-    results = spawn(_all_cases, 8, args=(args.size, args.policy), timeout=600, checks=False)[0]
+    results = launch(_all_cases, 8, args=(args.size, args.policy), timeout=600, checks=False, device=args.device)
+    if results is None:  # another rank under torchrun: rank 0 prints
+        return
+    results = results[0]
     rows = []
     for name, (fwd, bwd), (fb, bb), formula, mesh_key in results:
         for direction, measured, bound in (("forward", fwd, fb), ("backward", bwd, bb)):

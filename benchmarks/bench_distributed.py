@@ -1,7 +1,8 @@
 """Steady-state Python overhead of a distributed einshard call with a cached plan.
 
 Runs on gloo CPU ranks (started here; 2 by default, so the 2-core machine is
-not oversubscribed). For each case it times, in the same run and
+not oversubscribed), or under ``torchrun`` (``--device cuda``: one GPU per rank
+over NCCL). For each case it times, in the same run and
 interleaved, ``es.einshard`` against the same work written by hand (the
 local ``torch.einsum`` plus the collectives the plan uses, called directly
 through ``einshard.collectives``). Gloo collectives on a shared machine
@@ -11,6 +12,7 @@ remains is Python and local tensor work, and the difference between the two
 versions is the library's overhead above the collectives themselves::
 
     python benchmarks/bench_distributed.py [--ranks 2] [--calls 200] [--repeats 5]
+    torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --device cuda
 
 Prints one JSON line per case (medians in microseconds, on rank 0) on stdout
 and its progress on stderr. The defaults finish in about a minute on a
@@ -43,7 +45,7 @@ import torch.distributed as dist
 
 import einshard as es
 from einshard import collectives as C
-from einshard.testing import MeshSpec, RankPool
+from einshard.testing import MeshSpec, add_device_argument, launch, rank_device, synchronize
 
 
 _IN_DIST = [0.0]
@@ -75,22 +77,28 @@ def _time(fn, calls, repeats):
     out = []
     for _ in range(repeats):
         dist.barrier()
+        synchronize()
         _IN_DIST[0] = 0.0
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        synchronize()
         out.append((time.perf_counter() - t0 - _IN_DIST[0]) / calls * 1e6)
     return out
+
+
+def _randn(*shape):
+    return torch.randn(*shape).to(rank_device())
 
 
 def _cases(mesh, n):
     P = mesh.size("tp")
     group = mesh.group("tp")
-    x_rep = torch.randn(8, n)
-    w_shard = torch.randn(n // P, n)
-    x_shard = torch.randn(8, n // P)
-    w_cshard = torch.randn(n, n // P)
-    a_shard = torch.randn(n // P, n)
+    x_rep = _randn(8, n)
+    w_shard = _randn(n // P, n)
+    x_shard = _randn(8, n // P)
+    w_cshard = _randn(n, n // P)
+    a_shard = _randn(n // P, n)
     shapes = [n // P] * P
     return [
         (
@@ -119,17 +127,19 @@ def _cases(mesh, n):
 def _wall(fn, calls):
     """(wall time, wall time - time inside torch.distributed) per call, in µs."""
     dist.barrier()
+    synchronize()
     _IN_DIST[0] = 0.0
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    synchronize()
     wall = (time.perf_counter() - t0) / calls * 1e6
     return wall, wall - _IN_DIST[0] / calls * 1e6
 
 
 def _checks_cases(mesh, n):
-    a_shard = torch.randn(n // mesh.size("tp"), n)
-    x = torch.randn(8, n)
+    a_shard = _randn(n // mesh.size("tp"), n)
+    x = _randn(8, n)
     return [
         ("planned formula 'a/tp b -> a b' (all-gather)", lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh)),
         ("es.psum over tp", lambda: es.psum(x, "tp", mesh=mesh)),
@@ -160,7 +170,7 @@ def _run_shapes(ranks, calls, repeats, n):
     _ensure_instrumented()
     mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
     P = mesh.size("tp")
-    a_shard = torch.randn(n // P, n)
+    a_shard = _randn(n // P, n)
     shapes = {"tp": [n // P] * P}
     cases = {True: lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh, shapes=shapes),
              False: lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh)}
@@ -201,37 +211,46 @@ def _run(ranks, calls, repeats, n, index):
 _INSTRUMENTED: list = []
 
 
+def _all(ranks, calls, repeats, n) -> list[tuple]:
+    """Every case on this rank, in order: ``(bench, name, a_key, a, b_key, b, diff_key)`` lines (checks are set
+    per case)."""
+    lines = []
+    log = print if dist.get_rank() == 0 else (lambda *a, **k: None)
+    names = _case_names(ranks, n)
+    for i, case in enumerate(names):
+        log(f"[{i + 1}/{len(names)}] {case}: {repeats} x {calls} calls of each", file=sys.stderr, flush=True)
+        name, lib, direct = _run(ranks, calls, repeats, n, i)
+        lines.append(("distributed", name, "einshard_us_outside_collectives", lib, "direct_us_outside_collectives",
+                      direct, "overhead_us"))
+    log(f"[shapes] {repeats} x {calls} calls with and without shapes=", file=sys.stderr, flush=True)
+    name, on, off = _run_shapes(ranks, calls, repeats, n)
+    lines.append(("shapes agreement", name, "shapes_us", on[0], "no_shapes_us", off[0], "agreement_cost_us"))
+    lines.append(("shapes agreement, outside collectives", name, "shapes_us", on[1], "no_shapes_us", off[1],
+                  "agreement_cost_us"))
+    for i in range(2):
+        log(f"[checks {i + 1}/2] {repeats} x {calls} calls with checks on and off", file=sys.stderr, flush=True)
+        name, on, off = _run_checks(ranks, calls, repeats, n, i)
+        lines.append(("checks", name, "checks_on_us", on[0], "checks_off_us", off[0], "check_cost_us"))
+        lines.append(("checks, outside collectives", name, "checks_on_us", on[1], "checks_off_us", off[1],
+                      "check_cost_us"))
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=200, help="calls per repeat (default 200)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported (default 5)")
     parser.add_argument("--size", type=int, default=64)
+    add_device_argument(parser)
     args = parser.parse_args()
-    print(f"starting {args.ranks} gloo ranks ...", file=sys.stderr, flush=True)
-    with RankPool(args.ranks) as pool:
-        names = pool.run(_case_names, args.ranks, args.size, timeout=300)[0]
-        for i, case in enumerate(names):
-            print(f"[{i + 1}/{len(names)}] {case}: {args.repeats} x {args.calls} calls of each",
-                  file=sys.stderr, flush=True)
-            name, lib, direct = pool.run(_run, args.ranks, args.calls, args.repeats, args.size, i, timeout=900,
-                                         checks=False)[0]
-            _print_line(args, "distributed", name, "einshard_us_outside_collectives", lib,
-                        "direct_us_outside_collectives", direct, "overhead_us")
-        print(f"[shapes] {args.repeats} x {args.calls} calls with and without shapes=", file=sys.stderr, flush=True)
-        name, on, off = pool.run(_run_shapes, args.ranks, args.calls, args.repeats, args.size, timeout=900,
-                                 checks=False)[0]
-        _print_line(args, "shapes agreement", name, "shapes_us", on[0], "no_shapes_us", off[0], "agreement_cost_us")
-        _print_line(args, "shapes agreement, outside collectives", name, "shapes_us", on[1], "no_shapes_us", off[1],
-                    "agreement_cost_us")
-        for i in range(2):
-            print(f"[checks {i + 1}/2] {args.repeats} x {args.calls} calls with checks on and off",
-                  file=sys.stderr, flush=True)
-            name, on, off = pool.run(_run_checks, args.ranks, args.calls, args.repeats, args.size, i, timeout=900,
-                                     checks=False)[0]
-            _print_line(args, "checks", name, "checks_on_us", on[0], "checks_off_us", off[0], "check_cost_us")
-            _print_line(args, "checks, outside collectives", name, "checks_on_us", on[1], "checks_off_us", off[1],
-                        "check_cost_us")
+    print(f"starting {args.ranks} ranks ...", file=sys.stderr, flush=True)
+    results = launch(_all, args.ranks, args=(args.ranks, args.calls, args.repeats, args.size), timeout=3600,
+                     checks=False, device=args.device)
+    if results is None:  # another rank under torchrun: rank 0 prints
+        return
+    for line in results[0]:
+        _print_line(args, *line)
 
 
 def _print_line(args, bench, name, a_key, a, b_key, b, diff_key):

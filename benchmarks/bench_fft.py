@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.testing import MeshSpec, local_block, spawn
+from einshard.testing import MeshSpec, add_device_argument, launch, local_block, rank_device, synchronize
 
 MESHES = {"8": ((8,), ("p",)), "2x4": ((2, 4), ("a", "b"))}
 XYZ = {"x": "kx", "y": "ky", "z": "kz"}
@@ -59,16 +59,18 @@ def _timed(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         dist.barrier()
+        synchronize()
         start = time.perf_counter()
         fn()
-        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        synchronize()
+        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=rank_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(t.item())
     return statistics.median(times)
 
 
 def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=rank_device())
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -81,7 +83,7 @@ def _run_case(name, mesh_key, formula, real, transposed, n, repeats):
     src, dst = (s.strip() for s in formula.split("->"))
     torch.manual_seed(0)
     dtype = torch.float32 if real else torch.complex64
-    whole = torch.randn(n, n, n, dtype=dtype)
+    whole = torch.randn(n, n, n, dtype=dtype).to(rank_device())
     x = local_block(whole, src, mesh).clone()
 
     def sharded():
@@ -97,7 +99,7 @@ def _run_case(name, mesh_key, formula, real, transposed, n, repeats):
 
     y = sharded()  # plan, warm up, and check against the naive path
     ref = gathered()
-    err = torch.tensor([(y - ref).abs().max().item()], dtype=torch.float64)
+    err = torch.tensor([(y - ref).abs().max().item()], dtype=torch.float64, device=rank_device())
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     assert err.item() < 1e-3, f"{name}: einfft and the gathered FFT differ by {err.item()}"
 
@@ -146,8 +148,13 @@ def main():
     parser.add_argument("--size", type=int, default=64, help="the grid is size^3")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--case", default=None, help="only cases whose name contains this")
+    add_device_argument(parser)
     args = parser.parse_args()
-    results = spawn(_all_cases, 8, args=(args.size, args.repeats, args.case), timeout=900, checks=False)[0]
+    results = launch(_all_cases, 8, args=(args.size, args.repeats, args.case), timeout=900, checks=False,
+                     device=args.device)
+    if results is None:  # another rank under torchrun: rank 0 prints
+        return
+    results = results[0]
     for line in results:
         print(json.dumps(line))
     print(file=sys.stderr)  # the table is for people: stderr, so stdout stays JSON lines

@@ -56,7 +56,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402  (examples/gpt.py: the model, data and reference)
 
 import einshard as es  # noqa: E402
-from einshard.testing import launch  # noqa: E402
+from einshard.testing import add_device_argument, device_mesh, launch, rank_device, synchronize  # noqa: E402
 
 
 def log(*args):
@@ -134,7 +133,16 @@ class SentBytes(TorchDispatchMode):
 
 
 def peak_memory(step) -> int:
-    """Peak tensor bytes allocated during ``step()`` above the level before it (profiler events)."""
+    """Peak tensor bytes allocated during ``step()`` above the level before it (profiler events; on a GPU rank
+    the CUDA caching allocator's peak)."""
+    device = rank_device()
+    if device.type == "cuda":
+        synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        synchronize()
+        return torch.cuda.max_memory_allocated(device) - before
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -328,8 +336,8 @@ def torch_variant(cfg, values, dp, tp):
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, loss_parallel, parallelize_module)
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = TorchGPT(cfg)
+    mesh = device_mesh((dp, tp), ("dp", "tp"))
+    model = TorchGPT(cfg).to(rank_device())
     model.load(values, cfg)
     gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan = {
@@ -408,8 +416,10 @@ def on_rank(cfg, steps: int, warmup: int, only=VARIANTS) -> list[dict] | None:
     for i in range(warmup, warmup + steps):
         for name, step in variants.items():
             dist.barrier()
+            synchronize()
             start = time.perf_counter()
             step(i)
+            synchronize()
             times[name].append(time.perf_counter() - start)
         if rank == 0:
             log(f"step {i - warmup + 1}/{steps}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items()))
@@ -419,7 +429,8 @@ def on_rank(cfg, steps: int, warmup: int, only=VARIANTS) -> list[dict] | None:
             step(warmup + steps)
         peak = peak_memory(lambda: step(warmup + steps + 1))
         held = state_bytes(*step.states)  # after a step: parameters, gradients and Adam states, between steps
-        stats = torch.tensor([statistics.median(times[name]) * 1e3, counter.sent, peak, held], dtype=torch.float64)
+        stats = torch.tensor([statistics.median(times[name]) * 1e3, counter.sent, peak, held], dtype=torch.float64,
+                             device=rank_device())
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         rows.append({"case": "gpt_step", "variant": name, "ms": round(stats[0].item(), 2),
                      "bytes_per_rank": int(stats[1].item()), "peak_mem_bytes": int(stats[2].item()),
@@ -441,6 +452,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated variants to run besides torch, the baseline (default all)")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     only = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in only if v not in VARIANTS]
@@ -448,8 +460,11 @@ def main(argv=None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     cfg = gpt.Config(vocab=512, seq=args.seq, width=args.width, heads=4, head_width=args.width // 4,
                      hidden=4 * args.width, layers=args.layers, batch=args.batch, dtype=torch.float32)
-    results = launch(on_rank, 8, args=(cfg, args.steps, args.warmup, only), timeout=1200, checks=False)
-    for row in next(r for r in results if r is not None):
+    results = launch(on_rank, 8, args=(cfg, args.steps, args.warmup, only), timeout=1200, checks=False,
+                     device=args.device)
+    if results is None:  # another rank under torchrun: rank 0 prints
+        return 0
+    for row in results[0]:
         print(json.dumps(row), flush=True)
     return 0
 

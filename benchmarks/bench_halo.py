@@ -142,13 +142,14 @@ def run_case(case, repeats):
     from einshard.ops.halo import einhalo
     from einshard.ops.roll import einroll
     from einshard.ops.window import einwindow
-    from einshard.testing import local_block, make_mesh
+    from einshard.testing import local_block, make_mesh, rank_device, synchronize
 
     name, op, mesh_name, spec, gshape, args, shapes = case
     mesh = es.wrap_mesh(make_mesh(*MESHES[mesh_name]))
     in_spec = spec.split("->")[0].split(",")[0].strip()
     g = torch.Generator().manual_seed(0)
-    x = local_block(torch.randn(gshape, generator=g), in_spec, mesh, shapes=shapes).clone().requires_grad_()
+    whole = torch.randn(gshape, generator=g).to(rank_device())
+    x = local_block(whole, in_spec, mesh, shapes=shapes).clone().requires_grad_()
     args = dict(args)
     boundary = args.get("boundary", "constant")
     if op == "halo":
@@ -159,7 +160,7 @@ def run_case(case, repeats):
                                shapes=shapes)
         must = must_halo(mesh, in_spec, gshape, _pairs(args["radius"]), boundary, shapes)
     elif op == "conv":
-        w = torch.randn(args["weight"], generator=g)
+        w = torch.randn(args["weight"], generator=g).to(rank_device())
         fn = lambda: einconv(spec, x, w, args["windows"], boundary=boundary, mesh=mesh, shapes=shapes,  # noqa: E731
                              checkpoint=False)
         k = dict(zip(("o", "c", "kh", "kw"), args["weight"]))
@@ -176,9 +177,11 @@ def run_case(case, repeats):
     times = []
     for _ in range(repeats):
         dist.barrier()
+        synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
             fn()
+        synchronize()
         times.append(time.perf_counter() - t0)
     itemsize = x.element_size()
     return {
@@ -199,13 +202,16 @@ def main(argv=None) -> int:
     parser.add_argument("--case", action="append", help="run only these cases (repeatable)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward calls per case (median)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every ratio is 1.00")
+    from einshard.testing import add_device_argument, launch
+
+    add_device_argument(parser)
     opts = parser.parse_args(argv)
     cases = [c for c in CASES if not opts.case or c[0] in opts.case]
     if not cases:
         parser.error(f"unknown case; cases: {[c[0] for c in CASES]}")
-    from einshard.testing import spawn
-
-    per_rank = spawn(run_all, 8, args=(cases, opts.repeats), timeout=600, checks=False)
+    per_rank = launch(run_all, 8, args=(cases, opts.repeats), timeout=600, checks=False, device=opts.device)
+    if per_rank is None:  # another rank under torchrun: rank 0 prints
+        return 0
     rows = []
     ok = True
     for k, case in enumerate(cases):

@@ -8,6 +8,7 @@ JSON line per case goes to stdout::
 
     python benchmarks/bench_local.py            # all cases
     python benchmarks/bench_local.py --check    # exit 1 when a target is missed
+    python benchmarks/bench_local.py --device cuda   # the tensors on the GPU (auto: a GPU where there is one)
 
 Fields: ``case``, ``formula``, ``torch`` (the baseline call), ``shapes``,
 ``torch_us`` and ``einshard_us`` (median µs per call), ``overhead_us``
@@ -30,14 +31,15 @@ import time
 import torch
 
 import einshard as es
+from einshard.testing import add_device_argument, local_device
 
 
-def _cases():
-    a, b = torch.randn(64, 64), torch.randn(64, 64)
-    x4 = torch.randn(8, 16, 4, 32)
-    xs = torch.randn(8, 64, 32)  # b (h p) c
-    xm = torch.randn(8, 16, 4, 32)  # b h p c
-    xw = torch.randn(2, 32, 32, 16)  # b (h kh) (w kw) c
+def _cases(device):
+    a, b = torch.randn(64, 64, device=device), torch.randn(64, 64, device=device)
+    x4 = torch.randn(8, 16, 4, 32, device=device)
+    xs = torch.randn(8, 64, 32, device=device)  # b (h p) c
+    xm = torch.randn(8, 16, 4, 32, device=device)  # b h p c
+    xw = torch.randn(2, 32, 32, 16, device=device)  # b (h kh) (w kw) c
     families = {"s": ("h", "w"), "w": ("kh", "kw")}
     window_sizes = {"w": (4, 4)}
     return [
@@ -89,10 +91,17 @@ def _cases():
     ]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time_us(fn, number: int) -> float:
+    _sync()
     start = time.perf_counter_ns()
     for _ in range(number):
         fn()
+    _sync()
     return (time.perf_counter_ns() - start) / number / 1000.0
 
 
@@ -144,10 +153,11 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--case", action="append", help="run only this case (may be repeated)")
     parser.add_argument("--check", action="store_true", help="exit 1 when an overhead target is missed")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     failed = False
-    for case in _cases():
+    for case in _cases(local_device(args.device)):
         if args.case and case["case"] not in args.case:
             continue
         result = run_case(case, args.number, args.repeats, args.warmup)

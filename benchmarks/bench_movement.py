@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.testing import MeshSpec, local_block, spawn
+from einshard.testing import MeshSpec, add_device_argument, launch, local_block, rank_device, synchronize
 
 
 def _swap_native(x, partner, me):
@@ -106,10 +106,10 @@ def _cases(scale):
     m4 = es.wrap_mesh(MeshSpec((4,), ("tp",)).build())
     i, j = divmod(r, 2)
     g = torch.Generator().manual_seed(0)
-    swap = torch.randn(n, h, w, c, generator=g)
+    swap = torch.randn(n, h, w, c, generator=g).to(rank_device())
     xs = local_block(swap, "n h/sp1 w/sp2 c", m22)
     a, b = 512 * scale, 512 * scale
-    mat = torch.randn(a, b, generator=g)
+    mat = torch.randn(a, b, generator=g).to(rank_device())
     rep = local_block(mat, "a/tp b", m4)
     move = local_block(mat, "a/dp b", mdt)
     split = [a // 4 - 8, a // 4 - 8, a // 4 + 8, a // 4 + 8]  # uneven blocks
@@ -147,9 +147,11 @@ def _time(fn, number):
     """(wall ms, this thread's CPU ms) per call: the CPU time is what the caller's Python costs,
     steadier than the wall time on a shared machine."""
     dist.barrier()
+    synchronize()
     t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(number):
         fn()
+    synchronize()
     return (time.perf_counter() - t0) / number * 1e3, (time.thread_time() - c0) / number * 1e3
 
 
@@ -164,13 +166,14 @@ def _job(scale, number, repeats, only):
         with es.count_communication() as stats:
             case["einshard"]()
         # the data moved (a call with shapes= also agrees across ranks: kind 'check', not data)
-        sent = torch.tensor([float(stats.data.sent_bytes), float(case["native_bytes"]), float(not ok)])
+        sent = torch.tensor([float(stats.data.sent_bytes), float(case["native_bytes"]), float(not ok)],
+                            device=rank_device())
         dist.all_reduce(sent)
         t_es, t_nat = [], []
         for _ in range(repeats):
             t_es.append(_time(case["einshard"], number))
             t_nat.append(_time(case["native"], number))
-        tt = torch.tensor([t_es, t_nat], dtype=torch.float64)  # (2, repeats, wall/cpu)
+        tt = torch.tensor([t_es, t_nat], dtype=torch.float64, device=rank_device())  # (2, repeats, wall/cpu)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         info = {k: case[k] for k in ("case", "formula", "shape")}
         results.append((info, tt[0].tolist(), tt[1].tolist(), (sent / 4).tolist()))
@@ -183,8 +186,13 @@ def main(argv=None) -> int:
     parser.add_argument("--number", type=int, default=5, help="calls per repeat (default 5)")
     parser.add_argument("--repeats", type=int, default=7, help="repeats; medians reported (default 7)")
     parser.add_argument("--case", action="append", help="run only this case (may be repeated)")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
-    out = spawn(_job, 4, args=(args.scale, args.number, args.repeats, args.case), timeout=900, checks=False)[0]
+    out = launch(_job, 4, args=(args.scale, args.number, args.repeats, args.case), timeout=900, checks=False,
+                 device=args.device)
+    if out is None:  # another rank under torchrun: rank 0 prints
+        return 0
+    out = out[0]
     bad = 0
     for case, t_es, t_nat, (es_bytes, nat_bytes, wrong) in out:
         e, n = (statistics.median(t[0] for t in ts) for ts in (t_es, t_nat))

@@ -39,12 +39,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
 from einshard.comm_stats import group_label
 from einshard.helpers import compute_split_shapes
-from einshard.testing import launch
+from einshard.testing import add_device_argument, device_mesh, launch, rank_device, synchronize
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_module import FF, H, LAYOUTS, LR, Block, batch  # noqa: E402
@@ -62,7 +61,7 @@ def _dp_reduces(stats, label):
 def _model(mesh, variant, seed, bucket_bytes):
     tp, i = mesh.size("tp"), mesh.index("tp")
     torch.manual_seed(seed)
-    model = Block(compute_split_shapes(H, tp)[i], compute_split_shapes(FF, tp)[i])
+    model = Block(compute_split_shapes(H, tp)[i], compute_split_shapes(FF, tp)[i]).to(rank_device())
     if variant == "formula":
         grad = {k: "dp" for k in PLAIN_TORCH}
     else:
@@ -86,7 +85,7 @@ def _step(model, handle, opt, mesh, x, target, scale):
 
 def run(repeats: int, warmup: int, bucket_bytes: int) -> list[dict]:
     torch.set_num_threads(1)
-    mesh = es.wrap_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
+    mesh = es.wrap_mesh(device_mesh((2, 4), ("dp", "tp")))
     models = {v: _model(mesh, v, 0, bucket_bytes) for v in VARIANTS}
     x0, _ = batch(0)
     scale = 1.0 / x0.numel()
@@ -103,14 +102,16 @@ def run(repeats: int, warmup: int, bucket_bytes: int) -> list[dict]:
                 model, handle, opt = models[v]
                 dist.barrier()
                 with es.count_communication() as stats:
+                    synchronize()
                     start = time.perf_counter()
                     _step(model, handle, opt, mesh, x, target, scale)
+                    synchronize()
                     elapsed = time.perf_counter() - start
                 if r >= warmup:
                     times[v].append(elapsed)
                 counts[v] = _dp_reduces(stats, dp)
     # the slowest rank decides a step
-    medians = torch.tensor([statistics.median(times[v]) for v in VARIANTS], dtype=torch.float64)
+    medians = torch.tensor([statistics.median(times[v]) for v in VARIANTS], dtype=torch.float64, device=rank_device())
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     out = []
     sync_ms = medians[VARIANTS.index("sync")].item() * 1e3
@@ -141,9 +142,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-bytes", type=int, default=25 * 2**20)
+    add_device_argument(parser)
     args = parser.parse_args()
     # cross-rank checks off: they add an agreement collective to every formula call
-    results = launch(run, 8, args=(args.repeats, args.warmup, args.bucket_bytes), timeout=600, checks=False)
+    results = launch(run, 8, args=(args.repeats, args.warmup, args.bucket_bytes), timeout=600, checks=False,
+                     device=args.device)
     if results is not None:
         for line in results[0]:
             print(json.dumps(line), flush=True)

@@ -25,6 +25,7 @@ import time
 
 import einshard as es
 from einshard import notation
+from einshard.testing import add_device_argument, local_device
 
 
 def _names(length: int) -> str:
@@ -91,7 +92,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="repeats; the median is reported (default 9)")
     parser.add_argument("--target-ms", type=float, default=50.0, help="goal per parse (default 50 ms)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a case misses the goal")
+    # taken like every benchmark's, and checked; parsing makes no tensors, so where they would go changes nothing
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    local_device(args.device)
     missed = 0
     for name, build in _cases(args.length).items():
         row = run_case(name, build, args.length, args.repeats, args.target_ms)

@@ -1,6 +1,7 @@
 """Per-call overhead of ``es.shard_map``, with and without ``check_vma``, over calling the body directly.
 
-One process (a gloo group of one rank) and a 1 x 1 mesh ``(dp, tp)``, so the
+One process (a gloo group of one rank, or NCCL on one GPU with ``--device cuda``; ``auto``: a GPU where there
+is one) and a 1 x 1 mesh ``(dp, tp)``, so the
 collectives of the body are no-ops and what is measured is the Python work:
 flattening the arguments, finding the cached plan (specs matched, local
 shapes checked, conversions planned on the first call), pushing the ambient
@@ -45,15 +46,21 @@ import torch.nn.functional as F
 
 import einshard as es
 from einshard.shard_map import shard_map
+from einshard.testing import add_device_argument, local_device
 
 
-def _init():
+def _init(device):
+    """A 1 x 1 mesh on ``device``: a one-rank gloo group on the CPU, NCCL on a GPU."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                                **({"device_id": device} if cuda else {}))
     from torch.distributed.device_mesh import init_device_mesh
 
-    return es.wrap_mesh(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")))
+    return es.wrap_mesh(init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp")))
 
 
 MLP_SPECS = {"w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c"}
@@ -64,17 +71,17 @@ def _mlp(p, x):
     return es.einshard("b/dp n f/tp, c f/tp -> b/dp n c", h, p["w2"]) + p["b2"]
 
 
-def _cases():
+def _cases(device):
     g = torch.Generator().manual_seed(0)
-    params = {
-        "w1": torch.randn(32, 16, generator=g, requires_grad=True),
-        "b1": torch.randn(32, generator=g, requires_grad=True),
-        "w2": torch.randn(16, 32, generator=g, requires_grad=True),
-        "b2": torch.randn(16, generator=g, requires_grad=True),
-    }
-    x = torch.randn(4, 8, 16, generator=g)
-    small = torch.randn(8, generator=g)
-    many = {f"p{i}": torch.randn(4, generator=g) for i in range(32)}
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    params = {k: randn(*shape).requires_grad_() for k, shape in (("w1", (32, 16)), ("b1", (32,)), ("w2", (16, 32)),
+                                                                 ("b2", (16,)))}
+    x = randn(4, 8, 16)
+    small = randn(8)
+    many = {f"p{i}": randn(4) for i in range(32)}
 
     def ops32(a):
         for _ in range(16):
@@ -107,10 +114,17 @@ _CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
 _clock = time.perf_counter_ns
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time_us(fn, number: int) -> float:
+    _sync()
     start = _clock()
     for _ in range(number):
         fn()
+    _sync()
     return (_clock() - start) / number / 1000.0
 
 
@@ -119,8 +133,10 @@ def _time_backward_us(forward, number: int) -> float:
     total = 0
     for _ in range(number):
         loss = forward().sum()
+        _sync()
         start = _clock()
         loss.backward()
+        _sync()
         total += _clock() - start
     return total / number / 1000.0
 
@@ -212,13 +228,15 @@ def main(argv=None) -> int:
     parser.add_argument("--case", action="append", help="run only this case (may be repeated)")
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
                         help="wall time, or this thread's CPU time (steadier on a busy machine; default wall)")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     global _clock
     _clock = _CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
-    mesh = _init()
+    device = local_device(args.device)
+    mesh = _init(device)
     try:
-        for case in _cases():
+        for case in _cases(device):
             if args.case and case["case"] not in args.case:
                 continue
             print(json.dumps(run_case(case, mesh, args.number, args.repeats, args.warmup)), flush=True)

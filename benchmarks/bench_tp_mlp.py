@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.testing import MeshSpec, spawn
+from einshard.testing import MeshSpec, add_device_argument, launch, rank_device, synchronize
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -115,8 +115,9 @@ def _job(ranks, b, n, c, f, number, repeats, warmup, backend, compile_):
     mesh = es.wrap_mesh(MeshSpec((ranks,), ("tp",)).build())
     group = mesh.group("tp")
     r, fl = dist.get_rank(), f // ranks
-    x = torch.randn(b, n, c)
-    w1, b1, w2, b2 = torch.randn(f, c) / c**0.5, torch.randn(f) / 10, torch.randn(c, f) / f**0.5, torch.randn(c) / 10
+    x = torch.randn(b, n, c).to(rank_device())
+    w1, b1, w2, b2 = (t.to(rank_device()) for t in (torch.randn(f, c) / c**0.5, torch.randn(f) / 10,
+                                                    torch.randn(c, f) / f**0.5, torch.randn(c) / 10))
     local = [w1[r * fl : (r + 1) * fl], b1[r * fl : (r + 1) * fl], w2[:, r * fl : (r + 1) * fl], b2]
     leaves = [x.clone().requires_grad_()] + [p.clone().requires_grad_() for p in local]
 
@@ -161,12 +162,14 @@ def _job(ranks, b, n, c, f, number, repeats, warmup, backend, compile_):
     for _ in range(repeats):
         for name, run in variants.items():
             dist.barrier()
+            synchronize()
             t0 = time.perf_counter()
             for _ in range(number):
                 run()
+            synchronize()
             times[name].append((time.perf_counter() - t0) / number * 1e3)
     # the slowest rank's time per repeat
-    tt = torch.tensor([times[k] for k in variants], dtype=torch.float64)
+    tt = torch.tensor([times[k] for k in variants], dtype=torch.float64, device=rank_device())
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     return {k: (tt[i].tolist(), errors[k]) for i, k in enumerate(variants)}
 
@@ -182,10 +185,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     c = args.hidden
-    res = spawn(_job, args.ranks, args=(args.ranks, args.batch, args.seq, c, 4 * c, args.number, args.repeats,
-                                        args.warmup, args.backend, not args.no_compile), timeout=1200, checks=False)[0]
+    res = launch(_job, args.ranks, args=(args.ranks, args.batch, args.seq, c, 4 * c, args.number, args.repeats,
+                                         args.warmup, args.backend, not args.no_compile), timeout=1200, checks=False,
+                 device=args.device)
+    if res is None:  # another rank under torchrun: rank 0 prints
+        return 0
+    res = res[0]
     floor = statistics.median(res["floor"][0])
     for name, (ts, err) in res.items():
         med = statistics.median(ts)

@@ -134,6 +134,7 @@ from .params.specs import ParamSpec, param_specs
 __all__ += ["param_specs", "ParamSpec", "to_dtensor", "from_dtensor", "load_from_dtensor_", "GradBucketer"]
 
 # -- parameters stored sharded over data parallelism (store=): the hooks also gather them --
+from .params.storage import StoredParameter
 from .params.zero import GatheredParameter, gather_formula, register_native_grad_reduction_hooks_
 
-__all__ += ["GatheredParameter", "gather_formula"]
+__all__ += ["GatheredParameter", "StoredParameter", "gather_formula"]

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 __all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "CheckpointFrame",
            "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
            "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
-           "disabled_torch_function_impl", "DisableTorchFunction", "EnableTorchFunction", "push_torch_function_mode",
+           "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass", "EnableTorchFunction", "push_torch_function_mode",
            "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group"]
 
 #: the installed torch release as ``(major, minor)``
@@ -163,6 +163,8 @@ function_base_apply = torch._C._FunctionBase.__dict__["apply"]
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 #: the torch-function protocol off (on) for a ``with`` block, modes included
 DisableTorchFunction = torch._C.DisableTorchFunction
+#: the torch-function protocol off for tensor subclasses only (modes still run) for a ``with`` block
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
 EnableTorchFunction = torch._C._EnableTorchFunction
 #: the torch-function mode stack, as ``TorchFunctionMode.__enter__``/``__exit__`` use it
 push_torch_function_mode = torch._C._push_on_torch_function_stack

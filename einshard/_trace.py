@@ -36,7 +36,7 @@ from . import _torch_compat
 from .errors import EinshardError
 
 __all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
-           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "keep_collectives_apart", "static_value"]
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "refuse", "keep_collectives_apart", "static_value"]
 
 #: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
 traced = torch.compiler.is_dynamo_compiling
@@ -52,12 +52,20 @@ def constant_result(fn):
     which dynamo computes with the same identity guard on every release, and
     the planner gets the object back (:func:`_from_handle`). The planner runs
     under :class:`einshard._torch_compat.trace_time`.
+
+    A refusal (``EinshardError``) it raises while dynamo traces reaches the caller as an ``EinshardError``
+    whose message is einshard's (:func:`trace_error`), not dynamo's wrapper around it.
     """
 
     @functools.wraps(fn)
     def planner(*args):
         with _torch_compat.trace_time():
-            return fn(*[_from_handle(a) for a in args])
+            try:
+                return fn(*[_from_handle(a) for a in args])
+            except EinshardError as err:
+                if isinstance(err, tuple(_TRACE_ERROR)):
+                    raise
+                raise trace_error(str(err)) from err
 
     _mark_constant(planner)
     _PLANNERS.append(planner)
@@ -224,7 +232,7 @@ def trace_error(message: str) -> EinshardError:
     is, so the error is both.
     """
     if not _TRACE_ERROR:
-        exc = sys.modules["torch._dynamo.exc"]
+        exc = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
 
         class EinshardCompileError(EinshardError, exc.UserError):
             """An einshard error found while ``torch.compile`` traces."""
@@ -235,9 +243,31 @@ def trace_error(message: str) -> EinshardError:
             def __str__(self) -> str:
                 return self.msg
 
+            def __reduce__(self):  # made again in the process that unpickles it
+                return trace_error, (self.msg,)
+
         EinshardCompileError.__module__, EinshardCompileError.__qualname__ = "einshard", "EinshardCompileError"
         _TRACE_ERROR.append(EinshardCompileError)
     return _TRACE_ERROR[0](message)
+
+
+def refuse(message: str) -> None:
+    """Raise ``EinshardError(message)`` so that it reaches the caller as an ``EinshardError`` with einshard's
+    message, from any code: in code dynamo traces, from trace-time Python (a ``raise`` there would reach
+    the caller as dynamo's "Observed exception"); else directly.
+
+    Under ``torch.compile(fullgraph=True)`` the caller gets a :func:`trace_error`. Without ``fullgraph``,
+    dynamo runs the frame eagerly instead of compiling it (as for any code it does not support), and the
+    eager call refuses or not as eager code does.
+    """
+    if traced():
+        _refuse_at_trace_time(message)
+    raise EinshardError(message)
+
+
+@constant_result
+def _refuse_at_trace_time(message: str) -> int:
+    raise trace_error(message)
 
 
 def static_shape(t) -> tuple:

@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _torch_compat, _trace
+from . import _context, _torch_compat, _trace
 from . import checks as _checks
 from . import collectives as C
 from . import vma as _vma
@@ -487,14 +487,30 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     """
     what = "ulysses_attention"
     error = _check_qkv(what, q, k, v, 3)
-    seq = _plan(_Sequence, what, resolve_mesh(mesh), _dim_name(what, dim), layout,
+    where = resolve_mesh(mesh)
+    seq = _plan(_Sequence, what, where, _dim_name(what, dim), layout,
                 _trace.static_shape(q)[-2] if q.dim() >= 2 else 0, _shapes_arg(what, shapes))
     _agree(what, seq.group, error or seq.error, (("dtype", q.dtype), ("device", q.device), ("layout", layout),
                                                   ("causal", bool(causal)), ("lengths", seq.lengths)))
     label, size = seq.label, seq.size
     heads = q.shape[-3]  # as even as possible: the first ranks take one more
-    splits = {label: {"n": list(seq.lengths), "h": [heads // size + (i < heads % size) for i in range(size)]}}
-    kw = {"shapes": splits} if mesh is None else {"shapes": splits, "mesh": mesh}
+    splits = {"n": tuple(seq.lengths), "h": tuple(heads // size + (i < heads % size) for i in range(size))}
+    kw = {} if mesh is None else {"mesh": mesh}
+    if shapes is not None:  # the caller's shapes=: agreed on every call, like every explicit shapes=
+        return _ulysses(q, k, v, label, seq, causal, layout, scale, {**kw, "shapes": {label: splits}})
+    # derived from the blocks here: ambient split shapes, like shard_map's (no agreement on every call)
+    dims = where.dims(label)
+    ambient = {**_context.shapes_for(where), **{(dims, axis): s for axis, s in splits.items()}}
+    token = _context.push(mesh=where, shapes=ambient)
+    try:
+        return _ulysses(q, k, v, label, seq, causal, layout, scale, kw)
+    finally:
+        _context.pop(token)
+
+
+def _ulysses(q, k, v, label, seq, causal, layout, scale, kw):
+    """Ulysses attention once planned: the sequence split swapped for a head split and back (``kw``: the
+    formulas' mesh, and ``shapes=`` when the caller gave them)."""
     to_heads, to_sequence = f"... h n/{label} d -> ... h/{label} n d", f"... h/{label} n d -> ... h n/{label} d"
     qh, kh, vh = einshard(to_heads, q, **kw), einshard(to_heads, k, **kw), einshard(to_heads, v, **kw)
     runs = seq.runs() if layout == "zigzag" else None

@@ -452,10 +452,11 @@ def reduce_scatter(
 class PendingGather:
     """An all-gather in flight (:func:`all_gather_start`); :meth:`wait` returns the concatenated tensor."""
 
-    __slots__ = ("out", "work", "dim", "shapes", "_done")
+    __slots__ = ("out", "work", "dim", "shapes", "holders", "_done")
 
-    def __init__(self, out, work, dim, shapes):
+    def __init__(self, out, work, dim, shapes, holders=None):
         self.out, self.work, self.dim, self.shapes, self._done = out, work, dim, shapes, None
+        self.holders = range(len(shapes)) if holders is None else holders  # the group rank of each block
 
     @property
     def in_flight(self) -> bool:
@@ -466,14 +467,15 @@ class PendingGather:
         if self._done is None:
             self.work.wait()
             d, out = self.dim, self.out
-            self._done = torch.cat([out[j].narrow(d, 0, s) for j, s in enumerate(self.shapes)], dim=d)
+            self._done = torch.cat([out[j].narrow(d, 0, s) for j, s in zip(self.holders, self.shapes)], dim=d)
             self.out = self.work = None
         return self._done
 
 
-def all_gather_start(x: torch.Tensor, group, dim: int, shapes: Sequence[int]) -> PendingGather:
-    """Start :func:`all_gather` (``shapes``: every rank's size along ``dim``; uneven ones padded) without
-    waiting for it: the prefetched gathers of :mod:`einshard.params.zero`.
+def all_gather_start(x: torch.Tensor, group, dim: int, shapes: Sequence[int], order=None) -> PendingGather:
+    """Start :func:`all_gather` (``shapes``: every block's size along ``dim``; uneven ones padded) without
+    waiting for it: the prefetched gathers of :mod:`einshard.params.zero`. ``order``: the group rank holding
+    each block (default: block ``j`` on group rank ``j``), as for :func:`all_gather`.
 
     >>> pending = all_gather_start(x, group, 0, [2, 2])  # doctest: +SKIP
     >>> pending.wait().shape  # doctest: +SKIP
@@ -484,7 +486,10 @@ def all_gather_start(x: torch.Tensor, group, dim: int, shapes: Sequence[int]) ->
     if err is not None:
         raise err
     shapes = list(shapes)
-    if len(shapes) != size or x.shape[d] != shapes[_rank(group) if size > 1 else 0]:
+    if order is not None:
+        order = _order(order, size, "all_gather_start")
+    me = 0 if size == 1 else _rank(group) if order is None else order.index(_rank(group))
+    if len(shapes) != size or x.shape[d] != shapes[me]:
         raise EinshardError(f"all_gather_start: shapes {shapes} do not fit this rank's {tuple(x.shape)} along {dim}")
     x = x.detach()
     m = max(shapes)
@@ -493,11 +498,11 @@ def all_gather_start(x: torch.Tensor, group, dim: int, shapes: Sequence[int]) ->
     out = block.new_empty((size,) + block.shape)
     if size == 1 or block.numel() == 0:
         out.copy_(block.expand_as(out))
-        return PendingGather(out, _CompletedWork(), d, shapes)
+        return PendingGather(out, _CompletedWork(), d, shapes, order)
     if _stats.is_active():
         _record("all_gather", group, size, block.numel() * block.element_size())
     work = _all_gather_tensor(_flat(out), _flat(block), group=group, async_op=True)
-    return PendingGather(out, work, d, shapes)
+    return PendingGather(out, work, d, shapes, order)
 
 
 def reduce_scatter_rows(rows: torch.Tensor, group, *, async_op: bool = False):

@@ -16,6 +16,11 @@ einshard's default :func:`~einshard.helpers.compute_split_shapes`
 
 A tensor axis sharded over several mesh dimensions (``a/dp-tp``) is
 ``Shard(i)`` on each of them, in mesh order (DTensor's default order).
+
+On a mesh whose rank tensor does not ascend along every dimension
+(``[[3, 1], [2, 0]]``), DTensor's own collectives would permute the blocks:
+the DTensors handed out live on the mesh's twin (:mod:`einshard.dtensor_mesh`),
+and DTensors on the twin are read back through it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from ._specs import sizes_for
 from ._specs import strip_spec as _strip
+from .dtensor_mesh import from_twin, to_twin, twin_of
 from .errors import EinshardError
 from .execute import transition
 from .layout import Layout
@@ -71,9 +77,17 @@ def chunk_splits(size: int, group_sizes) -> tuple[int, ...]:
     return tuple(blocks)
 
 
+def _on_twin(dt, mesh):
+    """The twin of ``mesh`` when ``dt`` lives on it (see :mod:`einshard.dtensor_mesh`), else ``None``."""
+    if mesh.device_mesh is None or dt.device_mesh is mesh.device_mesh:
+        return None
+    twin = twin_of(mesh)
+    return twin if twin is not None and dt.device_mesh is twin.device_mesh else None
+
+
 def _check_mesh(dt, mesh, where: str):
     dm = dt.device_mesh
-    if dm is mesh.device_mesh:
+    if dm is mesh.device_mesh or _on_twin(dt, mesh) is not None:
         return
     names = tuple(dm.mesh_dim_names or ())
     same = (
@@ -136,6 +150,9 @@ def apply_from_dtensor(dt, src: Layout, target: Layout, mesh) -> torch.Tensor:
     """This rank's block of ``dt`` in ``target`` (planned by :func:`plan_from_dtensor`)."""
     grad_placements = [Replicate() if isinstance(p, Partial) else p for p in dt.placements]
     local = dt.to_local(grad_placements=grad_placements)
+    twin = _on_twin(dt, mesh)
+    if twin is not None:  # its block at this rank's twin coordinate: brought to its mesh coordinate
+        local = from_twin(local, src, mesh, twin)
     return transition(src, target, mesh)(local)
 
 
@@ -183,14 +200,18 @@ def to_dtensor(local: torch.Tensor, layout: Layout, mesh, where: str = "output")
     for i, dims in enumerate(layout.shard):
         chunked.append(chunk_splits(layout.sizes[i], [mesh.size((d,)) for d in dims]) if dims else None)
     chunked = tuple(chunked)
+    target = layout
     if chunked != layout.splits:
         target = Layout(layout.axes, layout.sizes, layout.shard, chunked, layout.partial)
         local = transition(layout, target, mesh)(local)
+    device_mesh, twin = mesh.device_mesh, twin_of(mesh)
+    if twin is not None:  # DTensor gathers in group-rank order: on the twin, that is its coordinate order
+        local, device_mesh = to_twin(local, target, mesh, twin), twin.device_mesh
     placements = layout_placements(layout, mesh)
     grad_placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
     shape = torch.Size(layout.sizes)
     kwargs = dict(run_check=False, shape=shape, stride=_contiguous_stride(shape))
     try:
-        return DTensor.from_local(local, mesh.device_mesh, placements, grad_placements=grad_placements, **kwargs)
+        return DTensor.from_local(local, device_mesh, placements, grad_placements=grad_placements, **kwargs)
     except TypeError:  # pragma: no cover - torch without grad_placements on from_local
-        return DTensor.from_local(local, mesh.device_mesh, placements, **kwargs)
+        return DTensor.from_local(local, device_mesh, placements, **kwargs)

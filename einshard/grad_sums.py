@@ -22,7 +22,8 @@ One engine for every gradient sum the library defers:
   of the backward (a callback of the autograd engine, as DDP and FSDP do) the
   rest start, every one is waited for and the sums are added into ``.grad``.
   Every rank produces its contributions in the same order (the same
-  backward), so the buckets match across ranks.
+  backward), so the buckets match across ranks. What a backward that raised
+  deferred is dropped (:mod:`einshard.backwards`): the next backward starts clean.
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ import torch
 
 from . import _torch_compat
 from . import collectives as C
+from .backwards import PerBackward
 from .mappings import allreduce_forward_identity_backward
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "accumulates", "flatten", "launch", "write", "launch_scatter", "write_scatter",
            "DeferredSums", "DEFERRED", "leaf_sum"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-_engine = _torch_compat.autograd_engine
-_graph_task = _torch_compat.current_graph_task_id
 
 
 def accumulates(node) -> bool:
@@ -131,8 +130,22 @@ class _Filling:
         self.group, self.params, self.grads, self.nbytes, self.scatter = group, [], [], 0, scatter
 
 
+class _Backward:
+    """What one backward deferred: the buckets being filled and the sums started, in the order started."""
+
+    __slots__ = ("filling", "works")
+
+    def __init__(self):
+        self.filling: dict = {}  # (group, dtype, device, scatter) -> _Filling
+        self.works: list = []  # (work, flat, params, chunk shapes or None)
+
+
 class DeferredSums:
     """Gradient contributions summed over process groups in buckets during backward (see the module).
+
+    Each backward's contributions are its own (:class:`einshard.backwards.PerBackward`): a backward that
+    raises leaves nothing behind; the sums it started are waited for (the ranks stay matched) and dropped
+    when the next backward starts (or at :attr:`pending`).
 
     >>> sums = DeferredSums()
     >>> sums.pending
@@ -141,73 +154,81 @@ class DeferredSums:
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.bucket_bytes = bucket_bytes
-        self._task = None  # the graph task whose end-of-backward callback is queued
-        self._filling: dict = {}  # (group, dtype, device) -> _Filling
-        self._works: list = []  # (work, flat, params, chunk shapes or None), in the order they were started
+        self._backwards = PerBackward(_Backward, self._end_of_backward, _drop)
 
     @property
     def pending(self) -> int:
         """The number of all-reduces started and not yet waited for."""
-        return len(self._works)
+        return sum(len(b.works) for b in self._backwards.states())
 
     def arm(self) -> None:
         """Queue the end-of-backward wait for the running backward (once per backward)."""
-        task = _graph_task()
-        if self._task != task:
-            self._task = task
-            _engine.queue_callback(self._end_of_backward)
+        self._backwards.current()
 
     def add(self, p: torch.Tensor, grad: torch.Tensor, group) -> None:
         """Sum ``grad`` over ``group`` and add it into ``p.grad`` before the running backward returns."""
         self._add(p, grad, group, grad, False)
 
-    def add_scatter(self, p: torch.Tensor, chunks, group) -> None:
-        """Reduce-scatter a contribution over ``group``, cut into ``chunks`` (one per group rank, in group
-        rank order), and add this rank's summed chunk into ``p.grad`` (``p`` holds that slice) before the
-        running backward returns."""
+    def add_scatter(self, p: torch.Tensor, chunks, group, order=None) -> None:
+        """Reduce-scatter a contribution over ``group``, cut into ``chunks`` (one per block, in block order),
+        and add this rank's summed chunk into ``p.grad`` (``p`` holds that slice) before the running backward
+        returns. ``order``: the group rank holding each block (``es.Mesh.order``; default: block ``j`` on
+        group rank ``j``)."""
+        if order is not None:  # the buckets lay chunks out by group rank
+            chunks = [chunks[order.index(j)] for j in range(len(chunks))]
         self._add(p, tuple(chunks), group, chunks[0], True)
 
     def _add(self, p, grad, group, sample, scatter) -> None:
-        self.arm()
+        now = self._backwards.current()
         key = (group, sample.dtype, sample.device, scatter)
-        bucket = self._filling.get(key)
+        bucket = now.filling.get(key)
         if bucket is None:
-            bucket = self._filling[key] = _Filling(group, scatter)
+            bucket = now.filling[key] = _Filling(group, scatter)
         bucket.params.append(p)
         bucket.grads.append(grad)
         parts = grad if scatter else (grad,)
         bucket.nbytes += sum(g.numel() for g in parts) * sample.element_size()
         if bucket.nbytes >= self.bucket_bytes:
-            del self._filling[key]
-            self._start(bucket)
+            del now.filling[key]
+            now.works.append(_start(bucket))
 
     def start_filling(self) -> None:
-        """Start every partly filled bucket now (a unit of work is complete: its sums need not wait)."""
-        filling, self._filling = self._filling, {}
-        for bucket in filling.values():
-            self._start(bucket)
+        """Start every partly filled bucket of the running backward now (a unit of work is complete: its
+        sums need not wait)."""
+        _start_filling(self._backwards.current())
 
-    def _start(self, bucket: _Filling) -> None:
-        if bucket.scatter:
-            me = C.group_rank(bucket.group)
-            row, work = launch_scatter(bucket.grads, bucket.group)
-            self._works.append((work, row, bucket.params, [tuple(c[me].shape) for c in bucket.grads]))
-        else:
-            flat, work = launch(bucket.grads, bucket.group)
-            self._works.append((work, flat, bucket.params, None))
-
-    def _end_of_backward(self) -> None:
-        self._task = None
-        filling, self._filling = self._filling, {}
-        for bucket in filling.values():
-            self._start(bucket)
-        works, self._works = self._works, []
-        for work, flat, params, shapes in works:
+    def _end_of_backward(self, now: _Backward) -> None:
+        _start_filling(now)
+        for work, flat, params, shapes in now.works:
             work.wait()
             if shapes is None:
                 write(flat, params, ("add",) * len(params))
             else:
                 write_scatter(flat, params, shapes)
+        now.works = []
+
+
+def _start(bucket: _Filling):
+    """Start the sum (or reduce-scatter) of ``bucket``: ``(work, buffer, params, chunk shapes or None)``."""
+    if bucket.scatter:
+        me = C.group_rank(bucket.group)
+        row, work = launch_scatter(bucket.grads, bucket.group)
+        return work, row, bucket.params, [tuple(c[me].shape) for c in bucket.grads]
+    flat, work = launch(bucket.grads, bucket.group)
+    return work, flat, bucket.params, None
+
+
+def _start_filling(now: _Backward) -> None:
+    filling, now.filling = now.filling, {}
+    now.works.extend(_start(bucket) for bucket in filling.values())
+
+
+def _drop(now: _Backward) -> None:
+    """A backward that raised: its buckets not started are dropped, its started sums waited for and dropped."""
+    now.filling = {}
+    for work, *_ in now.works:
+        work.wait()
+    now.works = []
 
 
 #: the deferred gradient sums of ``shard_map`` bodies (one per process)

@@ -475,10 +475,11 @@ def axis_index(dim_name, *, mesh=None) -> torch.Tensor:
     ax = _Axes(dim_name, mesh, "axis_index")
     value = ax.mesh.index(ax.dims)
     device = ax.mesh.device_type  # the mesh's device ("cuda": the current one)
+    # filled on the device (torch.tensor would copy a host value there: a synchronising copy on CUDA)
     if ax.tracker is None:
-        return torch.tensor(value, dtype=torch.int64, device=device)
+        return torch.full((), value, dtype=torch.int64, device=device)
     with _vma.suspended(ax.tracker):
-        t = torch.tensor(value, dtype=torch.int64, device=device)
+        t = torch.full((), value, dtype=torch.int64, device=device)
     ax.tracker.tag(t, ax.mask)
     return t
 

@@ -58,7 +58,7 @@ from .ops.einshard import duties_satisfied, einshard
 from .params.metadata import named_sizes, recorded_global_shape
 from .params.store import PARAM_STATE_ATTR
 from .params.summed import body_duty_error, native_duty, watch_body
-from .params.zero import BodyGathers, shard_map_entry
+from .params.zero import BodyGathers, shard_map_entry, stored_source
 
 __all__ = ["shard_map", "ShardMap"]
 
@@ -111,7 +111,7 @@ def _leaf_key(x):
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
             return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
-        state = x.__dict__.get(PARAM_STATE_ATTR)  # a Parameter's recorded global shape is checked when planning
+        state = getattr(x, PARAM_STATE_ATTR, None)  # a Parameter's recorded global shape is checked when planning
         return x.shape if state is None or state.global_shape is None else (x.shape, state.global_shape)
     return None
 
@@ -199,7 +199,8 @@ class ShardMap:
             token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self, group))
             if tracker is None:
                 out = self.f(*body_args, **kwargs)
-                return self._finish(out, mesh, plan, None)
+                stored = _stored_with_grads(args, body_leaves) if gathers is not None else ()
+                return self._finish(out, mesh, plan, None, stored)
             attr, serial = _vma.ATTR, tracker.serial
             for i, mask in plan.masks:
                 body_leaves[i].__dict__[attr] = serial | mask
@@ -233,7 +234,7 @@ class ShardMap:
             if token is not None:
                 _context.pop(token)
 
-    def _finish(self, out, mesh, plan, tracker):
+    def _finish(self, out, mesh, plan, tracker, stored=()):
         leaves, treedef = optree.tree_flatten(out, none_is_leaf=True)
         key = (treedef, plan, *[_leaf_key(x) for x in leaves])
         oplan = self._out_plans.get(key)
@@ -241,6 +242,8 @@ class ShardMap:
             oplan = self._plan_outputs(key, out, leaves, mesh, plan)
         elif checks.ENABLED:
             _raise_agreed(mesh, ())
+        if stored:
+            _refuse_whole_cotangents(out, leaves, oplan, stored, mesh)
         if not oplan.actions and tracker is None:
             return out  # nothing checked, nothing converted
         if not oplan.actions and _vary_as_declared(tracker, leaves, oplan.checks):
@@ -268,8 +271,11 @@ class ShardMap:
         """
         outer = _context.current().shard_map
         if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
-            raise EinshardError(f"shard_map: {self!r} is called inside the body of another shard_map")
+            _trace.refuse(f"shard_map: {self!r} is called inside the body of another shard_map")
         mesh = self.mesh if self.mesh is not None else _context.current().mesh
+        stored = _stored_argument(args)
+        if stored is not None:
+            return _stored_under_compile(self, args, kwargs, stored)
         leaves, spec = _pytree.tree_flatten(args)
         if self.check_vma:
             _refuse_traced_duties(leaves)
@@ -537,12 +543,46 @@ def _block_error(spec, shape, whole, mesh) -> str | None:
             f"{tuple(want)}, but the argument has shape {shape}.{hint}")
 
 
+def _stored_argument(x, path=""):
+    """The path (``[0]['w']``) of the first parameter stored sharded (``store=``) among the arguments ``x``, and
+    its state; ``None`` when there is none. (A walk of dicts, lists and tuples, which dynamo traces.)"""
+    if isinstance(x, dict):
+        x = {repr(k): v for k, v in x.items()}
+    elif isinstance(x, (list, tuple)):
+        x = {str(k): v for k, v in enumerate(x)}
+    else:
+        state = getattr(x, PARAM_STATE_ATTR, None) if isinstance(x, _Parameter) else None
+        return None if state is None or state.store is None else (path, state)
+    for k, v in x.items():
+        found = _stored_argument(v, f"{path}[{k}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _call_eagerly(sm, args, kwargs):
+    return sm(*args, **kwargs)
+
+
+def _stored_under_compile(sm, args, kwargs, found):
+    """Under torch.compile, a call with a parameter stored sharded (``store=``) as argument runs eagerly (a
+    graph break; ``fullgraph=True`` refuses, with this reason): its gather on entry is an eager collective in
+    an autograd function, which dynamo does not trace — traced, the body would get the storage slice."""
+    path, state = found
+    reason = (f"es.shard_map: argument args{path} is a parameter stored sharded over {state.store!r} (store=, "
+              f"layout {state.layout!r}); its gather on entry is eager, so under torch.compile this call runs "
+              "eagerly (a graph break; refused with fullgraph=True). Call it outside the compiled region, or "
+              "register the parameter without store=")
+    torch._dynamo.graph_break(msg=reason)  # (loaded: dynamo is tracing) fullgraph=True: refused here, with the reason
+    return torch.compiler.disable(_call_eagerly, reason=reason)(sm, args, kwargs)  # (a skipped call: eager)
+
+
 def _refuse_traced_duties(leaves) -> None:
     """Under torch.compile: a Parameter argument with a gradient duty is refused (the compiled body sums its
     gradient, and cannot tag it for the duty's executors, which would sum it again)."""
     for i, x in enumerate(leaves):
         if isinstance(x, _Parameter) and (native_duty(x) or body_duty_error(x) is not None):
-            raise EinshardError(
+            _trace.refuse(
                 f"shard_map under torch.compile: argument leaf {i} (shape {tuple(x.shape)}) carries a gradient "
                 "duty; the compiled body (check_vma=True) sums its gradient itself, and reduce_grad_ or the hooks "
                 "would sum it again. Register it without a duty (grad='none'), or call the shard_map eagerly"
@@ -580,6 +620,45 @@ def _exit_leaves(out, leaves, oplan, tracker, eager):
     return leaves
 
 
+def _stored_with_grads(args, body_leaves) -> tuple:
+    """``(argument path, state)`` of the stored parameters gathered on a body's entry whose gradients this
+    call computes."""
+    if not torch.is_grad_enabled():
+        return ()
+    found = []
+    for i, x in enumerate(body_leaves):
+        p = stored_source(x) if isinstance(x, _Tensor) else None
+        if p is not None and p.requires_grad:
+            found.append((f"args{leaf_path(args, i)}", getattr(p, PARAM_STATE_ATTR)))
+    return tuple(found)
+
+
+def _refuse_whole_cotangents(out, leaves, oplan, stored, mesh) -> None:
+    """A ``check_vma=False`` body: a stored parameter's gradient is taken as this rank's share and summed over
+    its duty's groups (the storage group among them), which is exact where each rank's cotangent is its share
+    of the output's (outputs sharded or partial over those groups). An output replicated over one of their
+    dimensions hands every rank the whole cotangent: a use that does not vary over it would be counted once
+    per rank, a per-rank use summed in the body would not, and nothing tells them apart. Refused (every rank
+    decides alike: from the specs)."""
+    info = _vma.mesh_info(mesh)
+    for i, declared, spec in oplan.checks:
+        if not (leaves[i].requires_grad and torch.is_grad_enabled()):
+            continue
+        for where, state in stored:
+            whole = info.mask(state.grad_comm.mesh_dims) & ~declared & ~info.trivial  # (one rank: its share)
+            if whole:
+                dim = info.dims(whole)[0]
+                raise EinshardError(
+                    f"shard_map(check_vma=False): output out{leaf_path(out, i)} (out_spec {spec.text!r}) is "
+                    f"replicated over {dim!r}, over which the gather of the stored parameter {where} (store="
+                    f"{state.store!r}) sums its gradient: its gradient from this output is whole on every rank "
+                    f"where its use does not vary over {dim!r} and a share where it does, and without variance "
+                    f"tracking einshard cannot "
+                    f"tell them apart. Use check_vma=True, or return the per-rank value partial over {dim!r} "
+                    f"(out_spec '// {dim}', or '// {dim} -> ...' to sum it on exit), or sharded over {dim!r}"
+                )
+
+
 def _vary_as_declared(tracker, leaves, checks_) -> bool:
     """Whether every checked output leaf varies over exactly the mesh dimensions its out spec declares."""
     serial = tracker.serial
@@ -595,7 +674,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
     """``(vma mask, declared dims it lacks)`` of output leaf ``i``; ``ValueError`` when it varies undeclared."""
     m = tracker.mask_of(x)
     if m & _vma.UNKNOWN:
-        _vma.refuse(
+        _trace.refuse(
             f"shard_map under torch.compile: einshard cannot decide over which mesh dimensions output "
             f"out{leaf_path(out, i)} varies: it depends on a tensor that crossed a graph break inside the body "
             "without einshard's tag; avoid the graph break (fullgraph=True shows where it is)"
@@ -603,7 +682,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
     bad = m & ~declared
     if bad:
         dim = tracker.info.dims(bad)[0]
-        _vma.refuse(
+        _trace.refuse(
             f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
             f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
             f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
@@ -621,8 +700,8 @@ def _trace_leaves(leaves) -> tuple:
     for x in leaves:
         if isinstance(x, _Tensor):
             if maybe_dtensor(x):
-                raise EinshardError("shard_map under torch.compile: DTensor arguments are not supported; "
-                                 "pass local tensors (x.to_local())")
+                _trace.refuse("shard_map under torch.compile: DTensor arguments are not supported; "
+                              "pass local tensors (x.to_local())")
             out.append((_trace.static_shape(x), x.dtype))
         else:
             out.append(None)

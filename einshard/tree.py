@@ -200,9 +200,10 @@ def discover_splits(mesh, leaves, per_leaf, sizes=None, families=None):
         return {}
     shape = MeshShape.of(mesh)
     group, order = mesh.group(tuple(mesh.names)), mesh.order(tuple(mesh.names))
-    local = torch.tensor([[w[3] for w in wanted]], dtype=torch.int64, device=mesh.device_type)  # the group's device
-    # every rank's sizes, in block (mesh) order
-    table = C.all_gather(local, group, 0, order=order).tolist() if shape.world > 1 else local.tolist()
+    table = [[w[3] for w in wanted]]  # every rank's sizes, in block (mesh) order (one rank: its own)
+    if shape.world > 1:
+        local = torch.tensor(table, dtype=torch.int64, device=mesh.device_type)  # the group's device
+        table = C.all_gather(local, group, 0, order=order).tolist()
     found: dict = {}
     for j, (k, axis, dims, _) in enumerate(wanted):
         splits = []

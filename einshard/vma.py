@@ -73,7 +73,6 @@ __all__ = [
     "tracking_ambient",
     "TracedTracker",
     "UNKNOWN",
-    "refuse",
 ]
 
 #: number of ``shard_map(check_vma=True)`` bodies running in this process (any thread)
@@ -794,7 +793,7 @@ def _traced_formula_op(tracker, ambient, fn, formula, tensors, kwargs):
                 _refuse_unknown(fn, [tensors[k]], [m])
             bad = m & mentioned & ~declared[k]
             if bad:
-                refuse(str(_replicated_operand_error(info, formula, texts, k, bad)))
+                _trace.refuse(str(_replicated_operand_error(info, formula, texts, k, bad)))
             passthrough |= m & ~mentioned
         xs = tensors
         if _grad_enabled():
@@ -993,25 +992,12 @@ def _fake(args) -> bool:
     return any(isinstance(a, _torch_compat.FakeTensor) for a in args)
 
 
-def refuse(message: str) -> None:
-    """Raise ``EinshardError(message)``: from trace-time Python while dynamo traces (so that it reaches the
-    caller as it is, also with ``fullgraph=True``), else directly."""
-    if _compiling():
-        _refuse_at_trace_time(message)
-    raise EinshardError(message)
-
-
-@_trace.constant_result
-def _refuse_at_trace_time(message: str) -> int:
-    raise _trace.trace_error(message)
-
-
 def _refuse_unknown(func, tensors, masks) -> None:
     """An op meets a tensor of unknown variance: fine only when no gradient can depend on it."""
     if not _grad_enabled() or not any(t.requires_grad for t in tensors):
         return
     name = getattr(func, "__name__", str(func))
-    refuse(
+    _trace.refuse(
         f"shard_map under torch.compile: {name!r} uses a tensor whose variance einshard cannot decide: it "
         "crossed a graph break inside the body without einshard's tag (a tensor made before the body and "
         "captured, or the result of an operation dynamo recorded before the break). Pass it to the body "

@@ -18,7 +18,8 @@ largest difference, exactly 0.
 Run it from the repository root::
 
     python examples/checkpoint.py                          # starts 8 gloo ranks itself
-    torchrun --nproc-per-node 8 examples/checkpoint.py     # or under torchrun
+    torchrun --nproc-per-node 8 examples/checkpoint.py     # or under torchrun (GPUs if it has 8, else CPUs)
+    torchrun --nproc-per-node 8 examples/checkpoint.py --device cuda   # one GPU per rank over NCCL
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
 from einshard.helpers import compute_split_shapes
-from einshard.testing import launch
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_module import FF, H, LAYOUTS, LR, Block, batch  # noqa: E402
@@ -46,7 +46,7 @@ PATH = os.path.join(tempfile.gettempdir(), "einshard_checkpoint_example")  # the
 def sharded_block(mesh) -> Block:
     """The block with this rank's blocks for ``mesh``, its layouts registered."""
     tp, i = mesh.size("tp"), mesh.index("tp")
-    model = Block(compute_split_shapes(H, tp)[i], compute_split_shapes(FF, tp)[i])
+    model = Block(compute_split_shapes(H, tp)[i], compute_split_shapes(FF, tp)[i]).to(rank_device())
     return es.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad="dp:async")
 
 
@@ -64,7 +64,7 @@ def train_one_step(model, mesh) -> None:
 def run() -> list[str]:
     torch.set_num_threads(1)
     torch.manual_seed(dist.get_rank())
-    mesh = es.wrap_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
+    mesh = es.wrap_mesh(device_mesh((2, 4), ("dp", "tp")))
     model = es.init_params_(sharded_block(mesh), mesh)
     train_one_step(model, mesh)
     trained = es.tree_gather(model, mesh=mesh)  # whole tensors, to compare with
@@ -72,7 +72,7 @@ def run() -> list[str]:
     lines = [f"saved a model trained on {dict(zip(mesh.names, mesh.shape))} to {PATH}"]
     diff = 0.0
     for shape in ((4, 2), (8, 1)):
-        other = es.wrap_mesh(init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")))
+        other = es.wrap_mesh(device_mesh(shape, ("dp", "tp")))
         fresh = sharded_block(other)
         state = es.to_dtensor(fresh, mesh=other)  # where DCP writes: this rank's blocks on the new mesh
         dcp.load(state, checkpoint_id=PATH)
@@ -81,7 +81,7 @@ def run() -> list[str]:
         d = max((loaded[k] - trained[k]).abs().max().item() for k in trained)
         lines.append(f"loaded on {dict(zip(other.names, other.shape))}: max difference {d:.3e}")
         diff = max(diff, d)
-    whole = {k: torch.zeros_like(v) for k, v in Block().state_dict().items()}  # an unsharded model
+    whole = {k: torch.zeros_like(v) for k, v in Block().to(rank_device()).state_dict().items()}  # an unsharded model
     dcp.load(whole, checkpoint_id=PATH)
     d = max((whole[k] - trained[k]).abs().max().item() for k in trained)
     lines.append(f"loaded into an unsharded model: max difference {d:.3e}")
@@ -90,8 +90,9 @@ def run() -> list[str]:
     return lines
 
 
-def main() -> int:
-    results = launch(run, 8, timeout=240)
+def main(argv=None) -> int:
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
+    results = launch(run, 8, timeout=240, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

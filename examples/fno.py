@@ -34,7 +34,11 @@ and the largest difference.
 Run it from the repository root::
 
     python examples/fno.py                                # starts 8 gloo ranks itself
-    torchrun --nproc-per-node 8 examples/fno.py           # or under torchrun
+    torchrun --nproc-per-node 8 examples/fno.py           # or under torchrun (GPUs if it has 8, else CPUs)
+    torchrun --nproc-per-node 8 examples/fno.py --device cuda   # one GPU per rank over NCCL
+
+The whole tensors (data, parameters, the one-process reference) are made on the CPU from seeded
+generators and moved to the rank's device (``es.testing.rank_device()``).
 """
 
 from __future__ import annotations
@@ -45,11 +49,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
 from einshard.helpers import compute_split_shapes as split
-from einshard.testing import launch
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 NX, NY = 20, 18  # grid points: uneven over the 2 x 4 mesh along y
 B, W = 4, 8  # batch (split over px for the spectral mixing), channels (split over py there)
@@ -73,9 +76,9 @@ PARAM_SPECS = {  # every parameter is replicated
 }
 
 
-def split_shapes() -> dict:
-    """The blocks of every sharded axis (uneven ones must be known on every rank)."""
-    return {"px": {"x": split(NX, 2), "b": split(B, 2)}, "py": {"y": split(NY, 4), "w": split(W, 4)}}
+def split_shapes(px: int = 2, py: int = 4) -> dict:
+    """The blocks of every sharded axis on a ``px x py`` mesh (uneven ones must be known on every rank)."""
+    return {"px": {"x": split(NX, px), "b": split(B, px)}, "py": {"y": split(NY, py), "w": split(W, py)}}
 
 
 def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -93,7 +96,7 @@ def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
         params[f"point_b{k}"] = rand(W, scale=0.1)
     params["proj_w"] = rand(W, scale=W**-0.5)
     params["proj_b"] = rand(scale=0.1)
-    return params
+    return {k: v.to(rank_device()) for k, v in params.items()}
 
 
 # -- the data: random smooth sources and the solutions of the screened Poisson problem ----------
@@ -111,7 +114,7 @@ def sample(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.fft.irfft2(a_hat, s=(NX, NY))
     symbol = 1 + NU * (2 * math.pi) ** 2 * (kx**2 + ky**2)
     u = torch.fft.irfft2(torch.fft.rfft2(a) / symbol, s=(NX, NY))
-    return a, u
+    return a.to(rank_device()), u.to(rank_device())
 
 
 # -- the model on this rank's blocks (inside shard_map: mesh and split shapes are ambient) -----
@@ -146,12 +149,6 @@ def fno(p, a):
     return es.einshard(f"{GRID} w, w -> {GRID}", h, p["proj_w"]) + p["proj_b"]
 
 
-@es.shard_map(
-    in_specs=(PARAM_SPECS, f"b x y -> {GRID}", f"b x y -> {GRID}"),  # the data arrives whole: split it
-    out_specs=(PARAM_SPECS, ""),
-    shapes=split_shapes(),
-    check_vma=True,
-)
 def train_step(params, a, u):
     err = ((fno(params, a) - u) ** 2).sum()  # this rank's share of the squared error
     loss = es.psum(err, ("px", "py")) / (B * NX * NY)  # the mean over the whole grid and batch
@@ -160,6 +157,18 @@ def train_step(params, a, u):
     with torch.no_grad():
         new = {k: (params[k] - LR * g).requires_grad_() for k, g in zip(names, grads)}
     return new, loss.detach()
+
+
+def sharded_train_step(mesh):
+    """:func:`train_step` as one ``shard_map`` body on ``mesh`` (any ``px x py``; the 2 x 4 one by default)."""
+    return es.shard_map(
+        train_step,
+        in_specs=(PARAM_SPECS, f"b x y -> {GRID}", f"b x y -> {GRID}"),  # the data arrives whole: split it
+        out_specs=(PARAM_SPECS, ""),
+        shapes=split_shapes(mesh.size("px"), mesh.size("py")),
+        check_vma=True,
+        mesh=mesh,
+    )
 
 
 # -- the same model and training in one process ---------------------------------------------------
@@ -198,12 +207,13 @@ def run(device_mesh) -> list[str]:
     torch.set_num_threads(1)
     mesh = es.wrap_mesh(device_mesh)
     params = {k: v.requires_grad_() for k, v in init_params().items()}  # replicated: the same everywhere
+    step_fn = sharded_train_step(mesh)
     losses = []
     start = time.perf_counter()
     with es.use_mesh(mesh):
         for step in range(STEPS):
             a, u = sample(step)
-            params, loss = train_step(params, a, u)
+            params, loss = step_fn(params, a, u)
             losses.append(loss.item())
     elapsed = time.perf_counter() - start
     ref_params, ref_losses = reference_training()
@@ -220,12 +230,12 @@ def run(device_mesh) -> list[str]:
 
 def on_rank() -> list[str]:
     """What every rank runs: build the 2 x 4 mesh, train, compare."""
-    return run(init_device_mesh("cpu", (2, 4), mesh_dim_names=("px", "py")))
+    return run(device_mesh((2, 4), ("px", "py")))
 
 
-def main() -> int:
-    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(on_rank, 8, timeout=300)
+def main(argv=None) -> int:
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
+    results = launch(on_rank, 8, timeout=300, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

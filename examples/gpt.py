@@ -1,4 +1,4 @@
-"""Train a small GPT with data x sequence x tensor parallelism (dp x sp x tp) on 8 CPU ranks.
+"""Train a small GPT with data x sequence x tensor parallelism (dp x sp x tp) on 8 ranks (CPUs, or GPUs under torchrun).
 
 A decoder-only language model (token and position embeddings, pre-norm blocks of causal
 multi-head attention and an MLP, an output head tied to the token embedding) learns a
@@ -42,7 +42,11 @@ Run it from the repository root::
     python examples/gpt.py                               # starts 8 gloo ranks itself
     python examples/gpt.py --style einshard              # without shard_map, gradient hooks
     python examples/gpt.py --attention ring              # ring attention (or: ulysses)
-    torchrun --nproc-per-node 8 examples/gpt.py          # or under torchrun
+    torchrun --nproc-per-node 8 examples/gpt.py          # or under torchrun (GPUs if it has 8, else CPUs)
+    torchrun --nproc-per-node 8 examples/gpt.py --device cuda   # one GPU per rank over NCCL
+
+The whole tensors (data, initial values, the one-process reference) are made on the CPU from
+seeded generators and moved to the rank's device (``es.testing.rank_device()``).
 """
 
 from __future__ import annotations
@@ -59,11 +63,10 @@ import torch
 import torch.nn as nn
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
 from einshard.attention import zigzag_indices
-from einshard.testing import launch
+from einshard.testing import add_device_argument, device_mesh, launch, rank_device
 
 @dataclass(frozen=True)
 class Config:
@@ -190,8 +193,8 @@ def vocab_parallel_cross_entropy(logits, targets):
 
 def causal_mask(mesh, cfg: Config = CONFIG):
     """This rank's rows (queries) of the additive causal mask: ``q/sp k``."""
-    above = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
-    whole = torch.zeros(cfg.seq, cfg.seq, dtype=cfg.dtype).masked_fill(above, float("-inf"))
+    above = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device=rank_device()).triu(1)
+    whole = torch.zeros(cfg.seq, cfg.seq, dtype=cfg.dtype, device=rank_device()).masked_fill(above, float("-inf"))
     return es.einshard("q k -> q/sp k", whole, mesh=mesh)
 
 
@@ -203,7 +206,7 @@ def batch(step: int, cfg: Config = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     start = torch.randint(0, cfg.vocab, (cfg.batch, 1), generator=g)
     stride = torch.randint(1, 4, (cfg.batch, 1), generator=g)
-    seq = (start + stride * torch.arange(cfg.seq + 1)) % cfg.vocab
+    seq = ((start + stride * torch.arange(cfg.seq + 1)) % cfg.vocab).to(rank_device())
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -219,7 +222,7 @@ def init_values(cfg: Config = CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
             values[name] = noise * 0.1 + (1.0 if name.endswith("weight") else 0.0)
         else:
             values[name] = noise * shape[-1] ** -0.5
-    return values
+    return {name: value.to(rank_device()) for name, value in values.items()}
 
 
 def grad_duties(cfg: Config = CONFIG) -> dict[str, str]:
@@ -255,7 +258,7 @@ def empty_model(mesh, cfg: Config, style: str, zero: bool = False) -> GPT:
     with torch.device("meta"):
         model = GPT(cfg)
     layouts = model_layouts(cfg)
-    blocks = es.tree_shard({k: torch.empty(p.shape, dtype=p.dtype) for k, p in model.named_parameters()},
+    blocks = es.tree_shard({k: torch.empty(p.shape, dtype=p.dtype, device=rank_device()) for k, p in model.named_parameters()},
                            layouts, mesh=mesh)
     for name, block in blocks.items():
         owner, _, leaf = name.rpartition(".")
@@ -297,7 +300,8 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False,
     mask = causal_mask(mesh, model.cfg)
     # ring attention: the sequence in zigzag order (rank r of sp holds chunks r and 2sp-1-r), so that
     # causal work is the same on every rank; the loss sums over positions, whatever their order
-    order = zigzag_indices(model.cfg.seq, mesh.size("sp")) if model.cfg.attention == "ring" else None
+    ring = model.cfg.attention == "ring"
+    order = zigzag_indices(model.cfg.seq, mesh.size("sp"), device=rank_device()) if ring else None
     if style == "einshard":
         mp = {}
         if precision == "bf16":
@@ -389,7 +393,7 @@ def reference_loss(p, tokens, targets, cfg: Config = CONFIG, precision: str = "f
     """The same model on whole tensors with plain torch (``bf16``: the same mixed-precision recipe)."""
     if precision == "bf16":
         p = {k: v.to(torch.bfloat16) for k, v in p.items()}
-    causal = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
+    causal = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device=tokens.device).triu(1)
     x = p["wte"][tokens] + p["wpe"]
     for i in range(cfg.layers):
         b = {k: p[f"blocks.{i}.{k}"] for k in BLOCK_LAYOUTS}
@@ -422,7 +426,7 @@ def reference_training(steps: int, cfg: Config = CONFIG, precision: str = "fp") 
 
 def make_mesh(dims=MESH):
     names, shape = zip(*dims)
-    return es.wrap_mesh(init_device_mesh("cpu", shape, mesh_dim_names=names))
+    return es.wrap_mesh(device_mesh(shape, names))
 
 
 def on_rank(steps: int, style: str, path: str, attention: str = "gather", zero: bool = False,
@@ -472,14 +476,15 @@ def main(argv=None) -> int:
                         help="store parameters, gradients and Adam states sharded over dp (ZeRO-3)")
     parser.add_argument("--precision", choices=("fp", "bf16"), default="fp",
                         help="bf16: compute in bf16, stored gradients summed in fp32 (einshard style)")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     if args.precision == "bf16" and args.style != "einshard":
         parser.error("--precision bf16 needs --style einshard (the hooks cast the parameters)")
     path = os.path.join(args.checkpoint_dir, args.style + ("" if args.attention == "gather" else f"-{args.attention}")
                         + ("-zero" if args.zero else "") + ("" if args.precision == "fp" else f"-{args.precision}"))
-    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
     results = launch(on_rank, 8, args=(args.steps, args.style, path, args.attention, args.zero, args.precision),
-                     timeout=600)
+                     timeout=600, device=args.device)
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

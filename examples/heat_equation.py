@@ -17,6 +17,7 @@ Run it as a plain script (it starts 8 gloo CPU ranks itself)::
 or under torchrun on 8 processes::
 
     torchrun --nproc-per-node 8 examples/heat_equation.py
+    torchrun --nproc-per-node 8 examples/heat_equation.py --device cuda   # one GPU per rank over NCCL
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
-from einshard.testing import launch, local_block
+from einshard.testing import device_mesh, launch, local_block, parse_device, rank_device
 
 N_X, N_Y = 50, 61  # deliberately not multiples of the mesh: uneven blocks
 STEPS = 300
@@ -40,8 +40,8 @@ LAYOUT = "x/dp y/tp"
 
 def initial_condition() -> torch.Tensor:
     """A hot off-centre Gaussian blob plus a hot stripe, on the whole grid."""
-    x = torch.linspace(0, 1, N_X, dtype=torch.float64)[:, None]
-    y = torch.linspace(0, 1, N_Y, dtype=torch.float64)[None, :]
+    x = torch.linspace(0, 1, N_X, dtype=torch.float64, device=rank_device())[:, None]
+    y = torch.linspace(0, 1, N_Y, dtype=torch.float64, device=rank_device())[None, :]
     blob = torch.exp(-((x - 0.3) ** 2 + (y - 0.6) ** 2) / 0.01)
     stripe = ((y > 0.1) & (y < 0.15)).to(torch.float64) * 0.5
     return blob + stripe
@@ -69,7 +69,7 @@ def step_sharded(u: torch.Tensor, r: float, mesh, shapes) -> torch.Tensor:
 
 def simulate() -> dict:
     """Runs on every rank: the sharded simulation, then the comparison with one process."""
-    mesh = es.wrap_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
+    mesh = es.wrap_mesh(device_mesh((2, 4), ("dp", "tp")))
     shapes = {"dp": es.helpers.compute_split_shapes(N_X, 2), "tp": es.helpers.compute_split_shapes(N_Y, 4)}
     dt, r = time_step()
     u0 = initial_condition()
@@ -84,9 +84,10 @@ def simulate() -> dict:
     ref = u0
     for _ in range(STEPS):
         ref = step_local(ref, r)
-    diff = torch.tensor([(u - local_block(ref, LAYOUT, mesh, shapes=shapes)).abs().max().item()], dtype=torch.float64)
+    diff = torch.tensor([(u - local_block(ref, LAYOUT, mesh, shapes=shapes)).abs().max().item()], dtype=torch.float64,
+                        device=u.device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    heat = torch.tensor([u.sum().item()], dtype=torch.float64)
+    heat = torch.tensor([u.sum().item()], dtype=torch.float64, device=u.device)
     dist.all_reduce(heat)
     return {
         "rank": dist.get_rank(),
@@ -113,9 +114,9 @@ def report(results: list[dict]) -> None:
         raise SystemExit("the sharded simulation differs from the single-process one")
 
 
-def main() -> None:
-    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(simulate, 8, timeout=120)
+def main(argv=None) -> None:
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
+    results = launch(simulate, 8, timeout=120, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         report(results)
 

@@ -1,14 +1,21 @@
 """Local einshard in five steps, each checked against plain torch.
 
-Run: ``python examples/local_einshard.py`` (CPU, under a second).
+Run: ``python examples/local_einshard.py`` (under a second; ``--device cpu`` or ``cuda``: the default, ``auto``,
+is a GPU where there is one).
 """
 
 import torch
 
 import einshard as es
+from einshard.testing import local_device, parse_device
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    with torch.device(local_device(parse_device(argv, __doc__.splitlines()[0]))):  # every tensor below: there
+        steps()
+
+
+def steps() -> None:
     torch.manual_seed(0)
 
     # 1. a linear layer: contraction over c

@@ -25,6 +25,7 @@ Run it as a plain script (it starts 8 gloo CPU ranks itself)::
 or under torchrun on 8 processes::
 
     torchrun --nproc-per-node 8 examples/spectral_poisson.py
+    torchrun --nproc-per-node 8 examples/spectral_poisson.py --device cuda   # one GPU per rank over NCCL
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
 from einshard.helpers import compute_split_shapes as split
-from einshard.testing import launch
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 N = (34, 30, 27)  # grid points along x, y, z: uneven over the 2x4 mesh, odd along z
 GRID = "x/px y/py z"
@@ -68,12 +68,12 @@ def source(x, y, z):
 
 def solve() -> dict:
     """Runs on every rank: build this rank's block of f, solve, compare with the analytic u."""
-    mesh = es.wrap_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("px", "py")))
+    mesh = es.wrap_mesh(device_mesh((2, 4), ("px", "py")))
     shapes = split_shapes()
 
     # this rank's grid coordinates: split the whole 1-D coordinate vectors like the grid
     def coords(n, spec):
-        whole = torch.arange(n, dtype=torch.float64) * (2 * math.pi / n)
+        whole = torch.arange(n, dtype=torch.float64, device=rank_device()) * (2 * math.pi / n)
         return es.einshard(f"{spec.split('/')[0]} -> {spec}", whole, mesh=mesh) if "/" in spec else whole
 
     x = coords(N[0], "x/px")[:, None, None]
@@ -87,7 +87,7 @@ def solve() -> dict:
         # wavenumbers of this rank's block of the spectrum (integers: the box has length 2π)
         def wavenumbers(n, spec, half=False):
             k = torch.fft.rfftfreq(n, 1 / n) if half else torch.fft.fftfreq(n, 1 / n)
-            k = k.to(torch.float64)
+            k = k.to(rank_device(), torch.float64)
             return es.einshard(f"{spec.split('/')[0]} -> {spec}", k, mesh=mesh) if "/" in spec else k
 
         kx = wavenumbers(N[0], "kx")[:, None, None]
@@ -105,7 +105,7 @@ def solve() -> dict:
         u, f_hat = poisson(f)
     seconds = time.perf_counter() - start
 
-    error = torch.tensor([(u - solution(x, y, z)).abs().max().item()], dtype=torch.float64)
+    error = torch.tensor([(u - solution(x, y, z)).abs().max().item()], dtype=torch.float64, device=u.device)
     dist.all_reduce(error, op=dist.ReduceOp.MAX)
     plan = es.einfft(f"{GRID} -> {SPECTRUM}", f, AXES, real=True, mesh=mesh, shapes=shapes, explain=True)
     return {
@@ -132,9 +132,9 @@ def report(results: list[dict]) -> None:
         raise SystemExit("the spectral solution does not match the analytic one")
 
 
-def main() -> None:
-    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(solve, 8, timeout=120)
+def main(argv=None) -> None:
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
+    results = launch(solve, 8, timeout=120, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         report(results)
 

@@ -18,7 +18,8 @@ prints the loss of every step and the largest difference between the two
 Run it from the repository root::
 
     python examples/train.py                              # starts 8 gloo ranks itself
-    torchrun --nproc-per-node 8 examples/train.py         # or under torchrun
+    torchrun --nproc-per-node 8 examples/train.py         # or under torchrun (GPUs if it has 8, else CPUs)
+    torchrun --nproc-per-node 8 examples/train.py --device cuda   # one GPU per rank over NCCL
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
-from einshard.testing import launch
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 B, N, C = 8, 6, 16  # batch, sequence length, model width
 H, D, FF = 4, 4, 32  # heads, head width, MLP hidden units
@@ -63,7 +63,7 @@ def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
     def rand(*shape, scale):
         return torch.randn(*shape, generator=g, dtype=DTYPE) * scale
 
-    return {
+    return {k: v.to(rank_device()) for k, v in {
         "ln1_w": 1 + rand(C, scale=0.1),
         "ln1_b": rand(C, scale=0.1),
         "wq": rand(H, D, C, scale=C**-0.5),
@@ -76,7 +76,7 @@ def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
         "b1": rand(FF, scale=0.1),
         "w2": rand(C, FF, scale=FF**-0.5),
         "b2": rand(C, scale=0.1),
-    }
+    }.items()}
 
 
 TEACHER = torch.randn(C, C, generator=torch.Generator().manual_seed(7), dtype=DTYPE) / math.sqrt(C)
@@ -86,10 +86,12 @@ def batch(step: int):
     """Inputs and regression targets of one step (whole tensors, the same on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(B, N, C, generator=g, dtype=DTYPE)
-    return x, torch.tanh(x @ TEACHER)  # a fixed target function, so the loss goes down
+    return x.to(rank_device()), torch.tanh(x @ TEACHER).to(rank_device())  # a fixed target function
 
 
-CAUSAL = torch.ones(N, N, dtype=torch.bool).triu(1)
+def causal(like):
+    """The causal mask (``q k``: true above the diagonal) on ``like``'s device."""
+    return torch.ones(N, N, dtype=torch.bool, device=like.device).triu(1)
 
 
 # -- the sharded training step --------------------------------------------------------------
@@ -102,7 +104,7 @@ def block(p, x):
     k = es.einshard("b/dp n c, h/tp d c -> b/dp h/tp n d", a, p["wk"])
     v = es.einshard("b/dp n c, h/tp d c -> b/dp h/tp n d", a, p["wv"])
     s = es.einshard("b/dp h/tp q d, b/dp h/tp k d -> b/dp h/tp q k", q, k) / math.sqrt(D)
-    s = s.masked_fill(CAUSAL, float("-inf")).softmax(-1)
+    s = s.masked_fill(causal(s), float("-inf")).softmax(-1)
     o = es.einshard("b/dp h/tp q k, b/dp h/tp k d -> b/dp h/tp q d", s, v)
     x = x + es.einshard("b/dp h/tp n d, c h/tp d -> b/dp n c", o, p["wo"])  # sums the heads over tp
     a = F.layer_norm(x, (C,), p["ln2_w"], p["ln2_b"])
@@ -133,7 +135,7 @@ def reference_block(p, x):
     q = torch.einsum("bnc,hdc->bhnd", a, p["wq"])
     k = torch.einsum("bnc,hdc->bhnd", a, p["wk"])
     v = torch.einsum("bnc,hdc->bhnd", a, p["wv"])
-    s = (torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(D)).masked_fill(CAUSAL, float("-inf")).softmax(-1)
+    s = (torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(D)).masked_fill(causal(x), float("-inf")).softmax(-1)
     x = x + torch.einsum("bhnd,chd->bnc", torch.einsum("bhqk,bhkd->bhqd", s, v), p["wo"])
     a = F.layer_norm(x, (C,), p["ln2_w"], p["ln2_b"])
     u = F.gelu(torch.einsum("bnc,fc->bnf", a, p["w1"]) + p["b1"])
@@ -184,12 +186,12 @@ def run(device_mesh) -> list[str]:
 
 def on_rank() -> list[str]:
     """What every rank runs: build the 2 x 4 mesh, train, compare."""
-    return run(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
+    return run(device_mesh((2, 4), ("dp", "tp")))
 
 
-def main() -> int:
-    # under torchrun/srun this process is one rank; otherwise 8 gloo ranks are started here
-    results = launch(on_rank, 8, timeout=240)
+def main(argv=None) -> int:
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
+    results = launch(on_rank, 8, timeout=240, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

@@ -24,7 +24,8 @@ gathered initial parameters); the last line is the largest difference (float64).
 Run it from the repository root::
 
     python examples/train_module.py                          # starts 8 gloo ranks itself
-    torchrun --nproc-per-node 8 examples/train_module.py     # or under torchrun
+    torchrun --nproc-per-node 8 examples/train_module.py     # or under torchrun (GPUs if it has 8, else CPUs)
+    torchrun --nproc-per-node 8 examples/train_module.py --device cuda   # one GPU per rank over NCCL
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import einshard as es
 from einshard.helpers import compute_split_shapes
-from einshard.testing import launch
+from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 B, N, C = 8, 6, 12  # batch, sequence length, model width
 H, D, FF = 4, 3, 30  # heads, head width, MLP hidden units (30 over 4 ranks: uneven)
@@ -54,7 +54,11 @@ LAYOUTS = {
     "w1": "f/tp c", "b1": "f/tp",  # column-parallel
     "w2": "c f/tp", "b2": "c",  # row-parallel
 }
-CAUSAL = torch.ones(N, N, dtype=torch.bool).triu(1)
+
+
+def causal(like):
+    """The causal mask (``q k``: true above the diagonal) on ``like``'s device."""
+    return torch.ones(N, N, dtype=torch.bool, device=like.device).triu(1)
 
 
 class Block(torch.nn.Module):
@@ -84,7 +88,7 @@ class Block(torch.nn.Module):
         k = es.einshard("b/dp n c, h/tp d c -> b/dp h/tp n d", a, self.wk)
         v = es.einshard("b/dp n c, h/tp d c -> b/dp h/tp n d", a, self.wv)
         s = es.einshard("b/dp h/tp q d, b/dp h/tp k d -> b/dp h/tp q k", q, k) / math.sqrt(D)
-        o = es.einshard("b/dp h/tp q k, b/dp h/tp k d -> b/dp h/tp q d", s.masked_fill(CAUSAL, -math.inf).softmax(-1), v)
+        o = es.einshard("b/dp h/tp q k, b/dp h/tp k d -> b/dp h/tp q d", s.masked_fill(causal(s), -math.inf).softmax(-1), v)
         x = x + es.einshard("b/dp h/tp n d, c h/tp d -> b/dp n c", o, self.wo)
         f = {"f": FF}  # the whole size: the hidden units are split unevenly (8, 8, 8, 6)
         u = F.gelu(es.einshard("b/dp n c, f/tp c -> b/dp n f/tp", self.ln2(x), self.w1, sizes=f) + self.b1)
@@ -97,14 +101,14 @@ TEACHER = torch.randn(C, C, generator=torch.Generator().manual_seed(7), dtype=DT
 def batch(step: int):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(B, N, C, generator=g, dtype=DTYPE)
-    return x, torch.tanh(x @ TEACHER)
+    return x.to(rank_device()), torch.tanh(x @ TEACHER).to(rank_device())
 
 
 def reference_forward(p, x):
     """The same block on whole tensors (``p``: gathered parameters)."""
     a = F.layer_norm(x, (C,), p["ln1.weight"], p["ln1.bias"])
     q, k, v = (torch.einsum("bnc,hdc->bhnd", a, p[w]) for w in ("wq", "wk", "wv"))
-    s = (torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(D)).masked_fill(CAUSAL, -math.inf).softmax(-1)
+    s = (torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(D)).masked_fill(causal(x), -math.inf).softmax(-1)
     x = x + torch.einsum("bhnd,chd->bnc", torch.einsum("bhqk,bhkd->bhqd", s, v), p["wo"])
     u = F.gelu(torch.einsum("bnc,fc->bnf", F.layer_norm(x, (C,), p["ln2.weight"], p["ln2.bias"]), p["w1"]) + p["b1"])
     return x + torch.einsum("bnf,cf->bnc", u, p["w2"]) + p["b2"]
@@ -129,7 +133,7 @@ def run(device_mesh) -> list[str]:
     mesh = es.wrap_mesh(device_mesh)
     tp, tp_rank = mesh.size("tp"), mesh.index("tp")
     torch.manual_seed(dist.get_rank())  # every rank its own random initial values
-    model = Block(compute_split_shapes(H, tp)[tp_rank], compute_split_shapes(FF, tp)[tp_rank])
+    model = Block(compute_split_shapes(H, tp)[tp_rank], compute_split_shapes(FF, tp)[tp_rank]).to(rank_device())
     es.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad="dp:async")
     es.init_params_(model, mesh)  # the replicated copies made equal (broadcasts)
     initial = es.tree_gather(model, mesh=mesh)  # whole initial parameters, for the reference
@@ -161,11 +165,12 @@ def run(device_mesh) -> list[str]:
 
 
 def on_rank() -> list[str]:
-    return run(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
+    return run(device_mesh((2, 4), ("dp", "tp")))
 
 
-def main() -> int:
-    results = launch(on_rank, 8, timeout=240)
+def main(argv=None) -> int:
+    # under torchrun/srun this process is one rank (on a GPU with --device cuda); otherwise 8 gloo ranks start here
+    results = launch(on_rank, 8, timeout=240, device=parse_device(argv, __doc__.splitlines()[0]))
     if results is not None:
         print("\n".join(results[0]), flush=True)
     return 0

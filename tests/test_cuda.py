@@ -1,26 +1,43 @@
-"""CUDA: formulas, named collectives and einfft on CUDA tensors, and the device of every tensor they make.
+"""CUDA: every public op, and training steps of the GPT and FNO examples, on GPUs; no host work in a steady call.
 
 Marked ``cuda``: deselected where CUDA (or, for ``devices=2``, a second GPU) is missing (tests/conftest.py).
-Over gloo (one GPU suffices, both ranks on it) only all-reduces run, as gloo moves CUDA tensors for those
-alone; over NCCL (a GPU per rank) every collective does. The checks are module-level functions of a
-device and a mesh, compared with the same computation on whole tensors in one process.
+
+- One GPU: every public op (tests/host_work.py's cases: forward and backward, compared with the same
+  computation on whole tensors in one process) on a 1-rank NCCL mesh, each steady-state call under
+  ``torch.cuda.set_sync_debug_mode("error")`` and the host-work detector; a few training steps of
+  ``examples/gpt.py`` (both styles) and ``examples/fno.py`` on a 1-rank NCCL mesh (one ``torchrun`` rank,
+  ``launch(device="cuda")``) against their one-process references on the same GPU.
+- Two ranks over gloo on one GPU: the paths whose only communication is all-reduce (gloo moves CUDA tensors
+  for those alone; it stages them through the host, so no sync-debug mode there).
+- Two GPUs: every public op over a 2-rank NCCL mesh, as on one.
+
+The unmarked tests run the same functions on CPU ranks, so a machine without a GPU checks that they are sane.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
-from einshard.helpers import compute_split_shapes
-from einshard.testing import MeshSpec, local_block
+from einshard.testing import local_block, rank_device
+from host_work import HostWork, check_cases
+from scripts import ROOT, torchrun
+
+sys.path.insert(0, str(ROOT / "examples"))
+import fno  # noqa: E402  (examples/fno.py)
+import gpt  # noqa: E402  (examples/gpt.py)
 
 DT = torch.float64
-MESH_2 = MeshSpec((2,), ("tp",))
+GPT_STEPS = 3
 
 
 def gen(*shape, seed, device, dtype=DT):
@@ -35,60 +52,57 @@ def err(a, b) -> float:
 def agree_errors(errs: dict, tol: float = 1e-10) -> None:
     names = sorted(errs)
     t = torch.tensor([float(errs[n]) for n in names], dtype=DT)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # (the pool's gloo group: a CPU tensor)
     bad = {n: v for n, v in zip(names, t.tolist()) if not v <= tol}
     assert not bad, f"errors above {tol}: {bad}"
 
 
-class _Devices(TorchDispatchMode):
-    """The device types of the tensors every aten op returns while active, by op."""
+# -- meshes ---------------------------------------------------------------------------------------------
 
-    def __init__(self):
-        super().__init__()
-        self.seen: dict[str, set] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.seen.setdefault(str(func), set()).add(t.device.type)
-        return out
+_NCCL: dict = {}
 
 
-def off_device(device, fn, *args, **kwargs) -> dict:
-    """The ops that made a tensor off ``device`` while ``fn`` ran (planned by a first call)."""
-    fn(*args, **kwargs)  # plans are made (and cached) here; the second call is the steady state
-    with _Devices() as mode:
-        fn(*args, **kwargs)
-    return {op: kinds for op, kinds in mode.seen.items() if kinds - {torch.device(device).type, "meta"}}
+def nccl_group():
+    """An NCCL group over every rank of the pool, a GPU per rank (made once per process; the rank's device set)."""
+    if "group" not in _NCCL:
+        torch.cuda.set_device(dist.get_rank())
+        _NCCL["group"] = dist.new_group(backend="nccl")
+    return _NCCL["group"]
+
+
+def group_mesh(group, device_type: str):
+    """A 1-D mesh ``tp`` over every rank of ``group``."""
+    return es.wrap_mesh(DeviceMesh.from_group(group, device_type, mesh_dim_names=("tp",)))
+
+
+def nccl_mesh():
+    return group_mesh(nccl_group(), "cuda")
+
+
+def cpu_mesh():
+    """The same kind of mesh on the pool's gloo group."""
+    return group_mesh(dist.group.WORLD, "cpu")
 
 
 # -- the checks -----------------------------------------------------------------------------------------
 
 
-def local_case(device) -> dict:
-    x, w = gen(5, 4, seed=1, device=device), gen(3, 4, seed=2, device=device)
-    y = es.einshard("b c, h c -> b h", x, w)
-    f = es.einfft("b x y -> b kx ky", x.reshape(5, 2, 2), {"x": "kx", "y": "ky"})
-    assert y.device == x.device and f.device == x.device
-    assert not off_device(device, es.einshard, "b c, h c -> b h", x, w)
-    return {"einshard": err(y, x @ w.T), "einfft": err(f, torch.fft.fftn(x.reshape(5, 2, 2), dim=(1, 2)))}
-
-
 def reduce_case(mesh, device) -> dict:
-    """A formula and named collectives whose only communication is all-reduce (gloo moves CUDA tensors then)."""
+    """A formula and a shard_map step whose only communication is all-reduce (gloo moves CUDA tensors then).
+    What the body computes is the library's alone: the test's own values are made outside the measured call."""
     x, w, v = gen(5, 6, seed=3, device=device), gen(3, 6, seed=4, device=device), gen(6, seed=5, device=device)
     xl = local_block(x, "b c/tp", mesh).requires_grad_()
     wl = local_block(w, "h c/tp", mesh).requires_grad_()
-    y = es.einshard("b c/tp, h c/tp -> b h", xl, wl, mesh=mesh)  # partial sums, all-reduced
-    assert y.device == xl.device
-    assert not off_device(device, es.einshard, "b c/tp, h c/tp -> b h", xl, wl, mesh=mesh)
 
+    def formula():
+        return es.einshard("b c/tp, h c/tp -> b h", xl, wl, mesh=mesh)  # partial sums, all-reduced
+
+    y = formula()
+    assert y.device == xl.device
     vp = v.clone().requires_grad_()
 
     @es.shard_map(("b/tp c", "c"), "", mesh=mesh)
     def loss_fn(xb, p):  # p is replicated: its gradient is summed over tp (pvary's all-reduce)
-        assert es.axis_index("tp").device.type == mesh.device_type
         return es.psum((xb * p).square().sum(), "tp")
 
     u = gen(6, 6, seed=11, device=device)
@@ -98,97 +112,108 @@ def reduce_case(mesh, device) -> dict:
     vr = v.clone().requires_grad_()
     ref = (u * vr).square().sum()
     ref.backward()
-    assert not off_device(device, loss_fn, ul, vp)
+    for call in (formula, lambda: loss_fn(ul, vp)):
+        call()  # plans are made (and cached) by the first calls; this one is the steady state
+        with HostWork(device, syncs=False) as found:
+            call()
+        assert not found, found
     return {"formula": err(y, x @ w.T), "loss": err(loss, ref), "grad": err(vp.grad, vr.grad)}
 
 
-def nccl_case(mesh, device) -> dict:
-    """Every kind of collective: an uneven gather, a transpose FFT, a four-step FFT (twiddles), an inverse
-    real four-step FFT (weights), a shard_map step."""
-    shapes = {"tp": [3, 2]}
-    x = gen(5, 4, seed=6, device=device)
-    xl = local_block(x, "b/tp c", mesh, shapes)
-    whole = es.einshard("b/tp c -> b c", xl, mesh=mesh, shapes=shapes)
-    assert not off_device(device, es.einshard, "b/tp c -> b c", xl, mesh=mesh, shapes=shapes)
-
-    z = gen(8, 6, seed=7, device=device)
-    zl = local_block(z, "x/tp y", mesh)
-    f = es.einfft("x/tp y -> kx ky/tp", zl, {"x": "kx", "y": "ky"}, mesh=mesh)
-    s = gen(24, seed=8, device=device, dtype=torch.complex128)
-    sl = local_block(s, "x/tp", mesh)
-    g = es.einfft("x/tp -> kx/tp", sl, {"x": "kx"}, mesh=mesh)
-    assert not off_device(device, es.einfft, "x/tp -> kx/tp", sl, {"x": "kx"}, mesh=mesh)
-    h = torch.fft.rfft(gen(24, seed=9, device=device))  # 13 frequencies: [7, 6]
-    split = {"tp": {"kx": compute_split_shapes(13, 2)}}
-    hl = local_block(h, "kx/tp", mesh, split)
-    r = es.einfft("kx/tp -> x/tp", hl, {"kx": "x"}, mesh=mesh, shapes=split, real=True, inverse=True,
-                  signal_sizes={"x": 24})
-    assert {t.device for t in (whole, f, g, r)} == {x.device}
-
-    wp = gen(3, 4, seed=10, device=device).requires_grad_()
-
-    @es.shard_map(("b/tp c", "h c"), "// tp", mesh=mesh, shapes=shapes)
-    def step(xb, p):
-        assert es.axis_index("tp").device.type == mesh.device_type
-        return es.einshard("b/tp h -> // tp", torch.tanh(es.einshard("b/tp c, h c -> b/tp h", xb, p)) ** 2)
-
-    part = step(xl, wp)
-    part.backward()
-    total = part.detach().clone()
-    dist.all_reduce(total, group=mesh.group("tp"))
-    wr = wp.detach().clone().requires_grad_()
-    ref = (torch.tanh(x @ wr.T) ** 2).sum()
-    ref.backward()
-    return {
-        "gather": err(whole, x),
-        "transpose fft": err(f, local_block(torch.fft.fftn(z), "kx ky/tp", mesh)),
-        "four-step fft": err(g, local_block(torch.fft.fft(s), "kx/tp", mesh)),
-        "inverse real four-step": err(r, local_block(torch.fft.irfft(h, n=24), "x/tp", mesh)),
-        "step loss": err(total, ref),
-        "step grad": err(wp.grad, wr.grad),
-    }
+def gpt_case(mesh, style: str) -> float:
+    """``GPT_STEPS`` Adam steps of examples/gpt.py on ``mesh`` (dp x sp x tp) against the one-process training
+    on the same device: the largest loss difference."""
+    cfg = gpt.CONFIG
+    model = gpt.sharded_model(mesh, gpt.init_values(cfg), cfg, style)
+    assert {p.device for p in model.parameters()} == {rank_device()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=gpt.LR)
+    losses = gpt.train(mesh, model, optimizer, range(GPT_STEPS), style)
+    ref = gpt.reference_training(GPT_STEPS, cfg)
+    return max(abs(a - b) for a, b in zip(losses, ref))
 
 
-_NCCL: dict = {}
+def fno_case(mesh) -> float:
+    """examples/fno.py's training on ``mesh`` (px x py) against the one-process training: the largest difference
+    of losses and parameters (the example's own report)."""
+    lines = fno.run(mesh.device_mesh)
+    return float(re.search(r"max difference from single-process training: (\S+)", lines[-1]).group(1))
 
 
-def nccl_mesh():
-    """A 1-D ``tp`` mesh on NCCL over every rank of the pool, one GPU per rank (made once per process)."""
-    if "mesh" not in _NCCL:
-        torch.cuda.set_device(dist.get_rank())
-        group = dist.new_group(backend="nccl")
-        _NCCL["mesh"] = es.wrap_mesh(DeviceMesh.from_group(group, "cuda", mesh_dim_names=("tp",)))
-    return _NCCL["mesh"]
+def examples_case(mesh3, mesh2) -> dict:
+    return {"gpt shard_map": gpt_case(mesh3, "shard_map"), "gpt einshard": gpt_case(mesh3, "einshard"),
+            "fno": fno_case(mesh2)}
 
 
-# -- the tests ------------------------------------------------------------------------------------------
+# the examples' steps as a user runs them: one torchrun rank, launch(device=...) (NCCL world on a GPU)
+EXAMPLES_SCRIPT = textwrap.dedent(f"""
+    import json, sys
+    sys.path[:0] = [{str(Path(__file__).resolve().parent)!r}]
+    import einshard as es
+    from einshard.testing import device_mesh, launch
+    import test_cuda
+
+    def on_rank():
+        mesh3 = es.wrap_mesh(device_mesh((1, 1, 1), ("dp", "sp", "tp")))
+        return test_cuda.examples_case(mesh3, es.wrap_mesh(device_mesh((1, 1), ("px", "py"))))
+
+    if __name__ == "__main__":
+        results = launch(on_rank, 1, device=sys.argv[1])
+        print("ERRORS", json.dumps(results[0]), flush=True)
+""")
 
 
-def test_off_device_sees_tensors_made_elsewhere():  # (runs everywhere: the detector itself)
-    def make():
-        return torch.arange(3) + torch.tensor(1, dtype=torch.int64)
+def examples_under_torchrun(tmp_path, device: str) -> dict:
+    script = tmp_path / "example_steps.py"
+    script.write_text(EXAMPLES_SCRIPT)
+    proc = torchrun(script, 1, device, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return json.loads(re.search(r"^ERRORS (.*)$", proc.stdout, re.M).group(1))
 
-    assert set(off_device("cuda", make)) >= {"aten.arange.default", "aten.add.Tensor"}
-    assert not off_device("cpu", make)
 
+# -- CPU ranks: the same functions, so that a machine without a GPU checks them -------------------------------
+
+
+@pytest.mark.ranks(1, checks=False)
+def test_every_public_op_on_one_cpu_rank():
+    assert not check_cases(cpu_mesh(), "cpu")
+
+
+@pytest.mark.ranks(2, checks=False)
+def test_all_reduce_paths_on_cpu_ranks():
+    agree_errors(reduce_case(cpu_mesh(), "cpu"))
+
+
+def test_example_steps_under_torchrun_on_one_cpu_rank(tmp_path):
+    errs = examples_under_torchrun(tmp_path, "cpu")
+    assert set(errs) == {"gpt shard_map", "gpt einshard", "fno"} and max(errs.values()) < 1e-10, errs
+
+
+# -- GPUs -----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.cuda
-def test_local_formula_and_fft_on_cuda():
-    errs = local_case("cuda")
-    assert max(errs.values()) < 1e-10, errs
+@pytest.mark.ranks(1, checks=False)
+def test_every_public_op_on_one_gpu_over_nccl():
+    mesh = nccl_mesh()
+    bad = check_cases(mesh, "cuda:0")  # each steady call under set_sync_debug_mode("error") and the detector
+    assert not bad, bad
+
+
+@pytest.mark.cuda
+def test_gpt_and_fno_examples_train_on_one_gpu_over_nccl(tmp_path):
+    """One torchrun rank with ``--device cuda``: an NCCL world, the examples' tensors on the GPU."""
+    errs = examples_under_torchrun(tmp_path, "cuda")
+    assert set(errs) == {"gpt shard_map", "gpt einshard", "fno"} and max(errs.values()) < 1e-10, errs
 
 
 @pytest.mark.cuda
 @pytest.mark.ranks(2, checks=False)  # checks agree on host flags over gloo: not the operands' device
 def test_all_reduce_formula_and_shard_map_on_cuda_over_gloo():
-    agree_errors(reduce_case(es.wrap_mesh(MESH_2.build()), "cuda"))
+    agree_errors(reduce_case(cpu_mesh(), "cuda"))
 
 
 @pytest.mark.cuda(devices=2)
 @pytest.mark.ranks(2, checks=False)
-def test_collectives_einfft_and_shard_map_over_nccl():
-    mesh = nccl_mesh()
-    errs = reduce_case(mesh, f"cuda:{dist.get_rank()}")
-    errs.update(nccl_case(mesh, f"cuda:{dist.get_rank()}"))
-    agree_errors(errs)
+def test_every_public_op_over_nccl_on_two_gpus():
+    bad = check_cases(nccl_mesh(), f"cuda:{dist.get_rank()}")
+    assert not bad, bad

@@ -15,7 +15,6 @@ The first line of a block says how it runs (docs/testing.md, "Code in the docs")
 from __future__ import annotations
 
 import doctest
-import os
 import pathlib
 import re
 import subprocess
@@ -25,10 +24,10 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import einshard as es
 from einshard.testing import run_on_ranks
+from scripts import kept_process_group, script_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
@@ -105,16 +104,23 @@ def test_local_blocks_run_in_order(page, tmp_path, monkeypatch):
 def _run_script(code: str) -> bool:
     """One rank's run of a rank script, as a module of its own (torch.compile looks functions' globals up
     by module name); the group is up, so a script's own destroy_process_group is a no-op."""
-    destroy = dist.destroy_process_group
-    dist.destroy_process_group = lambda *a, **k: None
     module = types.ModuleType("docs_script")
     sys.modules[module.__name__] = module
     try:
-        exec(compile(code, "<docs script>", "exec"), module.__dict__)
+        with kept_process_group():
+            exec(compile(code, "<docs script>", "exec"), module.__dict__)
     finally:
-        dist.destroy_process_group = destroy
         del sys.modules[module.__name__]
     return True
+
+
+@pytest.mark.parametrize("page, index", _ids("ranks"))
+def test_rank_scripts_end_cleanly(page, index):
+    """Every torchrun script ends by leaving the process group (else a rank may abort at teardown:
+    'terminate called without an active exception', exit 1)."""
+    kind, blocks = _sessions(page)[index]
+    last = "\n".join(c for c, _ in blocks).strip().splitlines()[-1]
+    assert re.match(r"(torch\.distributed|dist)\.destroy_process_group\(\)", last), f"{page}:{blocks[-1][1]}: {last}"
 
 
 @pytest.mark.parametrize("page, index", _ids("ranks"))
@@ -130,8 +136,7 @@ def test_scripts_run_as_files(page, index, tmp_path):
     (code, _), = _sessions(page)[index][1]
     name = _SCRIPT.match(code.lstrip()).group(1)
     (tmp_path / name).write_text(code)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([sys.executable, name], cwd=tmp_path, env=env, check=True, timeout=600, capture_output=True)
+    subprocess.run([sys.executable, name], cwd=tmp_path, env=script_env(), check=True, timeout=600, capture_output=True)
 
 
 def _code_lines(text: str) -> list[str]:

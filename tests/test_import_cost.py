@@ -30,3 +30,5 @@ def test_constant_result_sets_the_mark_torch_sets():
     added = set(vars(theirs))
     assert added == {"_dynamo_marked_constant"} and theirs._dynamo_marked_constant is True
     assert vars(ours) == vars(theirs)
+    call = _trace.constant_result(ours)  # eagerly: ours itself runs
+    assert call.__wrapped__ is ours and call() == 1

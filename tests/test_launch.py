@@ -11,11 +11,11 @@ SCRIPT = textwrap.dedent(
     import sys
     import torch, torch.distributed as dist
     from einshard.checks import checks_enabled
-    from einshard.testing import launch
+    from einshard.testing import launch, rank_device
 
     def on_rank(scale):
         assert checks_enabled(), "ranks run with checks on by default"
-        t = torch.tensor([float(dist.get_rank())])
+        t = torch.tensor([float(dist.get_rank())], device=rank_device())  # (a GPU under torchrun where there are 2)
         dist.all_reduce(t)
         return scale * t.item()
 

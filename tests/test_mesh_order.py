@@ -9,7 +9,9 @@ case here cuts whole tensors into blocks by mesh coordinates
 (``local_block``) and compares values and gradients with the same
 computation on whole tensors in one process: transitions and contractions of
 every planner kind, named collectives in ``shard_map``, the grid ops,
-``es.to_dtensor``, a DCP checkpoint and a compiled formula.
+``es.to_dtensor`` (whose DTensors live on the mesh's twin where DTensor's own
+gathers would permute the blocks), a DCP checkpoint, parameters stored sharded
+(``store=``, ZeRO: the hooks and ``shard_map`` bodies) and a compiled formula.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 
 import einshard as es
 from dist_reference import check_many
@@ -45,6 +48,7 @@ RANKS = {
     "1d2": ([1, 0], ("tp",)),
     "1d": ([3, 1, 0, 2], ("tp",)),
     "cols": ([[0, 2], [1, 3]], ("dp", "tp")),
+    "rev": ([[3, 1], [2, 0]], ("dp", "tp")),  # no dimension's groups ascend
     "2x4": ([[5, 2, 7, 0], [3, 6, 1, 4]], ("dp", "tp")),
     "2x2x2": ([[[6, 1], [4, 3]], [[0, 7], [2, 5]]], ("dp", "sp", "tp")),
 }
@@ -422,12 +426,54 @@ def test_to_dtensor_uneven_params(kind):
     model = _model(mesh, whole)
     state = es.to_dtensor(model, mesh=mesh)  # hung in the exchange before
     for k, layout in _layouts(mesh.names).items():
-        assert torch.equal(state[k].to_local(), _chunk_block(whole[k], layout, mesh)), k
-        if mesh.ndim > 1:  # DTensor's own all-gathers are right where each dimension's group ascends
-            assert torch.equal(state[k].full_tensor(), whole[k]), k
+        # the block at this rank's coordinate in the DeviceMesh the DTensor is on (a twin on "1d")
+        assert torch.equal(state[k].to_local(), _chunk_block(whole[k], layout, es.wrap_mesh(state[k].device_mesh))), k
+        assert torch.equal(state[k].full_tensor(), whole[k]), k
     back = es.from_dtensor(state, model, mesh=mesh)
     for k, layout in _layouts(mesh.names).items():
         assert torch.equal(back[k], local_block(whole[k], layout, mesh)), k
+
+
+@pytest.mark.ranks(4, timeout=300)
+def test_to_dtensor_full_tensor_on_permuted_2d_mesh(tmp_path):
+    """DTensor gathers in group-rank order: on a mesh whose groups do not ascend the DTensors handed out live
+    on its twin (ranks ascending), holding the block at their twin coordinate; everything DTensor does with
+    them agrees with the whole tensor, and they are read back through the twin."""
+    mesh = permuted_mesh("rev")
+    whole = _whole(2)
+    model = _model(mesh, whole)
+    state = es.to_dtensor(model, mesh=mesh)
+    for k, layout in LAYOUTS.items():
+        d = state[k]
+        assert d.device_mesh.mesh.tolist() == [[0, 1], [2, 3]] and d.device_mesh.mesh_dim_names == ("dp", "tp")
+        assert torch.equal(d.to_local(), _chunk_block(whole[k], layout, es.wrap_mesh(d.device_mesh))), k
+        assert torch.equal(d.full_tensor(), whole[k]), k
+        assert torch.equal(d.redistribute(placements=[Replicate(), Replicate()]).to_local(), whole[k]), k
+        moved = d.redistribute(placements=[Replicate(), Shard(0)])  # another sharding, read back through the twin
+        assert torch.equal(es.from_dtensor({k: moved}, {k: layout}, mesh=mesh)[k], local_block(whole[k], layout,
+                                                                                                  mesh)), k
+    back = es.from_dtensor(state, model, mesh=mesh)
+    for k, layout in LAYOUTS.items():
+        assert torch.equal(back[k], local_block(whole[k], layout, mesh)), k
+    # autograd: a DTensor on the twin into shard_map and out again (a DTensor on the twin), gradients back
+    x = state["down"].detach().requires_grad_()
+    y = es.shard_map(LAYOUTS["down"], LAYOUTS["down"], mesh=mesh)(lambda b: b * b)(x)
+    assert y.device_mesh is x.device_mesh and torch.equal(y.full_tensor(), whole["down"] ** 2)
+    cot = torch.randn(whole["down"].shape, generator=torch.Generator().manual_seed(3), dtype=DT)
+    (y.full_tensor() * cot).sum().backward()
+    assert torch.allclose(x.grad.full_tensor(), 2 * whole["down"] * cot, rtol=1e-12, atol=1e-12)
+    # DCP: saved from the twin, loaded whole and back onto the permuted mesh
+    dcp.save(state, checkpoint_id=str(tmp_path / "rev"))
+    loaded = {k: torch.zeros_like(v) for k, v in whole.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "rev"))
+    fresh = _model(mesh, {k: torch.zeros_like(v) for k, v in whole.items()})
+    target = es.to_dtensor(fresh, mesh=mesh)
+    dcp.load(target, checkpoint_id=str(tmp_path / "rev"))
+    es.load_from_dtensor_(fresh, target, mesh=mesh)
+    for k, layout in LAYOUTS.items():
+        assert torch.equal(loaded[k], whole[k]), k
+        assert torch.equal(getattr(fresh, k).detach(), local_block(whole[k], layout, mesh)), k
+    dist.barrier()
 
 
 @pytest.mark.ranks(4, timeout=300)
@@ -516,3 +562,107 @@ def test_shuffled_8_rank_meshes():
     _check_named(m3, ("dp", "sp", "tp"), True, 200)
     run_roll_cases(m3, [dict(spec="h/dp w/sp-tp", gshape=(5, 9), shifts={"h": 1, "w": 4},
                               shapes={"dp": [3, 2], "sp-tp": [3, 2, 2, 2]})])
+
+
+# -- ZeRO storage: gathers and reduce-scatters in block order ----------------------------------
+
+# (mesh kind, the group the rows and the storage span): every group here is in another order than its ranks
+ZERO_MESHES = {"1d2": "tp", "1d": "tp", "cols": "dp-tp", "sub": "tp-dp"}
+ZERO_LAYOUTS = {"norm": "c", "w1": "f c", "w2": "c f"}
+
+
+def _zero_whole(C, F_):
+    g = torch.Generator().manual_seed(11)
+    return {"norm": 1 + 0.1 * torch.randn(C, generator=g, dtype=DT), "w1": torch.randn(F_, C, generator=g, dtype=DT),
+            "w2": torch.randn(C, F_, generator=g, dtype=DT)}
+
+
+class _ZeroNet(torch.nn.Module):
+    """A scale (a torch op on a stored parameter) and two formulas on stored parameters; rows ``b/G``."""
+
+    def __init__(self, mesh, group, whole):
+        super().__init__()
+        self.rows, self.mesh = f"b/{group}", mesh
+        for k, v in whole.items():
+            self.register_parameter(k, torch.nn.Parameter(local_block(v, ZERO_LAYOUTS[k], mesh).clone()))
+        C, F_ = whole["w1"].shape[1], whole["w1"].shape[0]
+        es.register_module_parameter_layouts_(self, ZERO_LAYOUTS, mesh=mesh, grad=group, store=group,
+                                              sizes={"c": C, "f": F_})
+
+    def forward(self, x):
+        h = torch.tanh(es.einshard(f"{self.rows} c, f c -> {self.rows} f", x * self.norm, self.w1, mesh=self.mesh))
+        return es.einshard(f"{self.rows} f, c f -> {self.rows} c", h, self.w2, mesh=self.mesh)
+
+
+def _zero_reference(whole, x):
+    p = {k: v.clone().requires_grad_() for k, v in whole.items()}
+    y = torch.tanh((x * p["norm"]) @ p["w1"].T) @ p["w2"].T
+    (y**2).sum().backward()
+    return y.detach(), {k: v.grad for k, v in p.items()}
+
+
+def _zero_step(kind, style, sizes):
+    """One step of ``style`` (the hooks, or a shard_map body with or without check_vma) on a permuted mesh."""
+    mesh, group = permuted_mesh(kind), ZERO_MESHES[kind]
+    C, F_, B = sizes
+    whole = _zero_whole(C, F_)
+    x = torch.randn(B, C, generator=torch.Generator().manual_seed(12), dtype=DT)
+    want, grads = _zero_reference(whole, x)
+    net = _ZeroNet(mesh, group, whole)
+    specs = es.param_specs(net)
+    state = es.to_dtensor(net, mesh=mesh)  # the storage blocks as DTensors (a checkpoint's view)
+    for k in ZERO_LAYOUTS:
+        assert torch.equal(state[k].full_tensor(), whole[k]), k
+    xb = local_block(x, f"b/{group} c", mesh)
+
+    def check(got, names):
+        for k, g in zip(names, got):
+            torch.testing.assert_close(g, local_block(grads[k], specs[k], mesh), rtol=1e-10, atol=1e-12)
+
+    if style == "hooks":
+        handle = es.register_native_grad_reduction_hooks_(net, mesh)
+        forward = net
+    else:
+        body = es.shard_map((specs, f"b/{group} c"), f"b/{group} c", mesh=mesh, check_vma=style == "vma")(
+            lambda params, xs: torch.func.functional_call(net, params, (xs,)))
+
+        def forward(xs):
+            return body(dict(net.named_parameters()), xs)
+
+    # autograd.grad: the gathers' backward reduce-scatters on the spot (no bucket)
+    check(torch.autograd.grad((forward(xb) ** 2).sum(), [net.w1, net.norm]), ("w1", "norm"))
+    for _ in range(2):  # backward(): bucketed; with the hooks the second step prefetches in the recorded order
+        net.zero_grad(set_to_none=True)
+        y = forward(xb)
+        (y**2).sum().backward()
+        if style == "hooks":
+            handle.wait()
+        torch.testing.assert_close(y.detach(), local_block(want, f"b/{group} c", mesh), rtol=1e-10, atol=1e-12)
+        check([getattr(net, k).grad for k in ZERO_LAYOUTS], ZERO_LAYOUTS)
+    if style == "hooks":
+        handle.remove()
+
+
+ZERO_SIZES = [(4, 8, 8), (5, 7, 8)]  # (C, F, B): even parameter blocks, and uneven ones
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("style", ["hooks", "vma", "per-rank"])
+def test_zero_store_on_permuted_mesh_two_ranks(style):
+    for sizes in ZERO_SIZES:
+        _zero_step("1d2", style, sizes)
+
+
+@pytest.mark.ranks(4, timeout=600)
+def test_zero_store_on_permuted_mesh_hooks():
+    for kind in ("1d", "cols", "sub"):
+        for sizes in ZERO_SIZES:
+            _zero_step(kind, "hooks", sizes)
+
+
+@pytest.mark.ranks(4, timeout=600)
+def test_zero_store_on_permuted_mesh_shard_map():
+    for kind in ("1d", "cols", "sub"):
+        for sizes in ZERO_SIZES:
+            for style in ("vma", "per-rank"):
+                _zero_step(kind, style, sizes)

@@ -601,12 +601,12 @@ def test_a_failing_forward_leaves_the_shards_in_place(mesh):
     for _ in range(2):
         with pytest.raises(RuntimeError, match="the forward fails"):
             model(torch.ones(1))
-        assert type(model.w) is torch.nn.Parameter and model.w.shape == (2, 6)
+        assert type(model.w) is es.StoredParameter and model.w.shape == (2, 6)
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         assert _alive(es.params.zero.units_of(model.w).live) == []
     with pytest.raises(ValueError, match="drop the annotation"):
         model(torch.ones(1, 6, dtype=DT))
-    assert type(model.w) is torch.nn.Parameter
+    assert type(model.w) is es.StoredParameter
     handle.remove()
 
 

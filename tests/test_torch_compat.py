@@ -208,6 +208,13 @@ def test_torch_function_internals():
 
     assert type(torch.ones(2).as_subclass(Plain) + 1) is torch.Tensor
 
+    class Wrapped(torch.Tensor):
+        pass
+
+    assert type(torch.ones(2).as_subclass(Wrapped) + 1) is Wrapped
+    with _torch_compat.DisableTorchFunctionSubclass():
+        assert type(torch.ones(2).as_subclass(Wrapped) + 1) is torch.Tensor
+
 
 def test_fake_tensors_einsum_and_groups(tmp_path):
     with torch._subclasses.fake_tensor.FakeTensorMode():

@@ -318,9 +318,9 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
     nothing at run time; the plan's replay (reshapes, the einsum, functional
     collectives) is what dynamo traces.
     """
-    for i, t in enumerate(tensors):  # traced by dynamo: a plain raise
+    for i, t in enumerate(tensors):  # traced by dynamo
         if not isinstance(t, torch.Tensor):
-            raise EinshardError(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
+            _trace.refuse(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
     ambient = _context.current()
     _refuse_attached_duties(formula, tensors)
     name = _plan_for_trace(

@@ -18,9 +18,13 @@ What is summed is exactly what arrived since the last sum: earlier (summed)
 contents of ``.grad`` are held apart, so repeated ``backward()`` without
 zeroing (micro-batches) is exact, and a parameter that got no gradient keeps
 ``.grad is None``. Inside :meth:`GradBucketer.no_sync` contributions are only
-accumulated; the first backward after it (or ``wait()``) sums them all, once.
+accumulated; the first backward after it (or ``wait()``) sums them all, once;
+``zero_grad()`` (``.grad`` set to ``None``) drops them, as in one process.
 ``torch.autograd.grad`` never accumulates: the gradient it returns for a
-hooked parameter is summed at once, synchronously. A parameter frozen when the
+hooked parameter is summed at once, synchronously (inside ``no_sync`` too: the
+held contributions stay held). What a backward contributes is its own until it
+ends (:mod:`einshard.backwards`): a backward that raised leaves nothing behind
+(the sums it started are waited for and dropped). A parameter frozen when the
 bucketer is made gets its hooks when it requires gradients again (at the end
 of a backward, or in ``wait()``), and what it accumulated meanwhile is summed.
 """
@@ -33,9 +37,9 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import _torch_compat
 from .. import collectives as C
 from ..errors import EinshardError
+from ..backwards import PerBackward
 from ..grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
 from ..mesh import Mesh, resolve_mesh
 
@@ -44,8 +48,6 @@ __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 # id(Parameter) -> (weak references to it and to the GradBucketer whose hooks sum its gradient); weak, so a
 # model dropped with its hooks still registered is freed
 _HOOKED: dict = {}
-_engine = _torch_compat.autograd_engine
-_graph_task = _torch_compat.current_graph_task_id
 
 
 def hooked_by(p) -> "GradBucketer | None":
@@ -72,20 +74,35 @@ def _release(p, bucketer) -> None:
 
 
 class _Bucket:
-    __slots__ = ("params", "nodes", "group", "ready", "held", "in_grad")
+    __slots__ = ("params", "nodes", "group", "held", "in_grad")
 
     def __init__(self, params, group):
         self.params = params  # in the order gradients are expected
         with torch.enable_grad():  # their AccumulateGrad nodes (kept: the same node in every graph)
             self.nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         self.group = group
-        self.ready: set = set()  # indices whose gradient was accumulated in the running backward
-        self.held: dict = {}  # index -> contributions not yet summed, kept out of .grad
-        self.in_grad: set = set()  # indices whose .grad is exactly their contributions not yet summed
+        self.held: dict = {}  # index -> contributions of finished backwards not yet summed, kept out of .grad
+        # index -> the backward (_Pass) that accumulated into it, or None: .grad is exactly contributions
+        # not yet summed (one fact about .grad, whichever backward, outer or reentrant, is running)
+        self.in_grad: dict = {}
 
     def window(self) -> bool:
         """Whether some contribution waits to be summed."""
         return bool(self.held or self.in_grad)
+
+
+class _Pass:
+    """What one running backward did to the buckets: which parameters' gradients were accumulated
+    (``ready``), its contributions held out of ``.grad`` and not yet summed (``held``, by ``(bucket,
+    index)``). Merged into the buckets when the backward ends; dropped if it raised, with the ``in_grad``
+    marks it made and the sums it started (the bucketer's works it owns)."""
+
+    __slots__ = ("ready", "held", "buckets")
+
+    def __init__(self):
+        self.ready: dict = {}  # bucket -> indices
+        self.held: dict = {}
+        self.buckets: list = []  # the buckets whose in_grad it marked
 
 
 class GradBucketer:
@@ -139,10 +156,12 @@ class GradBucketer:
         self.synchronous = bool(synchronous)
         self.buckets: list[_Bucket] = []
         self._frozen = frozen  # (parameter, dims): hooked once it requires gradients
-        self._works: list = []  # (work, flat buffer, bucket, per-parameter write mode)
+        # (work, flat buffer, bucket, per-parameter write mode, the running backward that started it or None),
+        # in the order started (a later sum may overwrite .grad: "copy")
+        self._works: list = []
         self._handles: list = []
         self._no_sync = 0
-        self._armed = None  # the graph task whose end-of-backward callback is queued
+        self._backwards = PerBackward(_Pass, self._end_of_backward, self._drop)
         self._removed = False
         try:
             for (dims, _dtype, _device), params in by_key.items():
@@ -184,41 +203,53 @@ class GradBucketer:
         def hook(grad):
             if not accumulates(node):  # torch.autograd.grad returns it: summed now, .grad untouched
                 return C.all_reduce(grad, bucket.group)
-            self._arm()
+            now = self._backwards.current()
+            key = (bucket, i)
+            _forget_if_dropped(bucket, i, p)
             if self.synchronous and not self._no_sync:
-                held = bucket.held.pop(i, None)
+                held = _sum(bucket.held.pop(i, None), now.held.pop(key, None))
                 return C.all_reduce(grad if held is None else held + grad, bucket.group)
-            if not self.synchronous and p.grad is None and i not in bucket.in_grad and i not in bucket.held:
-                bucket.in_grad.add(i)  # the first contribution: accumulated as it is, summed in place later
+            if (not self.synchronous and p.grad is None and i not in bucket.in_grad and i not in bucket.held
+                    and key not in now.held):
+                bucket.in_grad[i] = now  # the first contribution: accumulated as it is, summed in place later
+                now.buckets.append(bucket)
                 return grad
-            held = bucket.held.get(i)
-            bucket.held[i] = grad if held is None else held + grad
+            now.held[key] = _sum(now.held.get(key), grad)
             return torch.zeros_like(grad)  # earlier (summed) contents of .grad stay apart
 
         return hook
 
     def _post_hook(self, bucket: _Bucket, i: int):
         def hook(_p):
-            bucket.ready.add(i)
-            if len(bucket.ready) == len(bucket.params) and not self._no_sync:
-                self._launch(bucket)
+            now = self._backwards.current()
+            ready = now.ready.setdefault(bucket, set())
+            ready.add(i)
+            if len(ready) == len(bucket.params) and not self._no_sync:
+                self._launch(bucket, now)
 
         return hook
 
-    def _arm(self) -> None:
-        """Queue :meth:`_end_of_backward` once per backward (graph task)."""
-        task = _graph_task()
-        if self._armed != task:
-            self._armed = task
-            _engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self._armed = None
+    def _end_of_backward(self, now: _Pass) -> None:
+        """The backward ``now`` ended: its contributions join the buckets' windows, its sums the started ones."""
+        for bucket in now.buckets:
+            for i, owner in bucket.in_grad.items():
+                if owner is now:
+                    bucket.in_grad[i] = None
+        for (bucket, i), grad in now.held.items():
+            bucket.held[i] = _sum(bucket.held.get(i), grad)
+        self._works = [w[:4] + (None,) if w[4] is now else w for w in self._works]
         self._adopt_unfrozen()
-        for bucket in self.buckets:
-            bucket.ready.clear()
         if not self._no_sync:
             self.flush()
+
+    def _drop(self, now: _Pass) -> None:
+        """A backward that raised: its contributions are dropped (what it accumulated into ``.grad`` is no
+        longer taken for contributions), the sums it started waited for and dropped."""
+        for bucket in now.buckets:
+            bucket.in_grad = {i: owner for i, owner in bucket.in_grad.items() if owner is not now}
+        for work, *_ in (w for w in self._works if w[4] is now):
+            work.wait()
+        self._works = [w for w in self._works if w[4] is not now]
 
     def _adopt_unfrozen(self) -> None:
         """Hook the parameters frozen at construction that require gradients now; what their ``.grad``
@@ -239,13 +270,16 @@ class GradBucketer:
                         bucket.held[i] = p.grad.clone()
                         p.grad.zero_()
                     else:
-                        bucket.in_grad.add(i)
+                        bucket.in_grad[i] = None
 
-    def _launch(self, bucket: _Bucket) -> None:
-        """Start the sum of the bucket's contributions (synchronous: add it to ``.grad`` now)."""
+    def _launch(self, bucket: _Bucket, now: _Pass | None = None) -> None:
+        """Start the sum of the bucket's contributions, of finished backwards and of the running one
+        (``now``, which keeps the sum started; synchronous: add it to ``.grad`` now)."""
         parts, modes = [], []
         for i, p in enumerate(bucket.params):
-            held = bucket.held.get(i)
+            key = (bucket, i)
+            _forget_if_dropped(bucket, i, p)
+            held = _sum(bucket.held.get(i), None if now is None else now.held.pop(key, None))
             own = p.grad if i in bucket.in_grad else None
             if own is not None:
                 parts.append(own if held is None else own + held)
@@ -256,19 +290,21 @@ class GradBucketer:
             else:  # no contribution here (not used in this window): zeros, nothing written
                 parts.append(torch.zeros(p.shape, dtype=p.dtype, device=p.device))
                 modes.append(None)
-        bucket.ready.clear()
+        if now is not None:
+            now.ready.pop(bucket, None)
         bucket.held = {}
-        bucket.in_grad = set()
+        bucket.in_grad = {}
         if self.synchronous:
             write(C.all_reduce(flatten(parts), bucket.group), bucket.params, modes)
             return
         flat, work = launch(parts, bucket.group)
-        self._works.append((work, flat, bucket, tuple(modes)))
+        self._works.append((work, flat, bucket, tuple(modes), now))
 
     # -- public -----------------------------------------------------------
     @property
     def pending(self) -> int:
         """The number of all-reduces started and not yet waited for."""
+        self._backwards.purge()
         return len(self._works)
 
     @contextlib.contextmanager
@@ -289,11 +325,13 @@ class GradBucketer:
         return self
 
     def wait(self) -> "GradBucketer":
-        """Sum what is not summed yet, wait for every started all-reduce and write the sums into ``.grad``."""
+        """Sum what is not summed yet, wait for every started all-reduce and write the sums into ``.grad``
+        (what a backward that raised started is waited for and dropped)."""
+        self._backwards.purge()
         self._adopt_unfrozen()
         self.flush()
         while self._works:
-            work, flat, bucket, modes = self._works[0]
+            work, flat, bucket, modes, _ = self._works[0]
             work.wait()
             self._works.pop(0)
             write(flat, bucket.params, modes)
@@ -314,6 +352,22 @@ class GradBucketer:
             _release(p, self)
         self._removed = True
         return self
+
+
+def _forget_if_dropped(bucket: _Bucket, i: int, p) -> None:
+    """``p.grad is None`` although finished backwards left contributions to sum (they always leave a
+    ``.grad``): the user dropped the gradient (``zero_grad()``), as in one process they are gone."""
+    if p.grad is None:
+        bucket.held.pop(i, None)
+        if i in bucket.in_grad and bucket.in_grad[i] is None:
+            del bucket.in_grad[i]
+
+
+def _sum(a, b):
+    """``a + b``, either may be ``None`` (nothing)."""
+    return b if a is None else a if b is None else a + b
+
+
 
 
 def _union_dims(mesh, groups: tuple) -> tuple:

@@ -21,6 +21,7 @@ from ..errors import EinshardError
 from .metadata import global_shape_from_sizes, group_size, storage_slice
 from .names import mesh_names
 from .state import ParameterState
+from .storage import StoredParameter
 from .store import Registration, get_parameter_state, per_name, set_parameter_state
 
 __all__ = [
@@ -92,6 +93,8 @@ def _attach(reg: Registration, mesh) -> None:
         for p, state, dim, piece in cuts:
             p.data = p.data[(slice(None),) * dim + (piece,)].clone()
             set_parameter_state(p, state)
+            if type(p) is torch.nn.Parameter:  # its torch ops refuse to mix the slice with other shapes
+                p.__class__ = StoredParameter
 
 
 def _check_sizes(sizes, layouts=None) -> dict | None:

@@ -38,6 +38,7 @@ import torch
 from .._split import compute_split_shapes_for_factors
 from .. import _torch_compat
 from .. import collectives as C
+from ..backwards import PerBackward
 from ..errors import EinshardError
 from ..grad_sums import DeferredSums, accumulates
 from ..ops.einshard import einshard
@@ -48,7 +49,7 @@ from .state import ParameterGradComm, ParameterState, gather_formula
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
 __all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter", "units_of",
-           "shard_map_entry", "BodyGathers",
+           "shard_map_entry", "stored_source", "BodyGathers",
            "register_native_grad_reduction_hooks_"]
 
 
@@ -158,6 +159,7 @@ class _Plan:
     sums: DeferredSums | None = None  # where the reduce-scatters are bucketed (None: one formula each, at once)
     cast_only: bool = False
     owner: "ZeroUnits | None" = None  # the installed gathers (their no_sync accumulation), or None
+    name: str | None = None  # the parameter's name in the model (for messages), when known
 
     @classmethod
     def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> "_Plan":
@@ -175,6 +177,14 @@ class _Plan:
     def _dims(self) -> tuple:
         return tuple(n for n in self.mesh.names if n in components(self.state.store))
 
+    def _blocks(self, dims=None):
+        """``(group, order, index)`` of the storage group (or ``dims``): its process group, the group rank
+        holding each block (``None``: block ``k`` on group rank ``k``, see ``es.Mesh.order``) and this
+        rank's block. Every gather and scatter of a stored parameter goes through them: blocks follow mesh
+        coordinates, as the registration cut them (:func:`einshard.params.metadata.storage_slice`)."""
+        dims = self._dims() if dims is None else dims
+        return self.mesh.group(dims), self.mesh.order(dims), self.mesh.index(dims)
+
     def start(self, shard: torch.Tensor):
         """Start gathering ``shard``'s compute block in ``param_dtype`` (no autograd): a
         :class:`~einshard.collectives.PendingGather` (the block itself for a cast-only plan). The forward of
@@ -190,7 +200,8 @@ class _Plan:
             n = self.mesh.size(dims)
             whole = self.state.global_shape[dim] if self.state.global_shape is not None else x.shape[dim] * n
             splits = compute_split_shapes_for_factors(whole, n, 1)
-            return C.all_gather_start(x, self.mesh.group(dims), dim, splits)
+            group, order, _ = self._blocks(dims)
+            return C.all_gather_start(x, group, dim, splits, order)
 
     def gather(self, shard: torch.Tensor, pending=None) -> torch.Tensor:
         """The compute block of ``shard`` (no autograd), in ``param_dtype``; ``pending``: its prefetched gather."""
@@ -226,11 +237,11 @@ class _Plan:
                     g = C.all_reduce(g, self.mesh.group(extra))
                 n = self.mesh.size(store)
                 splits = compute_split_shapes_for_factors(g.shape[dim], n, 1)
+                group, order, index = self._blocks(store)
                 if set(store) <= set(dims):
-                    part = C.reduce_scatter(g, self.mesh.group(store), dim, splits)
+                    part = C.reduce_scatter(g, group, dim, splits, order)
                 else:  # a use that does not vary over the storage group: this rank's slice
-                    _, rank = self.mesh.size(store), C.group_rank(self.mesh.group(store))
-                    part = g.narrow(dim, sum(splits[:rank]), splits[rank])
+                    part = g.narrow(dim, sum(splits[:index]), splits[index])
                 part = part.to(out.dtype if out is not None else dtype)
                 out = part if out is None else out + part
             side.clear()
@@ -258,8 +269,8 @@ class _Plan:
         if extra and self.mesh.size(extra) > 1:  # the duty's other groups (sp, tp): summed here, at once
             grad = C.all_reduce(grad.detach(), self.mesh.group(extra))
         splits = compute_split_shapes_for_factors(grad.shape[dim], self.mesh.size(dims), 1)
-        (self.sums if sums is None else sums).add_scatter(p, torch.split(grad.detach(), splits, dim),
-                                                          self.mesh.group(dims))
+        group, order, _ = self._blocks(dims)
+        (self.sums if sums is None else sums).add_scatter(p, torch.split(grad.detach(), splits, dim), group, order)
 
 
 class _Gather(torch.autograd.Function):
@@ -275,17 +286,23 @@ class _Gather(torch.autograd.Function):
         if ctx.side is not None:  # a check_vma body: whole contributions sliced, partial ones reduce-scattered
             return ctx.plan.summed_grad(grad, ctx.side, ctx.dtype), None, None, None
         owner = ctx.plan.owner
-        if owner is not None and not ctx.plan.cast_only:
-            grad = owner.accumulated(ctx.shard, grad)
-            if grad is None:  # inside no_sync: kept unreduced until the first backward after it
-                return None, None, None, None
         leaf = ctx.next_functions[0][0]  # the shard's AccumulateGrad
+        if owner is not None and not ctx.plan.cast_only and _accumulates_into(leaf):
+            # (torch.autograd.grad returns the gradient of its call alone: no_sync's sums are not its own)
+            grad = owner.accumulated(ctx.shard, grad)
+            if grad is None:  # inside no_sync: kept unreduced until the first backward after it; a zero .grad
+                return torch.zeros_like(ctx.shard), None, None, None  # marks it (zero_grad() drops it)
         if leaf is not None and hasattr(leaf, "variable") and ctx.plan.deferrable(leaf, leaf.variable):
             ctx.plan.defer(leaf.variable, grad)  # bucketed; written into .grad at the end of backward
             if owner is not None:
                 owner.deferred(leaf.variable)
             return None, None, None, None
         return ctx.plan.scatter(grad, ctx.dtype), None, None, None
+
+
+def _accumulates_into(leaf) -> bool:
+    """Whether the running backward accumulates into the leaf of AccumulateGrad node ``leaf``."""
+    return leaf is not None and hasattr(leaf, "variable") and accumulates(leaf)
 
 
 def gather_parameter(p: torch.nn.Parameter, plan: _Plan, pending=None, side=None) -> GatheredParameter:
@@ -312,6 +329,12 @@ def shard_map_entry(p: torch.nn.Parameter, mesh, summed: bool) -> GatheredParame
     out = gather_parameter(p, plan, side=_Side(plan, p) if summed else None)
     out._einshard_source = (p, plan)
     return out
+
+
+def stored_source(x) -> torch.nn.Parameter | None:
+    """The stored parameter whose compute block ``x`` is (gathered on a ``shard_map`` body's entry), or ``None``."""
+    source = getattr(x, "_einshard_source", None)
+    return None if source is None else source[0]
 
 
 class BodyGathers:
@@ -357,14 +380,64 @@ class BodyGathers:
 
 
 class _Saved:
-    """What autograd keeps of a gathered block: the shard, and the view of the block it saved."""
+    """What autograd keeps of a gathered block: the shard, the view of the block it saved, and the shard's
+    version then (``kept``: the view itself, when blocks are kept until backward)."""
 
-    __slots__ = ("param", "plan", "unit", "size", "stride", "offset")
+    __slots__ = ("param", "plan", "unit", "size", "stride", "offset", "version", "kept")
 
-    def __init__(self, param, plan, unit, t, base):
+    def __init__(self, param, plan, unit, t, base, kept=False):
         self.param, self.plan, self.unit = param, plan, unit
         self.size, self.stride = tuple(t.size()), tuple(t.stride())
         self.offset = t.storage_offset() - base.storage_offset()
+        self.version = param._version
+        self.kept = t if kept else None
+
+    def check(self) -> None:
+        """Refuse a shard changed in place since its block was saved (as autograd refuses a saved tensor
+        modified in place): gathering it again would give the gradient of another forward."""
+        if self.param._version != self.version:
+            raise EinshardError(
+                f"{_describe(self.plan, self.param)} was modified by an inplace operation after the forward that "
+                f"used it (its version is {self.param._version}, the forward saw {self.version}); backward would "
+                "compute the gradients of other values. Change stored parameters after backward (the optimizer "
+                "step), or run the forward again"
+            )
+
+
+def _describe(plan, p) -> str:
+    """How messages name stored parameter ``p``: its name when known, else its layout and shape."""
+    if plan.name is not None:
+        return f"{'parameter' if plan.cast_only else 'stored parameter'} {plan.name!r}"
+    return f"a stored parameter (layout {plan.state.layout!r}, storage block of shape {tuple(p.shape)})"
+
+
+def _stamp(p) -> tuple:
+    """What a gather issued ahead depends on: the shard's version (in-place changes) and memory (replaced)."""
+    return p._version, p.data_ptr()
+
+
+def _drop(pending) -> None:
+    """Complete an issued gather whose result is not used (every rank issued it: every rank waits for it)."""
+    if isinstance(pending, C.PendingGather):
+        pending.wait()
+
+
+def _source(owner, name, p, plan):
+    """What a unit's forward gathers for stored parameter ``p`` (``owner.name``), and how: ``p`` itself, or
+    the tensor ``torch.func.functional_call`` put in its place, which must be a storage block like ``p``'s
+    (it is gathered, and its gradient reduce-scattered into it, each backward)."""
+    held = owner._parameters.get(name)
+    if held is p:
+        return p, plan
+    if not isinstance(held, torch.Tensor) or isinstance(held, GatheredParameter) or held.shape != p.shape:
+        what = type(held).__name__ if not isinstance(held, torch.Tensor) else f"a tensor of shape {tuple(held.shape)}"
+        raise EinshardError(
+            f"{_describe(plan, p)} holds {what} in place of its storage block (shape {tuple(p.shape)}, layout "
+            f"{plan.state.layout!r}), put there by torch.func.functional_call or an assignment: the gathers "
+            "installed by register_native_grad_reduction_hooks_ substitute tensors of the storage block's shape "
+            "(as model.named_parameters() holds them) and gather them; pass this rank's storage block"
+        )
+    return held, replace(plan, owner=None)
 
 
 def _storage_key(t):
@@ -394,7 +467,7 @@ class ZeroUnits:
         self._handles = []
         self._gathered: dict = {}  # storage key -> (p, plan, block) while a unit's forward runs
         self._cache: dict = {}  # id(p) -> weakref of the block gathered again in backward
-        self._contexts: list = []
+        self._contexts: list = []  # per running unit forward: ([(owner, name, what it held)], saved-tensor hooks)
         self.live: list = []
         self.order: list = []
         self.prefetch = bool(prefetch)
@@ -402,9 +475,11 @@ class ZeroUnits:
         self._ahead: dict = {}  # id(p) -> (p, pending gather) issued ahead of its use (forward or backward)
         self._unit_of: dict = {}  # id(p) -> the index of the module that gathers it
         self._back_order: list = []  # the parameters in the order backward first gathered them again
-        self._pending_in_unit: dict = {}  # unit index -> its parameters' gradients not yet bucketed (this backward)
         self._no_sync = 0
         self._unreduced: dict = {}  # id(p) -> (p, plan, the compute block's gradient summed locally in no_sync)
+        # per backward: what it kept in no_sync (joins _unreduced when it ends; dropped if it raised) and its
+        # units' parameters whose gradients are not yet bucketed
+        self._backwards = PerBackward(_ZeroPass, self._end_of_backward, _ZeroPass.clear)
         given = _check_units(module, units)
         unit_of: dict = {}  # module name -> the unit (module) whose forward gathers its parameters
         grouped: dict = {}  # id(unit) -> (unit, [((owner, name), p, plan)])
@@ -419,7 +494,7 @@ class ZeroUnits:
                 cast = dtype is not None and p.is_floating_point() and p.dtype != dtype
                 if (state is not None and state.store is not None) or cast:
                     plan = _Plan.of(p, self.mesh, dtype, _per_name(reduce_dtype, full, "reduce_dtype"), sums=self.sums)
-                    plan.owner = self
+                    plan.owner, plan.name = self, full
                     grouped.setdefault(id(unit), (unit, []))[1].append(((m, name), p, plan))
         self._units = list(grouped.values())
         for p in self.parameters:
@@ -438,19 +513,31 @@ class ZeroUnits:
     @property
     def in_flight(self) -> list:
         """The parameters whose gathers were issued ahead of their use and not used yet."""
-        return [p for p, pending in self._ahead.values() if getattr(pending, "in_flight", False)]
+        return [p for p, pending, _ in self._ahead.values() if getattr(pending, "in_flight", False)]
 
     def _issue(self, unit: int | None) -> None:
         """Start the gathers of module ``unit`` (by index) ahead of its use, unless started already."""
         if unit is None or not self.prefetch:
             return
         for _, p, plan in self._units[unit][1]:
-            if id(p) not in self._ahead and not plan.cast_only:
-                self._ahead[id(p)] = (p, plan.start(p))
+            if not plan.cast_only:
+                self._issue_one(p, plan)
+
+    def _issue_one(self, p, plan) -> None:
+        """Start gathering ``p`` ahead of its use, unless a gather of its current values is in flight (one of
+        values it no longer holds, changed in place or replaced since, is dropped)."""
+        found = self._ahead.get(id(p))
+        if found is not None and found[0] is p and found[2] == _stamp(p):
+            return
+        if found is not None:
+            _drop(found[1])
+        self._ahead[id(p)] = (p, plan.start(p), _stamp(p))
 
     def _issue_next_in_backward(self, p) -> None:
         """Record (first step) or follow the order backward gathers freed blocks again in: the next one's
         gather is issued before this one's block is used."""
+        if id(p) not in self._unit_of:  # a tensor functional_call substituted: not in the recorded order
+            return
         if self._recording:
             if all(q is not p for q in self._back_order):
                 self._back_order.append(p)
@@ -461,8 +548,7 @@ class ZeroUnits:
         if k is None or k + 1 >= len(self._back_order):
             return
         q = self._back_order[k + 1]
-        if id(q) not in self._ahead:
-            self._ahead[id(q)] = (q, self._plan_of(q).start(q))
+        self._issue_one(q, self._plan_of(q))
 
     def deferred(self, p) -> None:
         """``p``'s gradient joined a bucket: once every stored parameter of its module has, the module's
@@ -470,13 +556,14 @@ class ZeroUnits:
         unit = self._unit_of.get(id(p))
         if unit is None:
             return
-        left = self._pending_in_unit.get(unit)
+        pending_in_unit = self._backwards.current().pending_in_unit
+        left = pending_in_unit.get(unit)
         if left is None:
             left = {id(q) for _, q, plan in self._units[unit][1] if not plan.cast_only}
-            self._pending_in_unit[unit] = left
+            pending_in_unit[unit] = left
         left.discard(id(p))
         if not left:
-            del self._pending_in_unit[unit]
+            del pending_in_unit[unit]
             self.sums.start_filling()
 
     def _neighbour(self, unit: int, step: int) -> int | None:
@@ -487,8 +574,14 @@ class ZeroUnits:
         return self.order[k] if 0 <= k < len(self.order) else None
 
     def _take(self, p):
+        """``p``'s gather issued ahead, if it gathers the values ``p`` holds now (else it is dropped: ``None``)."""
         found = self._ahead.pop(id(p), None)
-        return None if found is None else found[1]
+        if found is None:
+            return None
+        if found[0] is p and found[2] == _stamp(p):
+            return found[1]
+        _drop(found[1])
+        return None
 
     @property
     def parameters(self) -> list:
@@ -497,31 +590,38 @@ class ZeroUnits:
 
     def _pre(self, unit, stored):
         def hook(m, args):
+            swapped = []
+            self._contexts.append((swapped, None))  # popped by the forward hook, which runs even if this raises
+            sources = [_source(owner, name, p, plan) for (owner, name), p, plan in stored]  # refusals first
             if self._recording and unit not in self.order:
                 self.order.append(unit)
             self._issue(unit)
             self._issue(self._neighbour(unit, 1))  # the next module's gathers fly while this one computes
-            for (owner, name), p, plan in stored:
-                block = gather_parameter(p, plan, self._take(p))
+            for ((owner, name), p, _), (src, plan) in zip(stored, sources):
+                pending = self._take(p)
+                if src is not p:  # substituted (torch.func.functional_call): the passed tensor is gathered
+                    _drop(pending)
+                    pending = None
+                block = gather_parameter(src, plan, pending)
+                swapped.append((owner, name, owner._parameters[name]))
                 owner._parameters[name] = block
                 self.live.append(weakref.ref(block))
-                if self.reshard_after_forward:
-                    self._gathered[_storage_key(block)] = (p, plan, block)
-            if self.reshard_after_forward:
-                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                ctx.__enter__()
-                self._contexts.append(ctx)
+                self._gathered[_storage_key(block)] = (src, plan, block)
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            self._contexts[-1] = (swapped, ctx)
 
         return hook
 
     def _post(self, stored):
         def hook(m, args, out):
-            for (owner, name), p, _ in stored:
+            swapped, ctx = self._contexts.pop()
+            for owner, name, held in reversed(swapped):  # what the module held: the shard, or a substitute
                 block = owner._parameters[name]
-                owner._parameters[name] = p
+                owner._parameters[name] = held
                 self._gathered.pop(_storage_key(block), None)
-            if self.reshard_after_forward:
-                self._contexts.pop().__exit__(None, None, None)
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
             self.live = [r for r in self.live if r() is not None]
 
         return hook
@@ -533,13 +633,14 @@ class ZeroUnits:
         if found is None:
             return t
         p, plan, block = found
-        return _Saved(p, plan, self, t, block)
+        return _Saved(p, plan, self, t, block, kept=not self.reshard_after_forward)
 
     @staticmethod
     def _unpack(x):
         if type(x) is not _Saved:
             return x
-        return x.unit.regather(x)
+        x.check()
+        return x.kept if x.kept is not None else x.unit.regather(x)
 
     def regather(self, saved: _Saved) -> torch.Tensor:
         """The saved view of a freed block, from the block gathered again (once per backward and parameter)."""
@@ -562,11 +663,10 @@ class ZeroUnits:
     def wait(self) -> "ZeroUnits":
         """End of a step: the order is recorded (after the first), unused prefetches are waited for and dropped."""
         self._recording = False
-        self._pending_in_unit.clear()
+        self._backwards.purge()
         self._flush_unreduced()
-        for _, pending in self._ahead.values():
-            if isinstance(pending, C.PendingGather):
-                pending.wait()
+        for _, pending, _ in self._ahead.values():
+            _drop(pending)
         self._ahead.clear()
         self._cache.clear()
         self.live = [r for r in self.live if r() is not None]
@@ -574,14 +674,23 @@ class ZeroUnits:
 
     def accumulated(self, p, grad):
         """``grad`` (a stored parameter's partial compute-block gradient) plus what ``no_sync`` kept of it;
-        ``None`` inside ``no_sync`` (it is kept, unreduced, instead)."""
-        held = self._unreduced.pop(id(p), None)
-        if held is not None:
-            grad = held[2].add_(grad) if held[2].dtype == grad.dtype else held[2] + grad.to(held[2].dtype)
+        ``None`` inside ``no_sync`` (it is kept, unreduced, by the running backward until it ends). What
+        ``no_sync`` kept is dropped when ``p.grad`` is ``None`` (``zero_grad()`` since; it leaves a ``.grad``)."""
+        if p.grad is None:
+            self._unreduced.pop(id(p), None)
         if self._no_sync:
-            self._unreduced[id(p)] = (p, self._plan_of(p), grad if held is not None else grad.clone())
+            kept = self._backwards.current().unreduced
+            held = kept.get(id(p))
+            kept[id(p)] = (p, self._plan_of(p), grad.clone() if held is None else _add_into(held[2], grad))
             return None
-        return grad
+        held = self._unreduced.pop(id(p), None)
+        return grad if held is None else _add_into(held[2], grad)
+
+    def _end_of_backward(self, now: "_ZeroPass") -> None:
+        """What the backward ``now`` kept in ``no_sync`` joins what earlier ones kept."""
+        for key, (p, plan, grad) in now.unreduced.items():
+            held = self._unreduced.get(key)
+            self._unreduced[key] = (p, plan, grad if held is None else _add_into(held[2], grad))
 
     def _plan_of(self, p):
         return next(plan for _, stored in self._units for _, q, plan in stored if q is p)
@@ -590,6 +699,8 @@ class ZeroUnits:
         """Reduce-scatter what ``no_sync`` kept into the shards' ``.grad`` (no backward came after it)."""
         held, self._unreduced = self._unreduced, {}
         for p, plan, grad in held.values():
+            if p.grad is None:  # zero_grad() since: dropped, as in one process
+                continue
             with torch.no_grad():
                 part = plan.scatter(grad, p.dtype)
                 p.grad = part if p.grad is None else p.grad.add_(part)
@@ -597,7 +708,9 @@ class ZeroUnits:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate the stored parameters' gradients unreduced (a compute block each, in the gradient's
-        dtype); the first backward after the block (or :meth:`wait`) reduce-scatters the sum, once."""
+        dtype); the first backward after the block (or :meth:`wait`) reduce-scatters the sum, once.
+        ``torch.autograd.grad`` (inside the block or after it) returns its own call's gradient alone, and
+        what a backward that raised kept is dropped."""
         self._no_sync += 1
         try:
             yield self
@@ -612,6 +725,27 @@ class ZeroUnits:
             if getattr(p, _INSTALLED, None) is self:
                 delattr(p, _INSTALLED)
         return self
+
+
+class _ZeroPass:
+    """One backward's part of :class:`ZeroUnits`: ``unreduced`` (what it kept in ``no_sync``, by ``id(p)``),
+    ``pending_in_unit`` (unit index -> its parameters whose gradients are not yet bucketed)."""
+
+    __slots__ = ("unreduced", "pending_in_unit")
+
+    def __init__(self):
+        self.unreduced: dict = {}
+        self.pending_in_unit: dict = {}
+
+    def clear(self) -> None:
+        """A backward that raised: what it kept is dropped."""
+        self.unreduced.clear()
+        self.pending_in_unit.clear()
+
+
+def _add_into(held: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``held += grad`` (in ``held``'s dtype)."""
+    return held.add_(grad) if held.dtype == grad.dtype else held + grad.to(held.dtype)
 
 
 def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_BUCKET_BYTES,

@@ -1,4 +1,4 @@
-"""Run code on several CPU ranks (gloo) from one Python process.
+"""Run code on several CPU ranks (gloo) from one Python process, or scripts under torchrun on CPUs or GPUs.
 
 ``einshard.testing`` starts pools of worker processes with
 ``torch.distributed`` initialised (backend gloo, CPU) and runs module-level
@@ -19,6 +19,8 @@ the mesh fixtures). See ``docs/testing.md``.
 """
 
 from ._errors import RankError, RankTimeout
+from ._device import (DEVICES, add_device_argument, choose_device, device_mesh, init_rank, local_device,
+                      parse_device, rank_device, synchronize)
 from ._launch import launch
 from ._mesh import MeshSpec, make_mesh
 from ._pool import RankPool, close_all_pools, get_pool, run_on_ranks, spawn
@@ -36,4 +38,13 @@ __all__ = [
     "make_mesh",
     "local_block",
     "launch",
+    "DEVICES",
+    "add_device_argument",
+    "choose_device",
+    "init_rank",
+    "rank_device",
+    "local_device",
+    "synchronize",
+    "parse_device",
+    "device_mesh",
 ]

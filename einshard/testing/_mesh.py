@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..errors import EinshardError
+from ._device import rank_device
 
 __all__ = ["MeshSpec", "make_mesh"]
 
@@ -21,13 +22,14 @@ _MESH_LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """A picklable description of a CPU device mesh.
+    """A picklable description of a device mesh (CPU, or the GPUs of a script ``launch`` put on CUDA).
 
     Pass it to a rank function (``run_on_ranks``, ``RankPool.run``,
     ``spawn`` or a ``@pytest.mark.ranks`` test's fixture) and every rank
     receives the built ``DeviceMesh`` in its place. Inside a rank,
     :meth:`build` creates the mesh with
-    ``init_device_mesh("cpu", shape, mesh_dim_names=names)``; meshes are
+    ``init_device_mesh(rank_device().type, shape, mesh_dim_names=names)`` (``"cpu"`` but in a
+    rank ``launch(..., device="cuda")`` started); meshes are
     cached per process, so building the same spec twice returns the same
     object.
 
@@ -86,13 +88,13 @@ class MeshSpec:
             hit = _MESH_CACHE.get(key)
             if hit is not None and hit[0] is world:
                 return hit[1]
-            mesh = init_device_mesh("cpu", self.shape, mesh_dim_names=self.names)
+            mesh = init_device_mesh(rank_device().type, self.shape, mesh_dim_names=self.names)
             _MESH_CACHE[key] = (world, mesh)
             return mesh
 
 
 def make_mesh(shape: Sequence[int] | int, names: Sequence[str] | str):
-    """Build a cached CPU ``DeviceMesh`` inside a rank: ``MeshSpec(shape, names).build()``.
+    """Build a cached ``DeviceMesh`` inside a rank: ``MeshSpec(shape, names).build()``.
 
     >>> def fn():
     ...     mesh = make_mesh((2, 4), ("dp", "tp"))
