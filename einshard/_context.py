@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 
-from torch.compiler import is_compiling as _compiling
+from ._torch_compat import is_compiling as _compiling
 
 
 class Ambient:

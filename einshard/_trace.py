@@ -20,15 +20,19 @@ variables, and hands a result back under a :func:`fresh_name` with
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import itertools
 import operator
 import sys
+import types
 
 import torch
-import torch.distributed.distributed_c10d as _c10d
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from . import _torch_compat
 from .errors import EinshardError
 
 __all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
@@ -39,40 +43,81 @@ traced = torch.compiler.is_dynamo_compiling
 
 
 def constant_result(fn):
+    """Make ``fn`` a trace-time planner: under ``torch.compile`` dynamo runs it as plain Python and keeps its
+    result (a constant of the graph); called from eager code, it simply runs.
+
+    Dynamo hands such a function only constants on torch <= 2.11 (later
+    releases pass any object, guarded on its identity). So traced code passes
+    every argument that is not a constant as a handle, ``(_HANDLE, id(obj))``,
+    which dynamo computes with the same identity guard on every release, and
+    the planner gets the object back (:func:`_from_handle`). The planner runs
+    under :class:`einshard._torch_compat.trace_time`.
+
+    A refusal (``EinshardError``) it raises while dynamo traces reaches the caller as an ``EinshardError``
+    whose message is einshard's (:func:`trace_error`), not dynamo's wrapper around it.
+    """
+
+    @functools.wraps(fn)
+    def planner(*args):
+        with _torch_compat.trace_time():
+            try:
+                return fn(*[_from_handle(a) for a in args])
+            except EinshardError as err:
+                if isinstance(err, tuple(_TRACE_ERROR)):
+                    raise
+                raise trace_error(str(err)) from err
+
+    _mark_constant(planner)
+    _PLANNERS.append(planner)
+    _PLANNERS.append(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        if traced():
+            return planner(*[_handle(a) for a in args])
+        return fn(*args)
+
+    return call
+
+
+def _mark_constant(fn) -> None:
     """``torch.compiler.assume_constant_result`` without importing dynamo when ``einshard`` is imported.
 
     The public decorator imports ``torch._dynamo`` (about a second) to set one
     mark on ``fn`` that dynamo reads when it traces a call. Before dynamo is
     loaded, the mark is set here directly; a test checks that torch's own
     decorator still sets exactly this mark.
-
-    A refusal (``EinshardError``) it raises while dynamo traces reaches the caller as an ``EinshardError``
-    whose message is einshard's (:func:`trace_error`), not dynamo's wrapper around it.
     """
-    planner = _surfacing(fn)
-    _PLANNERS.extend((fn, planner))
     if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(planner)
-    planner._dynamo_marked_constant = True
-    return planner
+        torch.compiler.assume_constant_result(fn)
+    else:
+        fn._dynamo_marked_constant = True
 
 
-def _surfacing(fn):
-    """``fn``, raising its ``EinshardError`` as a :func:`trace_error` while compiling (dynamo would wrap it)."""
-
-    @functools.wraps(fn)
-    def planner(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except EinshardError as err:
-            if not torch.compiler.is_compiling() or isinstance(err, tuple(_TRACE_ERROR)):
-                raise
-            raise trace_error(str(err)) from err
-
-    return planner
+_HANDLE = "einshard._trace handle"
+#: what dynamo hands a planner as it is on every release: tensors, constants, functions, torch's ops,
+#: device meshes and process groups (the rest, einshard's own objects, goes as a handle)
+_PLAIN = (torch.Tensor, type(None), bool, int, float, complex, str, bytes, tuple, list, dict, frozenset,
+          torch.dtype, torch.device, torch.Size, type, types.FunctionType, types.BuiltinFunctionType,
+          types.MethodDescriptorType, types.WrapperDescriptorType, types.MethodWrapperType,
+          type(torch.ops.aten.add), type(torch.ops.aten.add.Tensor), DeviceMesh, dist.ProcessGroup)
 
 
-_PLANNERS: list = []  # every function marked by constant_result
+def _handle(arg):
+    """``arg`` as dynamo can hand it to a planner (in traced code): itself, or its handle."""
+    if isinstance(arg, _PLAIN):
+        return arg
+    return (_HANDLE, id(arg))
+
+
+def _from_handle(arg):
+    """The object behind a handle (at trace time; the traced frame that passed it keeps it alive)."""
+    if type(arg) is tuple and len(arg) == 2 and arg[0] == _HANDLE:
+        return ctypes.cast(arg[1], ctypes.py_object).value
+    return arg
+
+
+_PLANNERS: list = []  # every planner made by constant_result, and the function each one runs
 _SKIPPED: list = []  # how many of them dynamo was told to leave alone as frames of their own
 
 
@@ -250,7 +295,7 @@ def group_name(group):
 
 def resolve_group(name):
     """The process group named by :func:`group_name` (at trace time)."""
-    return None if name is None else _c10d._resolve_process_group(name)
+    return None if name is None else _torch_compat.resolve_process_group(name)
 
 
 def stand_in(shape, dtype, device) -> torch.Tensor:

@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _context, _trace
+from . import _context, _torch_compat, _trace
 from . import checks as _checks
 from . import collectives as C
 from . import vma as _vma
@@ -51,7 +51,7 @@ from .ops.einshard import einshard
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shapes", "zigzag_indices", "to_zigzag", "from_zigzag"]
 
-_compiling = torch.compiler.is_compiling
+_compiling = _torch_compat.is_compiling
 _functional = torch.ops._c10d_functional  # functional collectives as graph nodes: start, and wait where needed
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -721,7 +721,7 @@ class _TracedExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ex):
         ctx.ex = ex
-        return ex.run_traced(x)
+        return _torch_compat.traced_function_result(ex.run_traced(x))
 
     @staticmethod
     def backward(ctx, grad):

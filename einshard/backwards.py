@@ -3,7 +3,7 @@
 Everything the library defers during a backward (gradient contributions in
 buckets, all-reduces in flight, ``no_sync`` accumulations) belongs to the
 backward that produced it. :class:`PerBackward` keys it by the autograd
-engine's graph task (``torch._C._current_graph_task_id``) and queues one
+engine's graph task (``_torch_compat.current_graph_task_id``) and queues one
 end-of-backward callback per task (``queue_callback``, as DDP and FSDP do):
 when the callback runs, ``finish(state)`` hands the state on. A backward that
 raised (a tensor hook, a NaN check, an out-of-memory error) never runs its
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import weakref
 
-import torch
+from . import _torch_compat
 
 __all__ = ["PerBackward", "running_task"]
 
-_engine = torch.autograd.Variable._execution_engine
-running_task = torch._C._current_graph_task_id  # the running backward's graph task id (-1: none)
+_engine = _torch_compat.autograd_engine
+running_task = _torch_compat.current_graph_task_id  # the running backward's graph task id (-1: none)
 
 
 class _EndOfBackward:

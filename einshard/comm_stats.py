@@ -28,9 +28,9 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
+from . import _torch_compat
 from ._table import text_table
 
 __all__ = [
@@ -259,6 +259,6 @@ def record(kind: str, group, sent_bytes: int, received_bytes: int, calls: int = 
     if not _ACTIVE:
         return
     label = group_label(group)
-    direction = BACKWARD if torch._C._current_graph_task_id() != -1 else FORWARD
+    direction = BACKWARD if _torch_compat.current_graph_task_id() != -1 else FORWARD
     for stats in list(_ACTIVE):
         stats._add(kind, label, direction, int(sent_bytes), int(received_bytes), calls)

@@ -16,14 +16,14 @@ import math
 
 import torch
 
-from . import _trace
+from . import _torch_compat, _trace
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
 from .layout import Layout, MeshShape
 from .mappings import make_mapping
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _torch_compat.functorch_transforms_active
 
 __all__ = ["Exchange", "exchange_group", "runs_exchange"]
 
@@ -206,7 +206,7 @@ class _TracedExchange(torch.autograd.Function):
     def forward(ctx, x, ex, fill):
         ctx.ex = ex
         y = ex.run_traced(x, fill)
-        return x.view_as(x) if y is x else y
+        return x.view_as(x) if y is x else _torch_compat.traced_function_result(y)
 
     @staticmethod
     def backward(ctx, grad):

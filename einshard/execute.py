@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from . import _trace
+from . import _torch_compat, _trace
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
@@ -25,7 +25,7 @@ from .mappings import make_mapping
 from .plan.transition import Step, plan_gradient, plan_transition
 from .primitives import PRIMITIVES, Site
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _torch_compat.functorch_transforms_active
 _traced = _trace.traced  # (hot paths: one global read)
 
 __all__ = ["Transition", "compile_step", "transition"]
@@ -176,7 +176,7 @@ class _TracedTransition(torch.autograd.Function):
     def forward(ctx, x, ex):
         ctx.ex = ex
         y = ex.run_traced(x)
-        return x.view_as(x) if y is x else y
+        return x.view_as(x) if y is x else _torch_compat.traced_function_result(y)
 
     @staticmethod
     def backward(ctx, grad):

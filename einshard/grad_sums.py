@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from . import _torch_compat
 from . import collectives as C
 from .backwards import PerBackward
 from .mappings import allreduce_forward_identity_backward
@@ -46,7 +47,7 @@ def accumulates(node) -> bool:
     """Whether the running backward accumulates into the leaf of AccumulateGrad ``node`` (``False`` inside
     ``torch.autograd.grad``, which returns the gradient instead)."""
     try:
-        return torch._C._will_engine_execute_node(node)
+        return _torch_compat.will_engine_execute_node(node)
     except RuntimeError as err:  # torch refuses the question for leaves while autograd.grad runs
         if "autograd.grad" in str(err):
             return False

@@ -16,22 +16,18 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import _torch_compat
 from .errors import EinshardError, SizeMismatchError, naming
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec
 
-try:  # the C++ entry point skips torch.einsum's Python-level argument handling
-    _einsum = torch._C._VariableFunctions.einsum
-except AttributeError:  # pragma: no cover - older/newer torch
-    _einsum = None
+_einsum = _torch_compat.einsum_entry  # skips torch.einsum's Python-level argument handling
 
 _LETTERS = string.ascii_letters
 
 
 def einsum(equation: str, operands: Sequence[torch.Tensor], path=None) -> torch.Tensor:
     """``torch.einsum`` with a precomputed contraction path."""
-    if _einsum is not None:
-        return _einsum(equation, list(operands), path=path)
-    return torch.einsum(equation, *operands)
+    return _einsum(equation, list(operands), path=path)
 
 
 def letters_for(names: Sequence[str]) -> dict[str, str]:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _trace
+from . import _torch_compat, _trace
 from . import collectives as C
 from ._split import compute_split_shapes
 
@@ -56,8 +56,8 @@ def _shapes(x: torch.Tensor, group, dim: int, shapes, even: bool) -> tuple[int, 
     return (n,) * size if even else tuple(compute_split_shapes(n, size))
 
 
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
-_transforms_active = torch._C._are_functorch_transforms_active
+_C_APPLY = _torch_compat.function_base_apply
+_transforms_active = _torch_compat.functorch_transforms_active
 _traced = _trace.traced  # (hot paths: one global read)
 
 

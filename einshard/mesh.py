@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _context, comm_stats
+from . import _context, _torch_compat, comm_stats
 from .errors import EinshardError
 
 __all__ = ["Mesh", "SubMesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh", "mesh_required"]
@@ -575,7 +575,7 @@ def current_mesh() -> Mesh | None:
 
 def _in_backward() -> str:
     """A hint for an op without a mesh that runs during backward (a hook, a custom Function's backward)."""
-    if torch._C._current_graph_task_id() == -1:
+    if _torch_compat.current_graph_task_id() == -1:
         return ""
     return (" (this call runs during backward, where no es.use_mesh or shard_map context is active: pass mesh=; "
             "activation-checkpointed regions are recomputed in their forward's context)")

@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 from dataclasses import dataclass
 
-from torch.compiler import is_compiling as _compiling
+from ._torch_compat import is_compiling as _compiling
 
 from .errors import EinshardError
 

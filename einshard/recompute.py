@@ -23,34 +23,27 @@ forward ran without a graph (no pvary), and the recompute builds the graph
 backward runs, pvary-ing exactly where the forward's tracking would have.
 
 :func:`install` (called when ``einshard`` is imported) puts the capture
-into both implementations of ``torch.utils.checkpoint``, so users pass
-nothing special: the reentrant ``CheckpointFunction.forward`` wraps its
-function, and the non-reentrant checkpoint's frame (``_CheckpointFrame``)
-wraps its recompute. In a multi-process program the non-reentrant
+into both implementations of ``torch.utils.checkpoint`` (through the shims
+of :mod:`einshard._torch_compat`), so users pass nothing special: the
+reentrant ``CheckpointFunction.forward`` wraps its function, and the
+non-reentrant checkpoint's frame wraps its recompute. In a multi-process program the non-reentrant
 checkpoint's early stop is turned off, so every rank recomputes the whole
 region and runs the same collectives.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import optree
-import torch
 import torch.distributed as dist
-import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _context
+from . import _context, _torch_compat
 from . import policy as _policy
 from . import vma as _vma
 from .errors import EinshardError
 
 __all__ = ["Forward", "capture", "replay", "install", "installed"]
 
-_compiling = torch.compiler.is_compiling
-_FrameBase = getattr(_torch_checkpoint, "_CheckpointFrame", None)
-_Reentrant = getattr(_torch_checkpoint, "CheckpointFunction", None)
-_INSTALLED: list = []  # the original (CheckpointFunction.forward, _CheckpointFrame) once installed
+_compiling = _torch_compat.is_compiling
 
 
 class Forward:
@@ -163,14 +156,14 @@ def _reentrant_forward(ctx, run_function, preserve_rng_state, *args):
     if forward is not None:
         forward.note(args)
         run_function = _Rerun(run_function, forward)
-    return _INSTALLED[0](ctx, run_function, preserve_rng_state, *args)
+    return _torch_compat.original_reentrant_forward(ctx, run_function, preserve_rng_state, *args)
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-class _Frame(_FrameBase or object):
+class _Frame(_torch_compat.CheckpointFrame):
     """The non-reentrant checkpoint's frame, its recompute run by :func:`replay`.
 
     Early stop (the recompute stops as soon as the tensors backward needs are
@@ -188,36 +181,20 @@ class _Frame(_FrameBase or object):
         if getattr(self, "early_stop", False) and _distributed():
             self.early_stop = False
 
-    def save_inputs(self, *args):
+    def inputs_saved(self, inputs):
         if self.einshard_forward is not None:
-            self.einshard_forward.note(args)
-        super().save_inputs(*args)
+            self.einshard_forward.note(inputs)
 
 
 def install() -> bool:
     """Make ``torch.utils.checkpoint`` (both ``use_reentrant`` modes) replay regions in their forward's context.
 
-    Called when ``einshard`` is imported; idempotent. Returns ``False`` (with a
-    warning) on a torch version whose checkpoint lacks the pieces it wraps.
+    Called when ``einshard`` is imported; idempotent.
 
     >>> install()
     True
     """
-    if _INSTALLED:
-        return True
-    forward = vars(_Reentrant).get("forward") if _Reentrant is not None else None
-    if not isinstance(forward, staticmethod) or _FrameBase is None or not hasattr(_FrameBase, "save_inputs"):
-        warnings.warn(
-            "einshard: this torch version's torch.utils.checkpoint is not the one einshard hooks into; "
-            "activation-checkpointed regions that use es.use_mesh or a shard_map body will not be recomputed "
-            "in their forward's context",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return False
-    _INSTALLED[:] = [forward.__func__, _FrameBase]
-    _Reentrant.forward = staticmethod(_reentrant_forward)
-    _torch_checkpoint._CheckpointFrame = _Frame
+    _torch_compat.install_checkpoint(_Frame, _reentrant_forward)
     return True
 
 
@@ -227,4 +204,4 @@ def installed() -> bool:
     >>> installed()
     True
     """
-    return bool(_INSTALLED) and _torch_checkpoint._CheckpointFrame is _Frame
+    return _torch_compat.checkpoint_installed(_Frame)

@@ -49,10 +49,9 @@ import itertools
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
-from . import _context, _trace
+from . import _context, _torch_compat, _trace
 from ._cache import BoundedCache
 from .grad_sums import leaf_sum
 from ._traced_collectives import all_reduce
@@ -84,7 +83,7 @@ MASK = (1 << 32) - 1  # the mask bits of a tag (above them: the serial of the sh
 _SERIALS = itertools.count(2)  # eager calls; 1 is every traced call's (TRACED_SERIAL)
 _Tensor = torch.Tensor
 _SEQ = (list, tuple)
-_DisableTorchFunction = torch._C.DisableTorchFunction
+_DisableTorchFunction = _torch_compat.DisableTorchFunction
 _grad_enabled = torch.is_grad_enabled
 _compiling = _trace.traced  # code that dynamo traces (not the Python it runs at trace time)
 
@@ -492,8 +491,8 @@ class tracking:
         return False
 
 
-_push_mode = torch._C._push_on_torch_function_stack
-_pop_mode = torch._C._pop_torch_function_stack
+_push_mode = _torch_compat.push_torch_function_mode
+_pop_mode = _torch_compat.pop_torch_function_mode
 
 
 def run_tracked(tracker: Tracker, f, args, kwargs):
@@ -508,8 +507,8 @@ def run_tracked(tracker: Tracker, f, args, kwargs):
         _pop_mode()
 
 
-_stack_len = torch._C._len_torch_function_stack
-_EnableTorchFunction = torch._C._EnableTorchFunction
+_stack_len = _torch_compat.torch_function_stack_len
+_EnableTorchFunction = _torch_compat.EnableTorchFunction
 _UNTAGGED = object()
 
 
@@ -990,7 +989,7 @@ def _python_tensor_method(func) -> str | None:
 
 
 def _fake(args) -> bool:
-    return any(isinstance(a, FakeTensor) for a in args)
+    return any(isinstance(a, _torch_compat.FakeTensor) for a in args)
 
 
 def _refuse_unknown(func, tensors, masks) -> None:

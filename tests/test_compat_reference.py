@@ -352,7 +352,7 @@ def test_plan_fingerprint_is_the_same_in_every_process():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     prints = set()
     for seed in range(6):
-        env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=root)
+        env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         out = subprocess.run([sys.executable, "-c", _FINGERPRINT], env=env, capture_output=True, text=True,
                              check=True, timeout=300)
         prints.add(out.stdout.strip())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _context, _trace, checks
+from .. import _context, _torch_compat, _trace, checks
 from .. import vma as _vma
 from .._cache import BoundedCache
 from ..distributed import run_distributed, traced_run
@@ -313,7 +313,7 @@ def _scalar_form(parsed, tensors) -> str | None:
 
 # -- under torch.compile ------------------------------------------------------------------------
 
-_compiling = torch.compiler.is_compiling
+_compiling = _torch_compat.is_compiling
 
 
 def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_compat
 from ..errors import EinshardError
 from .store import get_parameter_state
 
 __all__ = ["StoredParameter", "StorageView"]
 
-_DISABLED = torch._C.DisableTorchFunctionSubclass
+_DISABLED = _torch_compat.DisableTorchFunctionSubclass
 _AUTOGRAD = (torch.autograd.grad, torch.autograd.backward)  # they differentiate, not compute with, the blocks
 
 

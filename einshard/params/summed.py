@@ -23,14 +23,15 @@ import weakref
 
 import torch
 
+from .. import _torch_compat
 from .buckets import hooked_by
 from .store import PARAM_STATE_ATTR
 
 __all__ = ["body_duty_error", "native_duty", "duty_text", "watch_body", "summed_by_body", "SUMMED_TAG"]
 
 SUMMED_TAG = "_es_summed_by_shard_map"
-_engine = torch.autograd.Variable._execution_engine
-_graph_task = torch._C._current_graph_task_id
+_engine = _torch_compat.autograd_engine
+_graph_task = _torch_compat.current_graph_task_id
 _PENDING: dict = {}  # graph task id -> {id(p): (weakref(p), snapshot of p.grad before the body's gradients)}
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._split import compute_split_shapes_for_factors
+from .. import _torch_compat
 from .. import collectives as C
 from ..backwards import PerBackward
 from ..errors import EinshardError
@@ -98,7 +99,7 @@ class GatheredParameter(torch.Tensor):
     calls :meth:`einshard_pvary` (when the block has a side accumulator): the contribution then reaches the
     gather's backward partial, which reduce-scatters it, instead of being all-reduced where it is used."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _torch_compat.disabled_torch_function_impl
 
     def einshard_pvary(self, dims):
         side = getattr(self, "_einshard_side", None)
