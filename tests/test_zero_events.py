@@ -331,3 +331,35 @@ def test_a_parent_reading_a_childs_stored_scale_is_refused_or_gathered_by_units(
             torch.testing.assert_close(model.child.scale.grad, local_block(s.grad, "c/dp", m), rtol=1e-12,
                                        atol=1e-13)
         handle.remove()
+
+
+# -- a shard_map body with stored parameters under no_grad (an evaluation forward) --------------------------
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
+def test_a_no_grad_forward_through_a_shard_map_body_computes_the_values(grad_mode, vma):
+    """One process: a forward under ``torch.no_grad()`` (or ``torch.inference_mode()``) just computes the
+    values. A ``shard_map`` body gathers its stored parameters on entry; with no gradient to take it must not
+    prepare their reduce-scatters (no autograd node to read). The evaluation gives the one-process output and
+    leaves nothing behind: the training step after it is exact, on the 2 x 2 (dp, tp) mesh."""
+    whole = _whole(1)
+    m, model, handle = _stored(MESHES[1], whole)
+    handle.remove()  # the body gathers
+
+    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
+    def body(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    x = local_block(whole["x"], "b/dp c", m)
+    want_y, want_grads = _reference(whole)
+    for _ in range(2):
+        with getattr(torch, grad_mode)():
+            y = body(dict(model.named_parameters()), x)
+        assert not y.requires_grad
+        torch.testing.assert_close(y, local_block(want_y, "b/dp c", m), rtol=1e-12, atol=1e-13)
+        assert all(p.grad is None for p in model.parameters())
+    y = body(dict(model.named_parameters()), x)
+    (y**2).sum().backward()
+    _assert_step(m, y.detach(), {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)
