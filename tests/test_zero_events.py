@@ -64,6 +64,19 @@ def _stored(mesh, whole, **hooks):
     return m, model, es.register_native_grad_reduction_hooks_(model, m, **hooks)
 
 
+def _shard_map_model(mesh, whole, vma):
+    """The model stored over dp, without hooks, and a ``shard_map`` body that runs it on this rank's rows (the
+    body gathers the stored parameters on entry)."""
+    m, model, handle = _stored(mesh, whole)
+    handle.remove()
+
+    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
+    def body(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    return m, model, body
+
+
 def _layout(p):
     return es.get_parameter_state(p).layout
 
@@ -114,12 +127,7 @@ def test_in_place_change_between_forward_and_backward_is_refused(reshard):
 def test_in_place_change_after_a_shard_map_forward_is_refused():
     """The same in a shard_map body, which gathers on entry and gathers again in backward."""
     whole = _whole(1)
-    m, model, handle = _stored(MESHES[0], whole)
-    handle.remove()
-
-    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=False)
-    def body(params, x):
-        return torch.func.functional_call(model, params, (x,))
+    m, model, body = _shard_map_model(MESHES[0], whole, False)
 
     loss = (body(dict(model.named_parameters()), local_block(whole["x"], "b/dp c", m)) ** 2).sum()
     with torch.no_grad():
@@ -227,12 +235,7 @@ def test_a_compiled_shard_map_with_a_stored_parameter_runs_it_eagerly(vma):
     (a graph break), exact in values and gradients; with fullgraph=True it is refused, naming the argument —
     never a compiled body computing with the storage slice."""
     whole = _whole(1)
-    m, model, handle = _stored(MESHES[0], whole)
-    handle.remove()  # the body gathers
-
-    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
-    def body(params, x):
-        return torch.func.functional_call(model, params, (x,))
+    m, model, body = _shard_map_model(MESHES[0], whole, vma)
 
     x = local_block(whole["x"], "b/dp c", m)
     want_y, want_grads = _reference(whole)
@@ -345,12 +348,7 @@ def test_a_no_grad_forward_through_a_shard_map_body_computes_the_values(grad_mod
     prepare their reduce-scatters (no autograd node to read). The evaluation gives the one-process output and
     leaves nothing behind: the training step after it is exact, on the 2 x 2 (dp, tp) mesh."""
     whole = _whole(1)
-    m, model, handle = _stored(MESHES[1], whole)
-    handle.remove()  # the body gathers
-
-    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
-    def body(params, x):
-        return torch.func.functional_call(model, params, (x,))
+    m, model, body = _shard_map_model(MESHES[1], whole, vma)
 
     x = local_block(whole["x"], "b/dp c", m)
     want_y, want_grads = _reference(whole)
