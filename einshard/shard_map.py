@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 import operator
+import sys
 
 import optree
 import torch
@@ -163,6 +164,11 @@ class ShardMap:
     def __call__(self, *args, **kwargs):
         if _compiling():
             return self._call_traced(args, kwargs)
+        if "torch._dynamo" in sys.modules:  # maybe run eagerly inside a compiled region: see _untraced
+            return _untraced()(self, args, kwargs)
+        return self._call_eager(args, kwargs)
+
+    def _call_eager(self, args, kwargs):
         outer = _context.current().shard_map
         if outer is not None and outer.tracker is not None and not outer.tracker.suspended:
             raise EinshardError(
@@ -561,7 +567,26 @@ def _stored_argument(x, path=""):
 
 
 def _call_eagerly(sm, args, kwargs):
-    return sm(*args, **kwargs)
+    return sm._call_eager(args, kwargs)
+
+
+_UNTRACED: list = []  # _call_eagerly under torch.compiler.disable, made once dynamo is loaded
+
+
+def _untraced():
+    """The eager call, never traced by dynamo (nor what it calls: the body runs eagerly too).
+
+    A compiled function runs a ``shard_map`` call eagerly where dynamo gives up tracing it: an exception
+    raised while tracing it (an einshard refusal, a tensor hook that raises when dynamo inlines it), or
+    :func:`_stored_under_compile`. Dynamo would then compile each frame the eager call runs as a frame of
+    its own, with the eager variance tracker's mode active and tensors' attributes read as plain Python:
+    it cannot, and fails with an internal error. Left alone, the call gives eager's values and gradients
+    (and raises eager's errors). A function dynamo traces never reaches this (``_compiling()`` is true
+    there), so ``fullgraph=True`` sees the traced call only; an explicitly compiled function called in the
+    body still compiles."""
+    if not _UNTRACED:
+        _UNTRACED.append(torch.compiler.disable(_call_eagerly, reason="es.shard_map runs this call eagerly"))
+    return _UNTRACED[0]
 
 
 def _stored_under_compile(sm, args, kwargs, found):

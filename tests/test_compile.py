@@ -283,3 +283,94 @@ def test_called_again_with_other_split_shapes():
         whole = torch.randn(sum(heads), 4, 3, generator=torch.Generator().manual_seed(sum(heads)))
         got = step(whole[:, 2 * rank:2 * rank + 2], {"sp": {"n": [2, 2], "h": heads}})
         torch.testing.assert_close(got, whole[sum(heads[:rank]):sum(heads[:rank + 1])])
+
+
+# -- tensor hooks in a compiled shard_map body ------------------------------------------------------------
+
+
+class HookError(Exception):
+    pass
+
+
+def _double(g):
+    return g * 2
+
+
+_SEEN = []
+
+
+def _record(g):  # a side effect: dynamo cannot trace it into the graph (a graph break; fullgraph refuses)
+    _SEEN.append(g.shape)
+
+
+def _raise(g):
+    raise HookError("raised by the hook")
+
+
+HOOKS = {"double": _double, "record": _record, "raise": _raise}
+
+
+def _hooked_mlp(p, x, *, hook):
+    h = torch.tanh(es.einshard("b c, f/tp c -> b f/tp", x, p["w1"]))
+    h.register_hook(hook)
+    return es.einshard("b f/tp, c f/tp -> b c", h, p["w2"])
+
+
+def _whole_mlp(p, x, *, hook):
+    h = torch.tanh(x @ p["w1"].T)
+    h.register_hook(hook)
+    return h @ p["w2"].T
+
+
+def _outcome(fn, params, x, hook):
+    """``(output, gradients)`` of ``fn`` on copies of ``params``, or the type of what it raised (forward or
+    backward)."""
+    p = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    try:
+        out = fn(p, x, hook=HOOKS[hook])
+        out.square().sum().backward()
+    except Exception as exc:  # noqa: BLE001 (the outcome compared)
+        return type(exc)
+    return out.detach(), {k: v.grad for k, v in p.items()}
+
+
+@pytest.mark.ranks(2, timeout=900)
+@pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
+@pytest.mark.parametrize("f", [8, 7], ids=["even", "uneven"])
+def test_a_tensor_hook_in_a_compiled_shard_map_body_runs_as_in_one_process(vma, f):
+    """``h.register_hook(fn)`` on an intermediate of a compiled body: the outcome of the same compiled
+    function on whole tensors in one process (float64). A hook that modifies the gradient modifies it; one
+    dynamo cannot trace (a side effect) or that raises makes dynamo run the call eagerly (fullgraph=True
+    refuses, as for one process), where the hook runs in backward, and its exception reaches the caller
+    from backward; the next step is exact. Dynamo used to fail inside einshard's eager call
+    (InternalTorchDynamoError, reading the variance tags as plain Python)."""
+    mesh = _tp_mesh()
+    r = dist.get_rank()
+    splits = [4, f - 4]
+    sl = slice(sum(splits[:r]), sum(splits[:r + 1]))
+    whole = {"w1": _randn(f, 6, seed=1), "w2": _randn(6, f, seed=2)}
+    x = _randn(3, 6, seed=3)
+    local = {"w1": whole["w1"][sl], "w2": whole["w2"][:, sl]}
+    step = es.shard_map(_hooked_mlp, ({"w1": "f/tp c", "w2": "c f/tp"}, "b c"), "b c", mesh=mesh, check_vma=vma,
+                        shapes={"tp": {"f": splits}})
+    for hook in HOOKS:
+        for fullgraph in (False, True):
+            torch._dynamo.reset()
+            want = _outcome(torch.compile(_whole_mlp, backend="aot_eager", fullgraph=fullgraph), whole, x, hook)
+            torch._dynamo.reset()
+            _SEEN.clear()
+            got = _outcome(torch.compile(step, backend="aot_eager", fullgraph=fullgraph), local, x, hook)
+            if isinstance(want, type):
+                assert got is want, (hook, fullgraph, got, want)
+                continue
+            assert not isinstance(got, type), (hook, fullgraph, got)
+            torch.testing.assert_close(got[0], want[0])
+            torch.testing.assert_close(got[1]["w1"], want[1]["w1"][sl])
+            torch.testing.assert_close(got[1]["w2"], want[1]["w2"][:, sl])
+            assert hook != "record" or _SEEN == [(3, splits[r])]
+    # after a backward the hook broke off, a step with a gradient-modifying hook is exact
+    torch._dynamo.reset()
+    got = _outcome(torch.compile(step, backend="aot_eager"), local, x, "double")
+    want = _outcome(_whole_mlp, whole, x, "double")
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1]["w1"], want[1]["w1"][sl])

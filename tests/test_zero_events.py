@@ -64,6 +64,19 @@ def _stored(mesh, whole, **hooks):
     return m, model, es.register_native_grad_reduction_hooks_(model, m, **hooks)
 
 
+def _shard_map_model(mesh, whole, vma):
+    """The model stored over dp, without hooks, and a ``shard_map`` body that runs it on this rank's rows (the
+    body gathers the stored parameters on entry)."""
+    m, model, handle = _stored(mesh, whole)
+    handle.remove()
+
+    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
+    def body(params, x):
+        return torch.func.functional_call(model, params, (x,))
+
+    return m, model, body
+
+
 def _layout(p):
     return es.get_parameter_state(p).layout
 
@@ -114,12 +127,7 @@ def test_in_place_change_between_forward_and_backward_is_refused(reshard):
 def test_in_place_change_after_a_shard_map_forward_is_refused():
     """The same in a shard_map body, which gathers on entry and gathers again in backward."""
     whole = _whole(1)
-    m, model, handle = _stored(MESHES[0], whole)
-    handle.remove()
-
-    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=False)
-    def body(params, x):
-        return torch.func.functional_call(model, params, (x,))
+    m, model, body = _shard_map_model(MESHES[0], whole, False)
 
     loss = (body(dict(model.named_parameters()), local_block(whole["x"], "b/dp c", m)) ** 2).sum()
     with torch.no_grad():
@@ -227,12 +235,7 @@ def test_a_compiled_shard_map_with_a_stored_parameter_runs_it_eagerly(vma):
     (a graph break), exact in values and gradients; with fullgraph=True it is refused, naming the argument —
     never a compiled body computing with the storage slice."""
     whole = _whole(1)
-    m, model, handle = _stored(MESHES[0], whole)
-    handle.remove()  # the body gathers
-
-    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
-    def body(params, x):
-        return torch.func.functional_call(model, params, (x,))
+    m, model, body = _shard_map_model(MESHES[0], whole, vma)
 
     x = local_block(whole["x"], "b/dp c", m)
     want_y, want_grads = _reference(whole)
@@ -331,3 +334,30 @@ def test_a_parent_reading_a_childs_stored_scale_is_refused_or_gathered_by_units(
             torch.testing.assert_close(model.child.scale.grad, local_block(s.grad, "c/dp", m), rtol=1e-12,
                                        atol=1e-13)
         handle.remove()
+
+
+# -- a shard_map body with stored parameters under no_grad (an evaluation forward) --------------------------
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
+def test_a_no_grad_forward_through_a_shard_map_body_computes_the_values(grad_mode, vma):
+    """One process: a forward under ``torch.no_grad()`` (or ``torch.inference_mode()``) just computes the
+    values. A ``shard_map`` body gathers its stored parameters on entry; with no gradient to take it must not
+    prepare their reduce-scatters (no autograd node to read). The evaluation gives the one-process output and
+    leaves nothing behind: the training step after it is exact, on the 2 x 2 (dp, tp) mesh."""
+    whole = _whole(1)
+    m, model, body = _shard_map_model(MESHES[1], whole, vma)
+
+    x = local_block(whole["x"], "b/dp c", m)
+    want_y, want_grads = _reference(whole)
+    for _ in range(2):
+        with getattr(torch, grad_mode)():
+            y = body(dict(model.named_parameters()), x)
+        assert not y.requires_grad
+        torch.testing.assert_close(y, local_block(want_y, "b/dp c", m), rtol=1e-12, atol=1e-13)
+        assert all(p.grad is None for p in model.parameters())
+    y = body(dict(model.named_parameters()), x)
+    (y**2).sum().backward()
+    _assert_step(m, y.detach(), {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)

@@ -110,14 +110,17 @@ class GatheredParameter(torch.Tensor):
 
 class _Side(dict):
     """The partial contributions of a gathered block's uses in a ``check_vma`` body, by ``pvary`` dims, and
-    where their reduce-scatters can go at once (``plan``, the shard ``param``, its AccumulateGrad ``node``)."""
+    where their reduce-scatters can go at once (``plan``, the shard ``param``, its AccumulateGrad ``node``;
+    ``None`` where no gradient is recorded: a frozen shard, or a forward under ``no_grad``/``inference_mode``,
+    which just computes the values)."""
 
     __slots__ = ("plan", "param", "node")
 
     def __init__(self, plan, param):
         super().__init__()
         self.plan, self.param = plan, param
-        self.node = param.view_as(param).grad_fn.next_functions[0][0] if param.requires_grad else None
+        recorded = param.requires_grad and torch.is_grad_enabled()
+        self.node = torch.autograd.graph.get_gradient_edge(param).node if recorded else None
 
 
 _BODY_SUMS = DeferredSums(1)  # the reduce-scatters of shard_map bodies' stored gradients: each starts at once
