@@ -123,9 +123,8 @@ def test_training_loops_long(mechanism, mesh):
 # TEMPORARY xfail (strict): not fixed yet; the fix removes the mark and its KNOWN_FAILING entry.
 
 
-@pytest.mark.xfail(strict=True, reason="F1: a check_vma=True shard_map body with stored parameters, called under "
-                   "torch.no_grad(), raises AttributeError in einshard.params.zero (no grad_fn to read)")
 def test_stored_parameters_in_a_check_vma_body_under_no_grad():
+    """F1 (fixed): a check_vma=True body with stored parameters under torch.no_grad() computes the values."""
     check(("zero-shard_map", "2x2", "even", "sgd", [("partial", 0)]))
 
 
@@ -143,8 +142,7 @@ def test_zero_grad_drops_a_held_no_sync_micro_batch(mechanism):
     check((mechanism, "2x2", "even", "sgd", [("no_sync", 0), ("zero_grad", True), ("backward", False)]), False)
 
 
-@pytest.mark.xfail(strict=True, reason="F4: a tensor hook registered on an intermediate inside a compiled "
-                   "shard_map body: dynamo raises InternalTorchDynamoError at einshard.shard_map._leaf_key "
-                   "(x.__dict__ of a tensor)")
 def test_a_compiled_body_that_hooks_an_intermediate():
+    """F4 (fixed): a tensor hook that raises inside a compiled shard_map body raises from backward, as in one
+    process, and the next step is exact."""
     check(("compiled", "2x2", "even", "sgd", [("raise", 0)]))
