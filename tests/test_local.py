@@ -494,10 +494,11 @@ print("ok")
 # -- the examples ----------------------------------------------------------------------------
 
 
-def test_local_example_runs(capsys):
+def test_local_example_runs(capsys, monkeypatch):
     import pathlib
     import runpy
 
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "local_einshard.py"
+    monkeypatch.setattr("sys.argv", [str(path)])  # the script reads its options (--device), not pytest's
     runpy.run_path(str(path), run_name="__main__")
     assert "local einshard example: ok" in capsys.readouterr().out
