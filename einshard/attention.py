@@ -508,7 +508,19 @@ def _ring_op(formula, q, k, v, *, dim, causal, layout, scale, shapes, mesh, docu
     ring = _plan(_Ring, seq, bool(causal), documents)
     kernel = _plan(kernel_for, str(q.device), q.dtype, q.shape[-1], v.shape[-1], enabled_backends(), _groups(q, k))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, kernel, scale)
+    q, k, v = _distinct(q.contiguous(), k.contiguous(), v.contiguous())
+    return _RingAttention.apply(q, k, v, ring, kernel, scale)
+
+
+def _distinct(*tensors) -> tuple:
+    """``tensors`` with a repeated one (self-attention's ``x, x, x``) as views of it: torch.compile refuses one tensor
+    passed twice to an autograd Function, and each view's gradient flows back to the same tensor."""
+    seen: list = []
+    out = []
+    for t in tensors:
+        out.append(t.view_as(t) if any(t is s for s in seen) else t)
+        seen.append(t)
+    return tuple(out)
 
 
 def _formula(dim: str) -> str:

@@ -666,3 +666,26 @@ def test_docstring_examples():
     result = doctest.testmod(attention)
     assert result.failed == 0 and result.attempted >= 3
 
+
+
+@pytest.mark.ranks(2, timeout=600)
+@pytest.mark.parametrize("layer", ["ring", "ulysses"])
+def test_self_attention_on_one_tensor_compiles_fullgraph(layer):
+    """``fn(x, x, x)`` (one tensor as query, key and value) under ``torch.compile(fullgraph=True)``: equal to
+    attention on the whole tensor, its gradient the sum of the three uses (dynamo refused one tensor passed
+    twice to an autograd Function)."""
+    mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
+    X, _, _, G = _whole(10, heads=2, d=4, e=4)
+    O, gq, gk, gv = _reference(X, X, X, G, causal=True)
+    x = es.tree_shard(X, "b h n/sp d", mesh=mesh).requires_grad_()
+    g = es.tree_shard(G, "b h n/sp d", mesh=mesh)
+
+    def step(t):
+        return LAYERS[layer](t, t, t, "sp", causal=True, mesh=mesh)
+
+    torch._dynamo.reset()
+    o = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+    o.backward(g)
+    torch.testing.assert_close(es.tree_gather(o.detach(), "b h n/sp d", mesh=mesh), O, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(es.tree_gather(x.grad, "b h n/sp d", mesh=mesh), gq + gk + gv,
+                               rtol=1e-12, atol=1e-12)
