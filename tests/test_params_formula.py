@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import einshard as es
 from einshard.params import ParameterState, get_parameter_state, register_parameter_state
 from einshard.params.buckets import GradBucketer
-from einshard.testing import local_block
+from einshard.testing import local_block, run_on_ranks
 
 DT = torch.float64
 B, C, H = 5, 3, 7  # uneven over 2, 4 and 8 ranks
@@ -220,3 +221,97 @@ def test_local_formulas_record_by_rank_local_inference():
         u = torch.nn.Parameter(torch.ones(3, 2))
         es.einshard("b c, c h [param] -> b h", x, u)  # nothing shards: no duty
         assert get_parameter_state(u).grad_comm.mode == "none"
+
+
+# -- a local formula: every rank computes the same value, so a duty's sum must count it once -----------------
+
+LOCAL_USE_MESHES = {  # kind -> (rank tensor, names, the duty's group and the rows' split)
+    "2": ([0, 1], ("dp",), "dp"),
+    "2-perm": ([1, 0], ("dp",), "dp"),
+    "2x2": ([[0, 1], [2, 3]], ("dp", "tp"), "dp"),
+    "cols-compound": ([[0, 2], [1, 3]], ("dp", "tp"), "dp-tp"),
+}
+
+
+def _local_use_reference():
+    x, _ = _whole(3)
+    g = (1 + 0.1 * torch.arange(C, dtype=DT)).requires_grad_(True)
+    k = torch.linspace(-1, 1, C, dtype=DT)
+    (((x * g) ** 2).sum() + 0.5 * (g @ g) + g @ k).backward()
+    return x, g.detach(), k, g.grad
+
+
+def local_use_case(kind, schedule, annotated):
+    """The loss ``sum((x * g) ** 2)`` over rows split by the duty's group (a torch op: each rank's share),
+    plus ``0.5 * g . g`` and ``g . k`` as local formulas on the replicated ``g`` (every rank computes them
+    alike), summed by the hooks (registered duty) or ``reduce_module_grads_`` (a ``[param, grad=G]``
+    annotation): ``g``'s gradient equals the one-process one on every rank."""
+    ranks, names, group = LOCAL_USE_MESHES[kind]
+    mesh = es.wrap_mesh(DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names))
+    x, g_whole, k, want = _local_use_reference()
+    holder = torch.nn.Module()
+    holder.g = g = torch.nn.Parameter(g_whole.clone())
+    duty = group + (f":{schedule}" if schedule else "")
+    handle = None
+    if not annotated:
+        es.register_parameter_layout(g, "c", mesh=mesh, grad=duty)
+        handle = es.register_native_grad_reduction_hooks_(holder, mesh)
+    xb = local_block(x, f"b/{group} c", mesh)
+    spec = f"c [param, grad={duty}]" if annotated else "c"
+    with es.use_mesh(mesh):
+        for step in range(2):  # the second call replays the cached plan
+            data = es.einshard(f"b/{group} c -> ", (xb * g) ** 2, sizes={"b": B})
+            loss = data + 0.5 * es.einshard(f"{spec}, c -> ", g, g) + es.einshard(f"{spec}, c -> ", g, k)
+            loss.backward()
+            if handle is not None:
+                handle.wait()
+            else:
+                es.reduce_module_grads_(holder, mesh)
+            torch.testing.assert_close(g.grad, want, rtol=1e-12, atol=1e-12, msg=f"step {step}")
+            g.grad = None
+    if handle is not None:
+        handle.remove()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("kind", list(LOCAL_USE_MESHES))
+@pytest.mark.parametrize("schedule, annotated", [("", False), ("async", False), ("", True)],
+                         ids=["hooks-sync", "hooks-async", "annotated"])
+def test_a_local_formula_on_a_replicated_parameter_counts_its_gradient_once(kind, schedule, annotated):
+    """A duty over groups where a local formula's operand does not vary: kept on group rank 0 (the
+    parameters guide), not summed once per rank."""
+    run_on_ranks(len(torch.tensor(LOCAL_USE_MESHES[kind][0]).flatten()), local_use_case, kind, schedule, annotated)
+
+
+def test_a_local_formula_needs_a_mesh_for_a_duty_that_needs_a_gradient():
+    g = torch.nn.Parameter(torch.ones(3, dtype=DT))
+    es.register_parameter_layout(g, "c", grad="dp")
+    with torch.no_grad():  # no gradient: nothing to keep
+        assert es.einshard("c, c ->", g, g).item() == 3
+    with pytest.raises(es.EinshardError, match=r"operand 0 has a gradient duty over \['dp'\].*use_mesh"):
+        es.einshard("c, c ->", g, g)
+    with es.use_mesh(es.Mesh.virtual((2,), ("tp",))):
+        with pytest.raises(es.EinshardError, match="'c, c ->': operand 0 has a gradient duty over 'dp'"):
+            es.einshard("c, c ->", g, g)
+
+
+def annotated_once_case(perm):
+    mesh = es.wrap_mesh(DeviceMesh("cpu", torch.tensor([1, 0] if perm else [0, 1]), mesh_dim_names=("dp",)))
+    x, g_whole, _, _ = _local_use_reference()
+    gw = g_whole.clone().requires_grad_(True)
+    (((x * gw * gw).sum(1)) ** 2).sum().backward()
+    holder = torch.nn.Module()
+    holder.g = g = torch.nn.Parameter(g_whole.clone())
+    y = es.einshard("b/dp c, c [param, grad=dp], c -> b/dp", local_block(x, "b/dp c", mesh), g, g, mesh=mesh,
+                    sizes={"b": B})
+    (y**2).sum().backward()
+    es.reduce_module_grads_(holder, mesh)
+    torch.testing.assert_close(g.grad, gw.grad, rtol=1e-12, atol=1e-12)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("perm", [False, True], ids=["2", "2-perm"])
+def test_a_parameter_annotated_in_one_operand_has_its_duty_in_every_operand(perm):
+    """``c [param, grad=dp], c`` given one Parameter twice: on the first call (nothing attached yet) both
+    operands leave its gradient partial for the duty, so it is summed once."""
+    run_on_ranks(2, annotated_once_case, perm)

@@ -14,6 +14,7 @@ from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..params.formula import (ANY, check_not_stored, check_params_first, duty_of, formula_names, recorded_shapes, recorder_for,
                               resolve_pending, state_duties)
 from ..params.metadata import named_sizes
+from ..params.replicated import keep_duties_on_root
 from ..params.state import ParameterState
 from ..pipeline import check_tensors
 from ..policy import resolve_policy
@@ -81,6 +82,9 @@ def einshard(
                 resolve_policy(optimize, policy)  # a cached plan still rejects a bad mode/policy
             if type(plan) is _RecordingPlan:  # [param] operands record the names of this call's mesh
                 return plan.run_on(tensors, mesh)
+            duties = state_duties(tensors)
+            if duties:
+                return plan.run(_local_duties(formula, tensors, duties, mesh))
             return plan.run(tensors)
         recorder = _DISTRIBUTED.get((formula, key[2]), _MISSING)
         if recorder is None:  # a distributed formula without [param]: only attached states can carry duties
@@ -126,11 +130,12 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
         plan = _RecordingPlan(plan, recorder)
     _LOCAL_PLANS.put(key, plan)
     if recorder is not None:
-        out = plan.plan.run(tensors)
-        if not _SATISFIED:
-            recorder.commit(tensors, prepared)
+        if _SATISFIED:
+            return plan.plan.run(tensors)
+        out = plan.plan.run(_local_duties(formula, tensors, recorder.duties(tensors, prepared), mesh))
+        recorder.commit(tensors, prepared)
         return out
-    return plan.run(tensors)
+    return plan.run(_local_duties(formula, tensors, state_duties(tensors), mesh))
 
 
 class duties_satisfied:
@@ -146,6 +151,15 @@ class duties_satisfied:
     def __exit__(self, *exc):
         _SATISFIED.pop()
         return False
+
+
+def _local_duties(formula, tensors, duties, mesh):
+    """A local formula's operands with gradient duties (``duties``, per operand), each kept on group rank 0
+    of its groups for backward (:mod:`einshard.params.replicated`); as they are in a
+    ``shard_map(check_vma=True)`` body, which sums every gradient itself."""
+    if not duties or _SATISFIED or _in_tracked_body():
+        return tensors
+    return keep_duties_on_root(formula, tensors, duties, mesh)
 
 
 def _in_tracked_body() -> bool:
@@ -291,7 +305,7 @@ class _RecordingPlan:
         if _SATISFIED:
             return self.plan.run(tensors)
         prepared = self.recorder.prepare(tensors, formula_names(mesh))
-        out = self.plan.run(tensors)
+        out = self.plan.run(_local_duties(self.recorder.formula, tensors, self.recorder.duties(tensors, prepared), mesh))
         self.recorder.commit(tensors, prepared)
         return out
 

@@ -212,10 +212,13 @@ class FormulaRecorder:
         return out
 
     def duties(self, tensors, prepared) -> tuple:
-        """Per operand: the prepared state's duty for ``[param]`` operands, the attached one's elsewhere."""
+        """Per operand: the prepared state's duty for ``[param]`` operands (and for their Parameter given as
+        another operand too), the attached one's elsewhere."""
         base = list(state_duties(tensors) or [None] * len(tensors))
-        for k in self.indices:
-            base[k] = duty_of(prepared[id(tensors[k])][1])
+        for k, t in enumerate(tensors):
+            entry = prepared.get(id(t))
+            if entry is not None:
+                base[k] = duty_of(entry[1])
         return tuple(base) if any(d is not None for d in base) else ()
 
     def commit(self, tensors, prepared, partials=None, names=()) -> None:
