@@ -128,9 +128,6 @@ def test_stored_parameters_in_a_check_vma_body_under_no_grad():
     check(("zero-shard_map", "2x2", "even", "sgd", [("partial", 0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="F2: a formula whose operand with a gradient duty does not vary over dp "
-                   "('c, c ->' on a replicated scale) outside a check_vma body: its gradient is summed over dp "
-                   "(dp times too large) instead of being kept on dp rank 0")
 @pytest.mark.parametrize("mechanism", ["hooks-sync", "hooks-async", "shard_map-novma", "zero-hooks-units"])
 def test_a_formula_on_a_parameter_that_does_not_vary_over_dp_counts_its_gradient_once(mechanism):
     check((mechanism, "4", "even", "sgd", [("aux", True), ("backward", False)]))

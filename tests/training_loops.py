@@ -115,18 +115,15 @@ CAUSES = {  # the values of KNOWN_FAILING: what this harness found beyond issue 
     "F1": "a check_vma=True body with stored parameters under torch.no_grad(): AttributeError in params.zero "
           "(fixed)",
     "F2": "a formula on a parameter with a duty that does not vary over dp ('c, c ->'), outside a check_vma "
-          "body: its gradient is summed over dp (dp times too large)",
+          "body: its gradient is summed over dp (dp times too large) (fixed)",
     "F4": "a tensor hook registered inside a compiled shard_map body: InternalTorchDynamoError in _leaf_key "
           "(fixed)",
 }
-# TEMPORARY: what still fails, by cause (CAUSES; F1, F2, F4 each have an xfail regression test in
+# TEMPORARY: what still fails, by cause (CAUSES; F1, F2, F4 are fixed, each with a regression test in
 # tests/test_training_loops.py). Each entry is (mechanism, mesh or "*", event, situation or "*"): the runs
 # do not draw that event, step around that situation (SITUATIONS), or (with "*") leave the mechanism out on
 # that mesh. Once those are fixed this is empty (EINSHARD_LOOPS_ALL=1 ignores it).
-KNOWN_FAILING: dict = {
-    **{(m, "*", "aux"): "F2" for m in ("hooks-sync", "hooks-async", "shard_map-novma", "zero-hooks",
-                                        "zero-hooks-units")},
-}
+KNOWN_FAILING: dict = {}
 
 
 def known_failing(mechanism: str, mesh: str, event: str = "*") -> bool:
