@@ -14,6 +14,7 @@ from .local import freeze_sizes
 from .mesh import resolve_mesh
 from .notation import expand, freeze_families
 from .params.formula import explain_duties
+from .plan.contraction import ANY
 from .params.state import gather_formula
 from .params.store import get_parameter_state
 from .policy import PlanPolicy, resolve_policy
@@ -65,6 +66,9 @@ class Explanation:
         lines = [f"einshard plan for {self.formula!r} (policy: {self.policy.name})"]
         if self.local:
             lines.append("  local formula: one torch call, no communication")
+            for k, dims in self.grad_partials:  # every rank computes the same value (einshard.params.replicated)
+                lines.append(f"  operand {k}: gradient kept on group rank 0 of {dims}, zeros elsewhere; its gradient "
+                             "duty sums it")
             return "\n".join(lines)
         header = ("phase", "tensor", "move", "mesh dim", "bytes/rank")
         rows = [(r.phase, r.tensor, r.move, r.mesh_dims or "-", f"{r.bytes_per_rank:,.0f}") for r in self.rows]
@@ -149,7 +153,9 @@ def explain(
         else:
             raise EinshardError(f"explain: operand {k} must be a tensor or a shape, got {type(t).__name__}")
     if parsed.is_local:
-        return Explanation(formula, pol, True, (), ())
+        kept = tuple((k, "-".join(d)) for k, d in enumerate(explain_duties(parsed, tensors_or_shapes))
+                     if d is not None and d != ANY)
+        return Explanation(formula, pol, True, (), (), kept)
     mesh = resolve_mesh(mesh)
     gathers = _stored_gathers(parsed, tensors_or_shapes, local_shapes, mesh, pol)
     plan = plan_distributed(

@@ -105,6 +105,9 @@ def test_explain_shows_the_partial_gradient():
     assert duty.grad_partials == ((1, "dp"),)
     assert "operand 1: gradient left partial over dp" in str(duty)
     assert duty.backward_bytes < plain.backward_bytes  # priced that way
+    local = es.explain("c, c h -> h", (3,), w)  # every rank computes the same value: kept on dp rank 0
+    assert local.grad_partials == ((1, "dp"),)
+    assert "operand 1: gradient kept on group rank 0 of dp, zeros elsewhere" in str(local)
 
 
 class _Holder(torch.nn.Module):
