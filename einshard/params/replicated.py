@@ -3,7 +3,7 @@
 A local formula (no ``/``, no ``//``) says that every operand is replicated over every mesh
 dimension: each rank computes the same value. Its backward gives each rank the whole gradient, and a
 gradient duty over groups ``G`` would sum those copies, counting the use once per rank of ``G``. As in
-a distributed formula whose plan replicates the computation (:func:`einshard.plan.contraction`'s
+a distributed formula whose plan replicates the computation (:mod:`einshard.plan.contraction`'s
 gradient duties), the gradient is kept on group rank 0 of ``G`` and zeroed elsewhere, so the duty's sum
 counts it once: the operand passes through a transition that is the identity forward and one
 ``keep_root`` step backward (its adjoint, for double backward, is the all-reduce).
