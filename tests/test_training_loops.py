@@ -120,7 +120,7 @@ def test_training_loops_long(mechanism, mesh):
 
 
 # -- what the harness found beyond issue 29's table: shrunk sequences, as regression tests --------------------
-# TEMPORARY xfail (strict): not fixed yet; the fix removes the mark and its KNOWN_FAILING entry.
+# Each was an xfail (strict) until fixed; the fix removed the mark and its KNOWN_FAILING entry.
 
 
 def test_stored_parameters_in_a_check_vma_body_under_no_grad():
@@ -130,6 +130,8 @@ def test_stored_parameters_in_a_check_vma_body_under_no_grad():
 
 @pytest.mark.parametrize("mechanism", ["hooks-sync", "hooks-async", "shard_map-novma", "zero-hooks-units"])
 def test_a_formula_on_a_parameter_that_does_not_vary_over_dp_counts_its_gradient_once(mechanism):
+    """F2 (fixed): a local formula on a replicated parameter with a dp duty ('c, c ->', the aux term) gives it
+    its gradient once, kept on dp rank 0, not once per dp rank."""
     check((mechanism, "4", "even", "sgd", [("aux", True), ("backward", False)]))
 
 
