@@ -917,7 +917,16 @@ class TracedTracker(_Rules):
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        _PVaryInPlace.apply(t, self.group(missing), True)
+        if _torch_compat.DYNAMO_MARKS_DIRTY:
+            _PVaryInPlace.apply(t, self.group(missing), True)
+            return
+        # (a dynamo that drops mark_dirty: the out-of-place pvary, written back; both tagged at once, so that no
+        # check of the graph takes the copy for varying data written into an invariant tensor)
+        mask = self.mask_of(t) | missing
+        y = _TracedPVary.apply(t, self.group(missing))
+        self.tag(y, mask)
+        t.copy_(y)
+        self.tag(t, mask)
 
     def group(self, mask: int):
         """The process group of the dimensions of ``mask``, looked up at trace time (dynamo would trace the
