@@ -12,6 +12,10 @@ installed torch, so a release that changes what a shim assumes fails there.
   :func:`trace_time`.
 - :func:`traced_function_result`: the copy that keeps torch 2.11 from
   zeroing a gradient through a traced autograd Function.
+- :data:`DYNAMO_MARKS_DIRTY`: whether ``torch.compile`` keeps an autograd
+  Function that writes its input in place (``ctx.mark_dirty``) in the
+  gradient; torch 2.11's dynamo drops it, so in traced code einshard writes
+  the result of an out-of-place Function back with ``copy_`` there.
 - activation checkpointing (:class:`CheckpointFrame`,
   :func:`install_checkpoint`): ``torch.utils.checkpoint`` has no public hook
   that runs a region's recompute in a context of the caller's choosing with
@@ -34,7 +38,7 @@ import torch.distributed.distributed_c10d as _c10d
 import torch.utils.checkpoint as _checkpoint
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "CheckpointFrame",
+__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY", "CheckpointFrame",
            "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
            "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
            "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass", "EnableTorchFunction", "push_torch_function_mode",
@@ -75,6 +79,12 @@ def traced_function_result(y: torch.Tensor) -> torch.Tensor:
     """What the forward of an autograd Function run under ``torch.compile`` returns for ``y``, the result of
     functional collectives: ``y``, or a copy of it on the releases with the aliased-output bug (above)."""
     return y.clone() if _ALIASED_FUNCTION_OUTPUT_BUG else y
+
+
+#: whether dynamo records ``ctx.mark_dirty`` of an autograd Function it traces. torch 2.11's does not: the
+#: Function's result is left out of the graph, the code after it uses the input as it was, and the
+#: Function's backward never runs (a silently wrong gradient, under every backend); 2.13 and 2.15 record it
+DYNAMO_MARKS_DIRTY = TORCH_VERSION >= (2, 12)
 
 
 # -- activation checkpointing -------------------------------------------------------------------

@@ -917,7 +917,16 @@ class TracedTracker(_Rules):
         return y
 
     def pvary_inplace(self, t: torch.Tensor, missing: int) -> None:
-        _PVaryInPlace.apply(t, self.group(missing), True)
+        if _torch_compat.DYNAMO_MARKS_DIRTY:
+            _PVaryInPlace.apply(t, self.group(missing), True)
+            return
+        # (a dynamo that drops mark_dirty: the out-of-place pvary, written back; both tagged at once, so that no
+        # check of the graph takes the copy for varying data written into an invariant tensor)
+        mask = self.mask_of(t) | missing
+        y = _TracedPVary.apply(t, self.group(missing))
+        self.tag(y, mask)
+        t.copy_(y)
+        self.tag(t, mask)
 
     def group(self, mask: int):
         """The process group of the dimensions of ``mask``, looked up at trace time (dynamo would trace the
@@ -1147,7 +1156,13 @@ def _after(node):
 
 
 def _tensor_nodes(node) -> list:
-    return [a for a in node.all_input_nodes if isinstance(a.meta.get("example_value"), _Tensor)]
+    """The arguments of ``node`` that hold tensors: a tensor, or the tuple of a multi-output op (``unbind``), whose
+    pieces ``operator.getitem`` nodes take (torch 2.11's dynamo records ``for row in w`` that way)."""
+    return [a for a in node.all_input_nodes if _holds_tensor(a.meta.get("example_value"))]
+
+
+def _holds_tensor(value) -> bool:
+    return isinstance(value, _Tensor) or isinstance(value, (list, tuple)) and any(isinstance(v, _Tensor) for v in value)
 
 
 def _requires_grad(node) -> bool:
@@ -1175,7 +1190,7 @@ def _decide(body: _GraphBody, graph, node) -> int:
     wider = ~body.trivial & ~UNKNOWN
     if _requires_grad(node):
         for a, m in zip(args, masks):
-            if union & ~m & wider and a.meta["example_value"].requires_grad:
+            if union & ~m & wider and _requires_grad(a):
                 raise _trace.trace_error(
                     f"shard_map under torch.compile: the operation {_target_name(node)!r} combines a tensor that "
                     "requires grad and varies over fewer mesh dimensions than another of its operands, and "

@@ -1,7 +1,6 @@
 """einshard.testing.launch: one script, started by itself or under torchrun."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -34,12 +33,6 @@ def _clean_env():
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_launch_starts_its_own_ranks(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
@@ -51,8 +44,9 @@ def test_launch_starts_its_own_ranks(tmp_path):
 def test_launch_under_torchrun_prints_once(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(script)]
+    # --standalone: torchrun binds its rendezvous store to a port of the system's choosing and hands that one to the
+    # ranks (a port found free beforehand and released can be taken by another process before torchrun binds it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=180)
     assert out.returncode == 0, out.stderr
     assert [line for line in out.stdout.splitlines() if line.startswith("results")] == ["results [10.0, 10.0]"]
