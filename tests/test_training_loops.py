@@ -145,3 +145,10 @@ def test_a_compiled_body_that_hooks_an_intermediate():
     """F4 (fixed): a tensor hook that raises inside a compiled shard_map body raises from backward, as in one
     process, and the next step is exact."""
     check(("compiled", "2x2", "even", "sgd", [("raise", 0)]))
+
+
+def test_functional_call_keeps_the_guard_on_a_parents_read():
+    """F5 (fixed): the storage blocks passed to functional_call with the ZeRO hooks installed are guarded for
+    the call as the stored parameters are: a parent's read of its child's scale vector refuses on every rank
+    instead of using this rank's slice."""
+    check(("zero-hooks-parent", "2x2", "even", "sgd", [("functional", 0)]))

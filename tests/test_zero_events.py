@@ -206,6 +206,7 @@ def _functional_call(mesh, **hooks):
                      want_y, want_grads)
         assert all(p.grad is None for p in model.parameters())
         assert all(type(p) is not torch.Tensor for p in model.parameters())  # the shards are back
+        assert all(type(t) is torch.Tensor and not vars(t) for t in passed.values())  # left as they were
     y = _step(m, model, handle, local_block(old["x"], "b/dp c", m))  # the registered shards: still exact
     want_y, want_grads = _reference(old)
     _assert_step(m, y, {k: (p.grad, _layout(p)) for k, p in model.named_parameters()}, want_y, want_grads)
@@ -334,6 +335,39 @@ def test_a_parent_reading_a_childs_stored_scale_is_refused_or_gathered_by_units(
             torch.testing.assert_close(model.child.scale.grad, local_block(s.grad, "c/dp", m), rtol=1e-12,
                                        atol=1e-13)
         handle.remove()
+
+
+@pytest.mark.ranks(2)
+def test_the_tensors_passed_to_functional_call_are_guarded_as_the_stored_parameters():
+    """torch.func.functional_call puts this rank's storage blocks in the stored parameters' places: for the
+    call they refuse plain torch use outside their unit's forward as the stored parameters do (a parent's
+    read of its child's scale, a tied head's read of a transposed weight), on every rank; the passed tensors
+    are left as they were, and the registered shards are back."""
+    g = torch.Generator().manual_seed(7)
+    scale, X = torch.randn(2, generator=g, dtype=DT), torch.randn(4, 2, generator=g, dtype=DT)
+    m = es.wrap_mesh(MESHES[0].build())
+    model = ScaledParent(scale)
+    es.register_parameter_layout(model.child.scale, "c", mesh=m, grad="dp", store="dp")
+    handle = es.register_native_grad_reduction_hooks_(model, m)
+    passed = local_block(scale, "c/dp", m).requires_grad_()
+    with pytest.raises(es.EinshardError, match=r"torch op 'mul' combines a parameter stored sharded over 'dp' "
+                                               r"\(store=, layout 'c/dp', storage block of shape \(1,\)\)"):
+        torch.func.functional_call(model, {"child.scale": passed}, (local_block(X, "b/dp c", m),))
+    assert type(passed) is torch.Tensor and passed.is_leaf and passed.grad is None and not vars(passed)
+    assert type(model.child.scale) is es.StoredParameter
+    handle.remove()
+    whole = _whole(1)
+    model = TiedHead(whole)
+    es.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
+                                          store="dp", sizes={"c": C, "f": F})
+    handle = es.register_native_grad_reduction_hooks_(model, m)
+    passed = {k: local_block(whole[k], _layout(p), m).requires_grad_() for k, p in model.named_parameters()}
+    with pytest.raises(es.EinshardError, match=r"torch op 'matmul' combines a parameter stored sharded over 'dp' "
+                                               r"\(store=, layout 'f/dp c'"):
+        torch.func.functional_call(model, passed, (local_block(whole["x"], "b/dp c", m),))
+    assert all(type(t) is torch.Tensor and not vars(t) for t in passed.values())
+    assert all(type(p) is es.StoredParameter for p in model.parameters())
+    handle.remove()
 
 
 # -- a shard_map body with stored parameters under no_grad (an evaluation forward) --------------------------

@@ -9,6 +9,10 @@ in-place updates of the shard (optimizers, ``copy_``, ``load_state_dict``, initi
 ops, element-wise ops with tensors of its shape (its gradient, optimizer states), and ops on it alone
 (``detach``, ``zeros_like``, a norm of the storage block).
 
+A tensor put in a stored parameter's place for one call (``torch.func.functional_call`` passing storage
+blocks) is guarded the same way during that call, through an alias (:func:`guarded_alias`): the passed
+tensor itself is left as it was.
+
 >>> p = torch.nn.Parameter(torch.ones(2, 3))
 >>> p.__class__ = StoredParameter
 >>> (p * torch.ones(2, 3)).shape, type(p.detach()).__name__
@@ -23,10 +27,11 @@ from .. import _torch_compat
 from ..errors import EinshardError
 from .store import get_parameter_state
 
-__all__ = ["StoredParameter", "StorageView"]
+__all__ = ["StoredParameter", "StorageView", "guarded_alias", "substituted"]
 
 _DISABLED = _torch_compat.DisableTorchFunctionSubclass
 _AUTOGRAD = (torch.autograd.grad, torch.autograd.backward)  # they differentiate, not compute with, the blocks
+_STANDS_FOR = "_einshard_stands_for"  # on a guarded alias and its views: (the stored parameter, the passed tensor)
 
 
 def _tensors(args, kwargs):
@@ -39,6 +44,19 @@ def _tensors(args, kwargs):
 
 def _guarded(t) -> bool:
     return isinstance(t, (StoredParameter, StorageView))
+
+
+def _root(t):
+    """The tensor whose memory ``t`` views (``t`` itself when it is not a view)."""
+    return t._base if t._is_view() else t
+
+
+def _stored_of(t):
+    """The stored parameter whose layouts describe guarded tensor ``t`` (a block, a view of one, an alias)."""
+    if isinstance(t, StoredParameter):
+        return t
+    found = getattr(t, _STANDS_FOR, None)
+    return t._base if found is None else found[0]
 
 
 def _mismatch(func, name, args, kwargs):
@@ -69,8 +87,12 @@ def _guard(cls, func, types, args=(), kwargs=None):
             _refuse(name, args, kwargs, other)
     with _DISABLED():
         out = func(*args, **kwargs)
-        if type(out) is torch.Tensor and name != "detach" and out._is_view() and isinstance(out._base, StoredParameter):
-            out = out.as_subclass(StorageView)  # .T, view, reshape, indexing: still the slice
+        if type(out) is torch.Tensor and name != "detach" and out._is_view():
+            of = next((t for t in _tensors(args, kwargs) if _guarded(t) and out._base is _root(t)), None)
+            if of is not None:  # .T, view, reshape, indexing: still the slice
+                out = out.as_subclass(StorageView)
+                if hasattr(of, _STANDS_FOR):
+                    setattr(out, _STANDS_FOR, getattr(of, _STANDS_FOR))
     return out
 
 
@@ -83,14 +105,29 @@ class StoredParameter(torch.nn.Parameter):
 
 
 class StorageView(torch.Tensor):
-    """A view of a stored parameter's storage block (``p.T``, ``p.view(...)``, ``p[0]``): guarded like it."""
+    """A view of a stored parameter's storage block (``p.T``, ``p.view(...)``, ``p[0]``), or an alias of a
+    tensor passed in its place (:func:`guarded_alias`): guarded like it."""
 
     __torch_function__ = classmethod(_guard)
 
 
+def guarded_alias(t: torch.Tensor, p: StoredParameter) -> StorageView:
+    """An alias of ``t`` (a storage block passed in stored parameter ``p``'s place) guarded as ``p`` is; it
+    stays attached to autograd (its gradient reaches ``t``), and ``t`` itself is not changed."""
+    out = t.as_subclass(StorageView)
+    setattr(out, _STANDS_FOR, (p, t))
+    return out
+
+
+def substituted(t) -> torch.Tensor | None:
+    """The passed tensor that ``t`` is the guarded alias of (``None`` when ``t`` is not one)."""
+    found = getattr(t, _STANDS_FOR, None) if isinstance(t, StorageView) else None
+    return None if found is None else found[1]
+
+
 def _refuse(name, args, kwargs, other) -> None:
     t = next(t for t in _tensors(args, kwargs) if _guarded(t))
-    p = t if isinstance(t, StoredParameter) else t._base
+    p = _stored_of(t)
     state = get_parameter_state(p)
     if state is None or state.store is None:  # no longer stored (its state was detached)
         return

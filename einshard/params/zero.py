@@ -46,6 +46,7 @@ from .buckets import DEFAULT_BUCKET_BYTES
 from .names import components, runtime_mesh
 from .reduce import install_sum_hooks
 from .state import ParameterGradComm, ParameterState, gather_formula
+from .storage import StorageView, StoredParameter, guarded_alias, substituted
 from .store import PARAM_STATE_ATTR, get_parameter_state
 
 __all__ = ["gather_formula", "scatter_formula", "GatheredParameter", "ZeroUnits", "gather_parameter", "units_of",
@@ -428,8 +429,11 @@ def _drop(pending) -> None:
 def _source(owner, name, p, plan):
     """What a unit's forward gathers for stored parameter ``p`` (``owner.name``), and how: ``p`` itself, or
     the tensor ``torch.func.functional_call`` put in its place, which must be a storage block like ``p``'s
-    (it is gathered, and its gradient reduce-scattered into it, each backward)."""
+    (it is gathered, and its gradient reduce-scattered into it, each backward; the module's forward holds a
+    guarded alias of it, see :meth:`ZeroUnits._guard_substitutes`)."""
     held = owner._parameters.get(name)
+    passed = substituted(held)
+    held = held if passed is None else passed
     if held is p:
         return p, plan
     if not isinstance(held, torch.Tensor) or isinstance(held, GatheredParameter) or held.shape != p.shape:
@@ -471,6 +475,7 @@ class ZeroUnits:
         self._gathered: dict = {}  # storage key -> (p, plan, block) while a unit's forward runs
         self._cache: dict = {}  # id(p) -> weakref of the block gathered again in backward
         self._contexts: list = []  # per running unit forward: ([(owner, name, what it held)], saved-tensor hooks)
+        self._substitutes: list = []  # per running root forward: [(owner, name, passed tensor, its guarded alias)]
         self.live: list = []
         self.order: list = []
         self.prefetch = bool(prefetch)
@@ -507,6 +512,32 @@ class ZeroUnits:
                 self._unit_of[id(p)] = i
             self._handles.append(m.register_forward_pre_hook(self._pre(i, stored)))
             self._handles.append(m.register_forward_hook(self._post(stored), always_call=True))
+        if self.parameters:  # first of the root's pre-hooks, last of its hooks (after its own unit's)
+            self._handles.append(module.register_forward_pre_hook(self._guard_substitutes, prepend=True))
+            self._handles.append(module.register_forward_hook(self._unguard_substitutes, always_call=True))
+
+    def _guard_substitutes(self, module, args) -> None:
+        """For the root module's forward: each tensor of a storage block's shape put in a stored parameter's
+        place (``torch.func.functional_call``) is replaced by a guarded alias of it, so plain torch use outside
+        the forward of the module that gathers it refuses, as the stored parameter's does (its unit gathers the
+        passed tensor itself); :meth:`_unguard_substitutes` puts the passed tensors back."""
+        swapped = []
+        self._substitutes.append(swapped)
+        for _, stored in self._units:
+            for (owner, name), p, plan in stored:
+                held = owner._parameters.get(name)
+                if (plan.cast_only or held is p or not isinstance(held, torch.Tensor) or held.shape != p.shape
+                        or isinstance(held, (GatheredParameter, StoredParameter, StorageView))):
+                    continue  # the registered shard, or what the unit refuses (another shape), or guarded already
+                alias = guarded_alias(held, p)
+                owner._parameters[name] = alias
+                swapped.append((owner, name, held, alias))
+
+    def _unguard_substitutes(self, module, args, out) -> None:
+        swapped = self._substitutes.pop() if self._substitutes else []
+        for owner, name, held, alias in reversed(swapped):
+            if owner._parameters.get(name) is alias:
+                owner._parameters[name] = held
 
     @property
     def modules(self) -> list:
