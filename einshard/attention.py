@@ -484,7 +484,9 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _ring_forward(ring, kernel, q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.kernel, ctx.scale = ring, kernel, scale
-        return out
+        # the output is saved for backward too: under torch.compile on torch 2.11 a saved output that is also
+        # returned lost the gradient of q (see _torch_compat.traced_function_result)
+        return _torch_compat.traced_function_result(out) if _compiling() else out
 
     @staticmethod
     def backward(ctx, dout):
