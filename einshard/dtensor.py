@@ -26,6 +26,8 @@ and DTensors on the twin are read back through it.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ._specs import sizes_for
 from ._specs import strip_spec as _strip
@@ -46,14 +48,6 @@ __all__ = [
     "dtensor_layout",
     "layout_placements",
 ]
-
-try:  # torch >= 2.5
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
-    from torch.distributed._tensor._dtensor_spec import DTensorSpec  # type: ignore
-    from torch.distributed._tensor.placement_types import _Partial as Partial  # type: ignore
 
 
 def is_dtensor(x) -> bool:
