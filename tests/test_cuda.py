@@ -144,6 +144,95 @@ def examples_case(mesh3, mesh2) -> dict:
             "fno": fno_case(mesh2)}
 
 
+def _blockwise(kern, q, k, v, dout, causal: bool, blocks: int):
+    """Attention of ``q`` to ``k``, ``v`` cut into ``blocks`` key blocks, each pair on ``kern``, merged with the
+    log-sum-exps as a ring merges them (fp32), the backward of every pair from the merged output and
+    log-sum-exp; causal: the queries cut alike, pairs above the diagonal skipped, the diagonal causal."""
+    n = q.shape[-2]
+    cuts = [n * i // blocks for i in range(blocks + 1)]
+    scale = q.shape[-1] ** -0.5
+    rows = []
+    for i in range(blocks):
+        qi = q[..., cuts[i]:cuts[i + 1], :]
+        parts = [kern.forward(qi, k[..., cuts[j]:cuts[j + 1], :], v[..., cuts[j]:cuts[j + 1], :],
+                              causal and i == j, scale) for j in range(i + 1 if causal else blocks)]
+        lse = torch.logsumexp(torch.stack([p[1].float() for p in parts]), 0)
+        out = sum(p[0].float() * (p[1].float() - lse).exp().unsqueeze(-1) for p in parts)
+        rows.append((out.to(q.dtype), lse))
+    out = torch.cat([o for o, _ in rows], -2)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    for i, (oi, lse) in enumerate(rows):
+        qs = slice(cuts[i], cuts[i + 1])
+        for j in range(i + 1 if causal else blocks):
+            ks = slice(cuts[j], cuts[j + 1])
+            gq, gk, gv = kern.backward(dout[..., qs, :], q[..., qs, :], k[..., ks, :], v[..., ks, :], oi, lse,
+                                       causal and i == j, scale)
+            dq[..., qs, :] += gq
+            dk[..., ks, :] += gk.float()
+            dv[..., ks, :] += gv.float()
+    return out, dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def fused_kernel_case(device, dtype, n: int = 256, heads: int = 4, width: int = 64) -> dict:
+    """Every fused kernel ``attention_kernels`` can pick on ``device`` for ``dtype``, on 1 and 3 key blocks,
+    causal and not: values and gradients against float64 whole attention, as a ratio to the error of
+    ``F.scaled_dot_product_attention`` itself in ``dtype`` (the fused kernel's own tolerance; the largest)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from einshard import attention_kernels
+
+    q, k, v, dout = (gen(2, heads, n, width, seed=s, device=device) for s in (21, 22, 23, 24))
+    backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if torch.device(device).type == "cuda"
+                else [SDPBackend.FLASH_ATTENTION])
+    ratios = {}
+    for causal in (False, True):
+        ref = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
+        want_out = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=causal)
+        want = (want_out, *torch.autograd.grad(want_out, ref, dout))
+        low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        sdpa_out = torch.nn.functional.scaled_dot_product_attention(*low, is_causal=causal)
+        sdpa = (sdpa_out, *torch.autograd.grad(sdpa_out, low, dout.to(dtype)))
+        floor = [max(err(s.double(), w), 1e-6) for s, w in zip(sdpa, want)]
+        for backend in backends:
+            with sdpa_kernel([backend]):
+                kern = attention_kernels.kernel(str(torch.device(device).type), dtype, width, width)
+            assert kern is not attention_kernels.EXACT, (device, dtype, backend)
+            for blocks in (1, 3):
+                got = _blockwise(kern, *(t.detach() for t in low), dout.to(dtype), causal, blocks)
+                for name, g, w, f in zip(("out", "dq", "dk", "dv"), got, want, floor):
+                    ratios[f"{kern.name} causal={causal} blocks={blocks} {name}"] = err(g.double(), w) / f
+    return ratios
+
+
+def ring_on_one_gpu_case(mesh, device, dtype) -> dict:
+    """``es.ring_attention`` and ``es.ulysses_attention`` on ``mesh`` (one rank: the whole sequence one block)
+    in ``dtype``, causal zigzag and grouped-query: error against float64 whole attention as a ratio to
+    ``F.scaled_dot_product_attention``'s own in ``dtype``."""
+    n, heads, kv_heads, width = 512, 8, 2, 64
+    q = gen(1, heads, n, width, seed=31, device=device)
+    k, v = (gen(1, kv_heads, n, width, seed=s, device=device) for s in (32, 33))
+    dout = gen(1, heads, n, width, seed=34, device=device)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    want = (want_out, *torch.autograd.grad(want_out, ref, dout))
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(*low, is_causal=True, enable_gqa=True)
+    floor = [max(err(s.double(), w), 1e-6) for s, w in zip((sdpa_out, *torch.autograd.grad(sdpa_out, low,
+                                                                                          dout.to(dtype))), want)]
+    ratios = {}
+    with es.use_mesh(mesh):
+        for name, fn in (("ring", es.ring_attention), ("ulysses", es.ulysses_attention)):
+            xs = [t.detach().clone().requires_grad_() for t in low]
+            out = fn(*xs, "tp", causal=True, **({"layout": "zigzag"} if name == "ring" else {}))
+            got = (out, *torch.autograd.grad(out, xs, dout.to(dtype)))
+            for part, g, w, f in zip(("out", "dq", "dk", "dv"), got, want, floor):
+                ratios[f"{name} {part}"] = err(g.double(), w) / f
+    return ratios
+
+
+#: a fused path may differ from whole attention by at most this many times F.sdpa's own error in its dtype
+FUSED_ERROR_RATIO = 4.0
+
+
 # the examples' steps as a user runs them: one torchrun rank, launch(device=...) (NCCL world on a GPU)
 EXAMPLES_SCRIPT = textwrap.dedent(f"""
     import json, sys
@@ -217,3 +306,30 @@ def test_all_reduce_formula_and_shard_map_on_cuda_over_gloo():
 def test_every_public_op_over_nccl_on_two_gpus():
     bad = check_cases(nccl_mesh(), f"cuda:{dist.get_rank()}")
     assert not bad, bad
+
+
+def test_fused_kernel_blocks_merge_to_whole_attention_on_cpu():
+    ratios = fused_kernel_case("cpu", torch.float32)
+    assert max(ratios.values()) <= FUSED_ERROR_RATIO, ratios
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernel_blocks_merge_to_whole_attention_on_a_gpu(dtype):
+    """The CUDA flash and memory-efficient kernels ring attention runs per block pair, merged over key blocks."""
+    ratios = fused_kernel_case("cuda", dtype)
+    assert max(ratios.values()) <= FUSED_ERROR_RATIO, ratios
+
+
+@pytest.mark.ranks(1, checks=False)
+def test_ring_and_ulysses_on_one_cpu_rank_in_low_precision():
+    ratios = ring_on_one_gpu_case(cpu_mesh(), "cpu", torch.bfloat16)
+    assert max(ratios.values()) <= FUSED_ERROR_RATIO, ratios
+
+
+@pytest.mark.cuda
+@pytest.mark.ranks(1, checks=False)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ring_and_ulysses_on_one_gpu_over_nccl(dtype):
+    ratios = ring_on_one_gpu_case(nccl_mesh(), "cuda:0", dtype)
+    assert max(ratios.values()) <= FUSED_ERROR_RATIO, ratios
