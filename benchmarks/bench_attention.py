@@ -56,7 +56,7 @@ from torch.nn.attention import SDPBackend
 
 import einshard as es
 from bench_gpt import peak_memory  # (the same measure as the GPT benchmark's)
-from einshard import attention_kernels
+from einshard.attention import kernels as attention_kernels
 from einshard.attention import zigzag_indices
 from einshard.testing import MeshSpec, spawn
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.helpers import compute_split_shapes
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import MeshSpec, add_device_argument, launch, local_block, rank_device
 
 ITEM = 4  # float32

@@ -5,7 +5,7 @@ not oversubscribed), or under ``torchrun`` (``--device cuda``: one GPU per rank
 over NCCL). For each case it times, in the same run and
 interleaved, ``es.einshard`` against the same work written by hand (the
 local ``torch.einsum`` plus the collectives the plan uses, called directly
-through ``einshard.collectives``). Gloo collectives on a shared machine
+through ``einshard.comm.collectives``). Gloo collectives on a shared machine
 vary by hundreds of microseconds, so the time spent inside the
 ``torch.distributed`` calls is measured and subtracted on every call: what
 remains is Python and local tensor work, and the difference between the two
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard import collectives as C
+from einshard.comm import collectives as C
 from einshard.testing import MeshSpec, add_device_argument, launch, rank_device, synchronize
 
 

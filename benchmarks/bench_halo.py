@@ -63,7 +63,7 @@ CASES = [
 
 def _blocks(mesh, spec, gshape, shapes):
     """Per axis: (name, intervals per block, this rank's block index, sharded over more than one rank)."""
-    from einshard._split import compute_split_shapes, resolve_split_shapes
+    from einshard.core._split import compute_split_shapes, resolve_split_shapes
     from einshard.notation import expand
 
     out = []

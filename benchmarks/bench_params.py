@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.comm_stats import group_label
-from einshard.helpers import compute_split_shapes
+from einshard.comm.comm_stats import group_label
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import add_device_argument, device_mesh, launch, rank_device, synchronize
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.shard_map import shard_map
+from einshard.spmd.shard_map import shard_map
 from einshard.testing import add_device_argument, local_device
 
 

@@ -6,18 +6,19 @@ torch.Size([2, 4])
 """
 
 from ._version import __version__
-from . import collectives, helpers, mappings, testing
-from .checks import checks_enabled, set_checks
+from .comm import collectives, helpers, mappings
+from . import testing
+from .comm.checks import checks_enabled, set_checks
 from .errors import EinshardError, SizeMismatchError
-from .comm_stats import CommStats, count_communication
-from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
+from .comm.comm_stats import CommStats, count_communication
+from .comm.mesh import Mesh, current_mesh, use_mesh, wrap_mesh
 from .notation import parse_sharding
-from .explain import explain, Explanation
+from .ops.explain import explain, Explanation
 from .ops import einconv, einfft, einhalo, einroll, einshard, einwindow
-from .policy import PlanPolicy, optimize, set_default_policy
-from .visualize import visualize
-from .shard_map import shard_map
-from .named import (
+from .core.policy import PlanPolicy, optimize, set_default_policy
+from .ops.visualize import visualize
+from .spmd.shard_map import shard_map
+from .spmd.named import (
     all_gather,
     all_to_all,
     axis_index,
@@ -30,13 +31,13 @@ from .named import (
     psum_scatter,
     pvary,
 )
-from .tree import tree_gather, tree_shard
-from .vma import get_vma
+from .spmd.tree import tree_gather, tree_shard
+from .runtime.vma import get_vma
 from . import attention
 from .attention import ring_attention, ulysses_attention
-from .recompute import install as _install_recompute
+from .runtime.recompute import install as _install_recompute
 
-_install_recompute()  # torch.utils.checkpoint recomputes regions in their forward's context (einshard.recompute)
+_install_recompute()  # torch.utils.checkpoint recomputes regions in their forward's context (einshard.runtime.recompute)
 
 __all__ = [
     "__version__",

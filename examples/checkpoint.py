@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import einshard as es
-from einshard.helpers import compute_split_shapes
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.helpers import compute_split_shapes as split
+from einshard.comm.helpers import compute_split_shapes as split
 from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 NX, NY = 20, 18  # grid points: uneven over the 2 x 4 mesh along y

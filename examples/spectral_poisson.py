@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.helpers import compute_split_shapes as split
+from einshard.comm.helpers import compute_split_shapes as split
 from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 N = (34, 30, 27)  # grid points along x, y, z: uneven over the 2x4 mesh, odd along z

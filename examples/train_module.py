@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.helpers import compute_split_shapes
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import device_mesh, launch, parse_device, rank_device
 
 B, N, C = 8, 6, 12  # batch, sequence length, model width

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard._split import compute_split_shapes
+from einshard.core._split import compute_split_shapes
 from einshard.testing import local_block, make_mesh
 
 DT = torch.float64

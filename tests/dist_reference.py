@@ -53,7 +53,7 @@ def _coords_of(mesh, dims):
 
 def default_shapes(mesh, parsed, global_shapes, sizes=None):
     """``{label: {axis: compute_split_shapes(size, n)}}`` for every sharded input axis."""
-    from einshard._split import compute_split_shapes
+    from einshard.core._split import compute_split_shapes
     from einshard.notation import Group
 
     table: dict = {}

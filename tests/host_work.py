@@ -23,8 +23,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
-from einshard import helpers, mappings
-from einshard.helpers import compute_split_shapes
+from einshard.comm import helpers, mappings
+from einshard.comm.helpers import compute_split_shapes
 from einshard.ops.conv import einconv
 from einshard.ops.window import einwindow
 from einshard.testing import local_block

@@ -1,4 +1,4 @@
-"""Ring and Ulysses attention (``einshard.attention``) against attention on whole tensors in one process.
+"""Ring and Ulysses attention (``einshard.attention.sequence_parallel``) against attention on whole tensors in one process.
 
 Every rank builds the same whole ``Q``, ``K``, ``V`` (float64), takes its
 block of the sequence (contiguous or zigzag, even or uneven), runs the layer
@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import einshard as es
-from einshard import attention, attention_kernels
-from einshard import collectives as C
-from einshard._split import compute_split_shapes
+from einshard.attention import kernels as attention_kernels, sequence_parallel as attention
+from einshard.comm import collectives as C
+from einshard.core._split import compute_split_shapes
 from einshard.attention import from_zigzag, to_zigzag, zigzag_indices, zigzag_shapes
 from einshard.testing import MeshSpec
 
@@ -358,7 +358,7 @@ def test_outputs_vary_over_the_sequence_dimension_and_the_batch_one():
 @pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.matrix)])  # (the long matrix: -m matrix)
 def test_ring_attention_compiles_fullgraph_in_shard_map(check_vma):
     # no replicated weight in the compiled body: a traced body multiplying varying data by an invariant
-    # tensor that requires grad fails in einshard.vma's tracking under dynamo (str.endswith on the op's
+    # tensor that requires grad fails in einshard.runtime.vma's tracking under dynamo (str.endswith on the op's
     # name in _is_inplace), with or without these layers
     mesh = es.wrap_mesh(MeshSpec((2, 2), ("dp", "sp")).build())
     run = _shard_map_run(mesh, check_vma, compile_=True)
@@ -500,7 +500,7 @@ def test_zigzag_conversion_on_a_2d_mesh_in_shard_map():
 
 class _Trace(TorchDispatchMode):
     """The order of matmuls and of the ring's transfers: ``("post", i)`` when batch ``i`` of point-to-point
-    transfers has been started (``einshard.collectives.isend_irecv``), ``("wait", i)`` when it is waited for."""
+    transfers has been started (``einshard.comm.collectives.isend_irecv``), ``("wait", i)`` when it is waited for."""
 
     def __init__(self):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Tests of einshard.checks: set_checks / checks_enabled / agree, and checked collectives."""
+"""Tests of einshard.comm.checks: set_checks / checks_enabled / agree, and checked collectives."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from einshard import checks
-from einshard import collectives as C
-from einshard import comm_stats
-from einshard import mappings as M
-from einshard.mesh import wrap_mesh
+from einshard.comm import checks
+from einshard.comm import collectives as C
+from einshard.comm import comm_stats
+from einshard.comm import mappings as M
+from einshard.comm.mesh import wrap_mesh
 
 # -- without ranks ------------------------------------------------------------------
 

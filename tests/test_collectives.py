@@ -1,4 +1,4 @@
-"""Value tests of einshard.collectives against whole-tensor references.
+"""Value tests of einshard.comm.collectives against whole-tensor references.
 
 Every multi-rank test runs on one pool of 8 gloo ranks; groups of 1, 2, 4 and 8
 ranks come from the 2x4, 2x2x2 and 8 meshes (and an 8x1 mesh for size 1).
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from einshard import checks
-from einshard import collectives as C
-from einshard import comm_stats
-from einshard._split import compute_split_shapes
-from einshard.mesh import wrap_mesh
+from einshard.comm import checks
+from einshard.comm import collectives as C
+from einshard.comm import comm_stats
+from einshard.core._split import compute_split_shapes
+from einshard.comm.mesh import wrap_mesh
 from dist_reference import mesh_groups
 
 
@@ -250,7 +250,7 @@ def test_argument_errors_raise_everywhere_before_communicating(mesh_2x4):
 def test_rank_local_mismatch_without_checks_raises_locally(mesh_2x4):
     """With checks off a rank-local error raises on that rank only; here every rank is wrong in its
     own way (so nobody is left waiting), and each sees its own message."""
-    from einshard import checks
+    from einshard.comm import checks
 
     assert not checks.checks_enabled()
     group = wrap_mesh(mesh_2x4).group("tp")

@@ -1,4 +1,4 @@
-"""Tests of einshard.comm_stats: the records, the views, and byte counts of every collective."""
+"""Tests of einshard.comm.comm_stats: the records, the views, and byte counts of every collective."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from einshard import collectives as C
-from einshard import comm_stats
-from einshard import mappings as M
-from einshard.comm_stats import CommRecord, CommStats, count_communication, record, register_group_label
-from einshard.mesh import wrap_mesh
+from einshard.comm import collectives as C
+from einshard.comm import comm_stats
+from einshard.comm import mappings as M
+from einshard.comm.comm_stats import CommRecord, CommStats, count_communication, record, register_group_label
+from einshard.comm.mesh import wrap_mesh
 from einshard.testing import make_mesh
 
 # -- without ranks ------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.mesh import Mesh
+from einshard.comm.mesh import Mesh
 
 
 # -- validation (no ranks: names are checked before any group exists) -----------------------

@@ -336,9 +336,9 @@ def test_einfft_axes_as_an_iterable_of_names():
 
 _FINGERPRINT = """
 import einshard as es
-from einshard.distributed import plan_distributed
+from einshard.runtime.distributed import plan_distributed
 from einshard.notation import expand
-from einshard.policy import resolve_policy
+from einshard.core.policy import resolve_policy
 mesh = es.Mesh.virtual((2, 2), ("dp", "sp"))
 plan = plan_distributed(expand("a/dp b/sp c, a/dp b/sp d -> c d // (dp, sp)"), [(2, 2, 3), (2, 2, 5)], 4, mesh,
                         None, (), resolve_policy(None, None))

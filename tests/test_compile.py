@@ -192,8 +192,8 @@ def _breaking_body(p, x):
 
 @pytest.mark.ranks(2, timeout=600)
 def test_failed_compile_leaves_no_context_behind():
-    from einshard import _context
-    from einshard import vma as _vma
+    from einshard.core import _context
+    from einshard.runtime import vma as _vma
 
     mesh = _tp_mesh()
     step = es.shard_map(_breaking_body, in_specs=({"w1": "f/tp c"}, "b n c"), out_specs="b n f/tp", mesh=mesh)
@@ -260,7 +260,7 @@ def test_common_subexpression_pass_keeps_collectives_apart():
     import torch.fx as fx
     from torch._functorch.compile_utils import fx_graph_cse
 
-    from einshard import _trace
+    from einshard.core import _trace
 
     _trace.keep_collectives_apart()
     graph = fx.Graph()

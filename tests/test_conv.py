@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import einshard as es
-from einshard.mesh import Mesh
+from einshard.comm.mesh import Mesh
 from einshard.ops.conv import einconv
 from einshard.testing import local_block
 from test_halo import assert_all, max_err, randn, ref_pad

@@ -178,7 +178,7 @@ def fused_kernel_case(device, dtype, n: int = 256, heads: int = 4, width: int = 
     causal and not: values and gradients against float64 whole attention, as a ratio to the error of
     ``F.scaled_dot_product_attention`` itself in ``dtype`` (the fused kernel's own tolerance; the largest)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from einshard import attention_kernels
+    from einshard.attention import kernels as attention_kernels
 
     q, k, v, dout = (gen(2, heads, n, width, seed=s, device=device) for s in (21, 22, 23, 24))
     backends = ([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]

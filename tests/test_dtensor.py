@@ -8,10 +8,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import einshard as es
-from einshard.dtensor import chunk_splits, from_dtensor, to_dtensor
-from einshard.shard_map import shard_map
+from einshard.spmd.dtensor import chunk_splits, from_dtensor, to_dtensor
+from einshard.spmd.shard_map import shard_map
 from einshard.testing import local_block
-from einshard.tree import tree_gather, tree_shard
+from einshard.spmd.tree import tree_gather, tree_shard
 
 DT = torch.float64
 

@@ -271,7 +271,7 @@ def test_rank_local_error_without_checks_raises_only_there():
 
 
 def _cache(mesh):
-    from einshard import distributed
+    from einshard.runtime import distributed
 
     mesh = es.wrap_mesh(mesh)
     x = torch.randn(4, 6)

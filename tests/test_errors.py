@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import einshard as es
-from einshard._cache import BoundedCache
+from einshard.core._cache import BoundedCache
 from einshard.errors import EinshardError, naming
 from einshard.ops.halo import einhalo
 

@@ -1,7 +1,7 @@
-"""The one exchange (``einshard.exchange``): its transports, eager and traced, against whole tensors.
+"""The one exchange (``einshard.comm.exchange``): its transports, eager and traced, against whole tensors.
 
 Transition exchanges (ownership swaps, mesh-dimension moves, many-peer
-repartitions), halos and rolls all run on :class:`einshard.exchange.Exchange`.
+repartitions), halos and rolls all run on :class:`einshard.comm.exchange.Exchange`.
 Values and gradients are compared with whole tensors in one process, with
 even and uneven shards, on 1-D and 2-D meshes; bytes with ``es.explain``.
 """
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard._split import compute_split_shapes
-from einshard.exchange import Exchange, runs_exchange
-from einshard.layout import Layout
+from einshard.core._split import compute_split_shapes
+from einshard.comm.exchange import Exchange, runs_exchange
+from einshard.core.layout import Layout
 from einshard.testing import local_block
 from test_halo import ref_pad
 

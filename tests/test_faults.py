@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard import checks
-from einshard import collectives as C
+from einshard.comm import checks
+from einshard.comm import collectives as C
 from einshard import testing
 from einshard.testing import MeshSpec
 

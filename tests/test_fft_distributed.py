@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard import _context
-from einshard._split import compute_split_shapes
+from einshard.core import _context
+from einshard.core._split import compute_split_shapes
 from einshard.notation import expand
 from einshard.ops.fft import einfft
 from einshard.testing import MeshSpec, local_block, run_on_ranks
@@ -417,7 +417,7 @@ def test_double_backward(mesh_2x4):
 @pytest.mark.ranks(8)
 def test_inside_shard_map(mesh_2x4):
     """In a shard_map body the ambient mesh and split shapes apply, and outputs carry their variance."""
-    from einshard.shard_map import shard_map
+    from einshard.spmd.shard_map import shard_map
 
     mesh = es.wrap_mesh(mesh_2x4)
     # uneven input blocks (ambient in the body); the spectrum uses the default blocks of its new axes

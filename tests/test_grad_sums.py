@@ -1,8 +1,8 @@
-"""Deferred gradient sums of ``shard_map`` bodies (``einshard.grad_sums``): bucketed, in flight during
+"""Deferred gradient sums of ``shard_map`` bodies (``einshard.comm.grad_sums``): bucketed, in flight during
 backward, and the one-process gradient in every training loop.
 
 A replicated parameter that meets per-rank data is pvary-ed; the backward of a
-pvary on a leaf hands its gradient to :data:`einshard.grad_sums.DEFERRED`,
+pvary on a leaf hands its gradient to :data:`einshard.comm.grad_sums.DEFERRED`,
 which sums it asynchronously with others and adds the sum into ``.grad`` at
 the end of the backward. Where the sum cannot wait (``torch.autograd.grad``,
 ``create_graph=True``) it is summed on the spot. Every case is compared with
@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.utils.checkpoint as cp
 
 import einshard as es
-from einshard._split import compute_split_shapes
-from einshard.grad_sums import DEFERRED
+from einshard.core._split import compute_split_shapes
+from einshard.comm.grad_sums import DEFERRED
 from einshard.testing import MeshSpec, local_block
 
 DT = torch.float64

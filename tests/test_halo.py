@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard import _context, checks
-from einshard._split import compute_split_shapes, resolve_split_shapes
-from einshard.mesh import Mesh
+from einshard.core import _context
+from einshard.comm import checks
+from einshard.core._split import compute_split_shapes, resolve_split_shapes
+from einshard.comm.mesh import Mesh
 from einshard.notation import expand
 from einshard.ops.halo import einhalo
 from einshard.testing import local_block
@@ -466,7 +467,7 @@ def test_docstring_examples():
 @pytest.mark.ranks(8)
 def test_stencils_inside_shard_map(mesh_8):
     """Inside shard_map the ambient mesh and split shapes apply (uneven, with empty blocks)."""
-    from einshard.shard_map import shard_map
+    from einshard.spmd.shard_map import shard_map
     from einshard.ops.conv import einconv
     from einshard.ops.roll import einroll
     from einshard.ops.window import einwindow

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import einshard as es
-from einshard.helpers import (
+from einshard.comm.helpers import (
     compute_split_shapes,
     compute_split_shapes_for_factors,
     init_process_group,
@@ -226,7 +226,7 @@ def test_init_process_group_starts_a_real_single_rank_group():
     code = """
 import json
 import torch.distributed as dist
-from einshard.helpers import init_process_group
+from einshard.comm.helpers import init_process_group
 first = init_process_group("gloo", use_cuda=False)
 second = init_process_group("gloo", use_cuda=False)
 print(json.dumps([first, second, dist.get_backend(), dist.get_world_size()]))

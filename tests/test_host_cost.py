@@ -5,7 +5,7 @@ import torch
 
 import einshard as es
 from dist_reference import check_many
-from einshard.layout import Layout, MeshShape
+from einshard.core.layout import Layout, MeshShape
 from einshard.plan.transition import plan_gradient, plan_transition
 from einshard.testing import MeshSpec, run_on_ranks
 
@@ -50,7 +50,7 @@ CASES = [
 
 
 def _size_one(mesh):
-    from einshard.distributed import _PLANS
+    from einshard.runtime.distributed import _PLANS
 
     out = check_many(mesh, CASES)
     mesh = es.wrap_mesh(mesh)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from einshard import _trace
+from einshard.core import _trace
 
 
 def test_import_einshard_does_not_load_dynamo():

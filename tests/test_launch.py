@@ -9,7 +9,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     import torch, torch.distributed as dist
-    from einshard.checks import checks_enabled
+    from einshard.comm.checks import checks_enabled
     from einshard.testing import launch, rank_device
 
     def on_rank(scale):

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import einshard as es
-from einshard.local import build_local_plan
+from einshard.plan.local import build_local_plan
 from einshard.notation import parse_sharding
 
 # valid axis names: underscores, digits after the first character, Unicode letters
@@ -416,7 +416,7 @@ def test_optimize_and_policy_are_exclusive():
 
 
 def test_default_policy_precedence():
-    from einshard.policy import resolve_policy
+    from einshard.core.policy import resolve_policy
 
     try:
         es.set_default_policy("latency")
@@ -467,16 +467,16 @@ from torch_einshard.helpers import compute_split_shapes
 from torch_einshard.mappings import allreduce_forward_identity_backward as mapping
 from torch_einshard import helpers
 import einshard.notation.grammar as g2
-import einshard.helpers, einshard
-assert g1 is g2 and helpers is einshard.helpers
-assert compute_split_shapes is einshard.helpers.compute_split_shapes
-import einshard.mappings
-assert mapping is einshard.mappings.allreduce_forward_identity_backward
-assert sys.modules["torch_einshard.mappings"] is einshard.mappings
+import einshard.comm.helpers, einshard
+assert g1 is g2 and helpers is einshard.comm.helpers
+assert compute_split_shapes is einshard.comm.helpers.compute_split_shapes
+import einshard.comm.mappings
+assert mapping is einshard.comm.mappings.allreduce_forward_identity_backward
+assert sys.modules["torch_einshard.mappings"] is einshard.comm.mappings
 assert sys.modules["torch_einshard"] is einshard
 # submodules named like a public function must not replace it on the package
 import torch_einshard.shard_map, torch_einshard.visualize, torch_einshard.explain, torch_einshard.ops.einshard
-assert callable(einshard.shard_map) and callable(einshard.visualize) and callable(einshard.explain)
+assert callable(einshard.spmd.shard_map) and callable(einshard.ops.visualize) and callable(einshard.ops.explain)
 assert callable(einshard.ops.einshard)
 try:
     import torch_einshard.no_such_module

@@ -1,4 +1,4 @@
-"""Adjoint, value, double-backward and torch.func tests of einshard.mappings.
+"""Adjoint, value, double-backward and torch.func tests of einshard.comm.mappings.
 
 Adjoint test: ``<A x, y> == <x, Aᵀ y>`` where ``Aᵀ y`` is what autograd computes
 (``torch.autograd.grad(A(x), x, y)``), with each layout's inner product:
@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from einshard import collectives as C
-from einshard import mappings as M
-from einshard._split import compute_split_shapes
-from einshard.mesh import wrap_mesh
+from einshard.comm import collectives as C
+from einshard.comm import mappings as M
+from einshard.core._split import compute_split_shapes
+from einshard.comm.mesh import wrap_mesh
 from dist_reference import mesh_groups
 
 REPL, RANK, SHARD, SRC = "replicated", "per-rank", "sharded", "src"

@@ -1,12 +1,12 @@
-"""Tests of einshard.mesh: compound groups, rank order, errors, the ambient mesh."""
+"""Tests of einshard.comm.mesh: compound groups, rank order, errors, the ambient mesh."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
 
-from einshard import comm_stats
-from einshard.mesh import Mesh, current_mesh, resolve_mesh, use_mesh, wrap_mesh
+from einshard.comm import comm_stats
+from einshard.comm.mesh import Mesh, current_mesh, resolve_mesh, use_mesh, wrap_mesh
 
 # -- without ranks ------------------------------------------------------------------
 

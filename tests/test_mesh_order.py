@@ -28,13 +28,13 @@ from torch.distributed.tensor import Replicate, Shard
 
 import einshard as es
 from dist_reference import check_many
-from einshard import collectives
-from einshard import named
-from einshard._split import compute_split_shapes
-from einshard.dtensor import chunk_splits
-from einshard.shard_map import shard_map
+from einshard.comm import collectives
+from einshard.spmd import named
+from einshard.core._split import compute_split_shapes
+from einshard.spmd.dtensor import chunk_splits
+from einshard.spmd.shard_map import shard_map
 from einshard.testing import local_block, make_mesh
-from einshard.vma import get_vma
+from einshard.runtime.vma import get_vma
 from test_conv import nc_ref, run_conv_cases
 from test_fft_distributed import check_many as check_fft_many
 from test_halo import max_err, run_halo_cases

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard import named
-from einshard.shard_map import shard_map
-from einshard.vma import get_vma
+from einshard.spmd import named
+from einshard.spmd.shard_map import shard_map
+from einshard.runtime.vma import get_vma
 
 DT = torch.float64
 K, C = 8, 3  # local block (1, K, C)

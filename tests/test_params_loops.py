@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import einshard as es
 from einshard.params.buckets import hooked_by
-from einshard.helpers import compute_split_shapes
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import MeshSpec, local_block
 
 DT = torch.float64

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard._split import compute_split_shapes_for_factors
+from einshard.core._split import compute_split_shapes_for_factors
 from einshard.params import ParameterState, ParamShardMetadata
 from einshard.testing import local_block
 

@@ -106,7 +106,7 @@ class Model(torch.nn.Module):
         torch.manual_seed(100 + rank)  # different values on every rank
         tp = mesh.size("tp")
         tp_index = mesh.index("tp")
-        from einshard._split import compute_split_shapes
+        from einshard.core._split import compute_split_shapes
 
         f = compute_split_shapes(7, tp)[tp_index]
         self.up = torch.nn.Linear(3, f)

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.comm_stats import count_communication
-from einshard.layout import Layout, MeshShape
+from einshard.comm.comm_stats import count_communication
+from einshard.core.layout import Layout, MeshShape
 from einshard.plan.cost import price
 from einshard.plan.transition import plan_transition
-from einshard.primitives import PRIMITIVES
+from einshard.comm.primitives import PRIMITIVES
 from einshard.testing.reference import local_block
 
 PLANNER_KINDS = ("slice", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "exchange", "embed",

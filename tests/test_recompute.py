@@ -1,4 +1,4 @@
-"""Activation checkpointing: recomputes run in their forward's context (einshard.recompute).
+"""Activation checkpointing: recomputes run in their forward's context (einshard.runtime.recompute).
 
 Every distributed case compares values and gradients with the same computation on whole tensors in
 one process, for both ``use_reentrant`` modes, even and uneven shards, on a 1-D and a 2-D mesh. Every
@@ -13,8 +13,9 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
 import einshard as es
-from einshard import policy, recompute
-from einshard.helpers import compute_split_shapes
+from einshard.core import policy
+from einshard.runtime import recompute
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import MeshSpec, local_block
 
 DT = torch.float64

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import einshard as es
-from einshard import _context
-from einshard._split import compute_split_shapes
-from einshard.mesh import Mesh
+from einshard.core import _context
+from einshard.core._split import compute_split_shapes
+from einshard.comm.mesh import Mesh
 from einshard.notation import expand
 from einshard.ops.roll import einroll
 from einshard.testing import local_block

@@ -14,13 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard import _context
-from einshard.mesh import Mesh
-from einshard import named
-from einshard.named import pvary
-from einshard.shard_map import ShardMap, shard_map
+from einshard.core import _context
+from einshard.comm.mesh import Mesh
+from einshard.spmd import named
+from einshard.spmd.named import pvary
+from einshard.spmd.shard_map import ShardMap, shard_map
 from einshard.testing import local_block
-from einshard.vma import get_vma
+from einshard.runtime.vma import get_vma
 
 DT = torch.float64
 

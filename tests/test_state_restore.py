@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard import _context, checks, comm_stats, policy
-from einshard import vma as _vma
+from einshard.core import _context, policy
+from einshard.comm import checks, comm_stats
+from einshard.runtime import vma as _vma
 
 
 def _state() -> dict:

@@ -1,4 +1,4 @@
-"""The torch version shims (einshard._torch_compat), each checked against the installed torch.
+"""The torch version shims (einshard.core._torch_compat), each checked against the installed torch.
 
 Every test here states what the shim assumes about this torch release; a
 release that changes it fails here, not somewhere deep in a compiled step.
@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.utils.checkpoint as torch_checkpoint
 
-from einshard import _torch_compat, _trace, recompute
+from einshard.core import _torch_compat, _trace
+from einshard.runtime import recompute
 
 
 class _Thing:  # an object that is not a constant to dynamo

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import einshard as es
 from probes import OnBackward
-from einshard.grad_sums import DEFERRED
-from einshard.helpers import compute_split_shapes
+from einshard.comm.grad_sums import DEFERRED
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import MeshSpec, local_block
 
 DT = torch.float64

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 import einshard as es
-from einshard.mesh import Mesh
+from einshard.comm.mesh import Mesh
 from einshard.testing import local_block
-from einshard.tree import tree_gather, tree_shard
+from einshard.spmd.tree import tree_gather, tree_shard
 
 DT = torch.float64
 

@@ -8,11 +8,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import einshard as es
-from einshard import named, vma
-from einshard.mesh import Mesh
-from einshard.shard_map import shard_map
+from einshard.spmd import named
+from einshard.runtime import vma
+from einshard.comm.mesh import Mesh
+from einshard.spmd.shard_map import shard_map
 from einshard.testing import local_block
-from einshard.vma import get_vma
+from einshard.runtime.vma import get_vma
 
 DT = torch.float64
 

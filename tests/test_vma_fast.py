@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import einshard as es
-from einshard.shard_map import shard_map
+from einshard.spmd.shard_map import shard_map
 from einshard.testing import MeshSpec, local_block, run_on_ranks
-from einshard.vma import get_vma
+from einshard.runtime.vma import get_vma
 
 DT = torch.float64
 SPECS = {"w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c"}
@@ -161,8 +161,8 @@ def test_tracked_plain_torch_on_a_1d_mesh(uneven):
 
 def test_tracking_state_is_restored_after_errors():
     """The mode is popped and the counters restored when the body or a formula op raises."""
-    from einshard import vma
-    from einshard.mesh import Mesh
+    from einshard.runtime import vma
+    from einshard.comm.mesh import Mesh
 
     mesh = Mesh.virtual((2, 4), ("dp", "tp"))
     depth = torch._C._len_torch_function_stack()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import einshard as es
-from einshard.mesh import Mesh
+from einshard.comm.mesh import Mesh
 from einshard.notation import expand
 from einshard.ops.window import einwindow
 from einshard.testing import local_block

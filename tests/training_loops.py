@@ -39,7 +39,7 @@ from torch._functorch import config as functorch_config
 from torch.distributed.device_mesh import DeviceMesh
 
 import einshard as es
-from einshard.helpers import compute_split_shapes
+from einshard.comm.helpers import compute_split_shapes
 from einshard.testing import local_block
 
 DT = torch.float64

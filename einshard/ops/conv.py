@@ -40,13 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .. import _trace, mappings
-from .. import vma as _vma
-from .._cache import BoundedCache
+from ..core import _trace
+from ..comm import mappings
+from ..runtime import vma as _vma
+from ..core._cache import BoundedCache
 from ..errors import EinshardError
-from ..layout import MeshShape
+from ..core.layout import MeshShape
 from ..notation import expand, freeze_families
-from ..pipeline import (
+from ..runtime.pipeline import (
     check_boundary,
     check_kept_sharding,
     check_spec,

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from .. import _context, _torch_compat, _trace, checks
-from .. import vma as _vma
-from .._cache import BoundedCache
-from ..distributed import run_distributed, traced_run
+from ..core import _context, _torch_compat, _trace
+from ..comm import checks
+from ..runtime import vma as _vma
+from ..core._cache import BoundedCache
+from ..runtime.distributed import run_distributed, traced_run
 from ..errors import EinshardError
-from ..local import build_local_plan, freeze_sizes
+from ..plan.local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
 from ..params.formula import (ANY, check_not_stored, check_params_first, duty_of, formula_names, recorded_shapes, recorder_for,
                               resolve_pending, state_duties)
 from ..params.metadata import named_sizes
 from ..params.replicated import keep_duties_on_root
 from ..params.state import ParameterState
-from ..pipeline import check_tensors
-from ..policy import resolve_policy
+from ..runtime.pipeline import check_tensors
+from ..core.policy import resolve_policy
 
 __all__ = ["einshard", "duties_satisfied"]
 

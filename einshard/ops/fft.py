@@ -6,7 +6,7 @@ collective), resolve the input and output layouts for this rank, plan once
 local ``torch.fft`` calls and four-step transforms), bind the plan to this
 rank and run it. Plans are cached per (formula, axes, mode, local shape,
 dtype, split shapes, mesh, ambient split shapes): steady-state calls only
-execute. Transposes are :mod:`einshard.execute` transitions (autograd
+execute. Transposes are :mod:`einshard.runtime.execute` transitions (autograd
 Functions with exact adjoints) and the local transforms are ``torch.fft``
 calls, so backward needs no hand-written FFT gradient.
 """
@@ -21,15 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _context, _trace, checks
-from .. import vma as _vma
-from .._cache import BoundedCache
-from .._split import compute_split_shapes
-from .._table import text_table
+from ..core import _context, _trace
+from ..comm import checks
+from ..runtime import vma as _vma
+from ..core._cache import BoundedCache
+from ..core._split import compute_split_shapes
+from ..core._table import text_table
 from ..errors import EinshardError, naming
-from ..execute import Transition, transition
-from ..layout import Layout, MeshShape
-from ..mesh import resolve_mesh
+from ..runtime.execute import Transition, transition
+from ..core.layout import Layout, MeshShape
+from ..comm.mesh import resolve_mesh
 from ..notation import (
     Axis,
     Formula,
@@ -41,10 +42,10 @@ from ..notation import (
     invalid,
 )
 from ..notation.grammar import parse_text
-from ..pipeline import agree, agrees_always, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
+from ..runtime.pipeline import agree, agrees_always, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
-from ..resolve import Splits, resolve
+from ..plan.resolve import Splits, resolve
 
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 

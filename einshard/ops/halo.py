@@ -7,7 +7,7 @@ ranks that own them; cells outside it follow the boundary mode
 
 How data moves: the axes that are sharded over mesh dimensions of more
 than one rank are exchanged *at once*, over the group of all the mesh
-dimensions that shard them, in one :class:`~einshard.exchange.Exchange`
+dimensions that shard them, in one :class:`~einshard.comm.exchange.Exchange`
 (point-to-point with the ranks that hold the cells; ranks that exchange
 nothing take no part). Each rank receives, from each owner, the product over
 the exchanged axes of the runs it reads from that owner's block
@@ -31,14 +31,14 @@ import functools
 
 import torch
 
-from .. import _context, _trace
-from .. import vma as _vma
-from .._cache import BoundedCache
+from ..core import _context, _trace
+from ..runtime import vma as _vma
+from ..core._cache import BoundedCache
 from ..errors import EinshardError
-from ..exchange import exchange_group, runs_exchange
-from ..layout import Layout, MeshShape
+from ..comm.exchange import exchange_group, runs_exchange
+from ..core.layout import Layout, MeshShape
 from ..notation import TensorSpec, freeze_families
-from ..pipeline import (
+from ..runtime.pipeline import (
     agree_before_communicating,
     agrees_always,
     ambient_key,
@@ -54,7 +54,7 @@ from ..pipeline import (
     width_pair,
 )
 from ..plan.halo import halo_axis, halo_runs
-from ..resolve import freeze_shapes
+from ..plan.resolve import freeze_shapes
 
 __all__ = ["einhalo", "HaloPlan", "halo_plan"]
 
@@ -65,7 +65,7 @@ __all__ = ["einhalo", "HaloPlan", "halo_plan"]
 class HaloPlan:
     """A halo of one spec, local shape, layout and mesh, bound to this rank: ``plan(x, fill)``.
 
-    One :class:`~einshard.exchange.Exchange` writes the widened block: owned
+    One :class:`~einshard.comm.exchange.Exchange` writes the widened block: owned
     and fetched cells at their place, cells outside a constant boundary set
     to ``fill``. Cells read twice (a periodic halo wider than the axis, a
     replicate edge) move once; an ``index_select`` repeats them.

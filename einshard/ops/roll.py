@@ -3,7 +3,7 @@
 On a sharded axis the rolled tensor keeps the input's layout (the same split
 shapes), so each rank's new block is made of at most two slices of the
 global axis. Each owner sends each destination exactly the part of its
-block that lands there (one :class:`~einshard.exchange.Exchange` over the
+block that lands there (one :class:`~einshard.comm.exchange.Exchange` over the
 mesh dimensions that shard the rolled axes; several sharded axes move
 together, so a cell that crosses two block boundaries moves once, straight
 to its destination). The part of a block that stays on its rank is copied
@@ -18,14 +18,14 @@ import operator
 
 import torch
 
-from .. import _context, _trace
-from .. import vma as _vma
-from .._cache import BoundedCache
+from ..core import _context, _trace
+from ..runtime import vma as _vma
+from ..core._cache import BoundedCache
 from ..errors import EinshardError
-from ..exchange import exchange_group, runs_exchange
-from ..layout import Layout
+from ..comm.exchange import exchange_group, runs_exchange
+from ..core.layout import Layout
 from ..notation import freeze_families
-from ..pipeline import (
+from ..runtime.pipeline import (
     agree_before_communicating,
     agrees_always,
     ambient_key,
@@ -39,7 +39,7 @@ from ..pipeline import (
     traced_plan,
 )
 from ..plan.halo import roll_runs
-from ..resolve import freeze_shapes
+from ..plan.resolve import freeze_shapes
 
 __all__ = ["einroll", "RollPlan"]
 

@@ -10,11 +10,11 @@ a permutation to the output order.
 
 from __future__ import annotations
 
-from .. import _trace
-from .. import vma as _vma
+from ..core import _trace
+from ..runtime import vma as _vma
 from ..errors import EinshardError
 from ..notation import expand, freeze_families
-from ..pipeline import (
+from ..runtime.pipeline import (
     check_boundary,
     check_kept_sharding,
     check_spec,

@@ -23,7 +23,7 @@ accumulated; the first backward after it (or ``wait()``) sums them all, once;
 ``torch.autograd.grad`` never accumulates: the gradient it returns for a
 hooked parameter is summed at once, synchronously (inside ``no_sync`` too: the
 held contributions stay held). What a backward contributes is its own until it
-ends (:mod:`einshard.backwards`): a backward that raised leaves nothing behind
+ends (:mod:`einshard.comm.backwards`): a backward that raised leaves nothing behind
 (the sums it started are waited for and dropped). A parameter frozen when the
 bucketer is made gets its hooks when it requires gradients again (at the end
 of a backward, or in ``wait()``), and what it accumulated meanwhile is summed.
@@ -37,11 +37,11 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import collectives as C
+from ..comm import collectives as C
 from ..errors import EinshardError
-from ..backwards import PerBackward
-from ..grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
-from ..mesh import Mesh, resolve_mesh
+from ..comm.backwards import PerBackward
+from ..comm.grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
+from ..comm.mesh import Mesh, resolve_mesh
 
 __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from ..dtensor import from_dtensor as unwrap
-from ..dtensor import is_dtensor
-from ..dtensor import to_dtensor as wrap
+from ..spmd.dtensor import from_dtensor as unwrap
+from ..spmd.dtensor import is_dtensor
+from ..spmd.dtensor import to_dtensor as wrap
 from ..errors import EinshardError
 from ..notation import expand
-from ..resolve import resolve
-from ..tree import discover_splits, map_leaves, prepare_tree
+from ..plan.resolve import resolve
+from ..spmd.tree import discover_splits, map_leaves, prepare_tree
 from .metadata import record_global_shape_, recorded_global_shape
 from .specs import as_param_tree, param_specs, specs_or_registered
 

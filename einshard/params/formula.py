@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import torch
 
-from .. import _context
-from .._cache import BoundedCache
+from ..core import _context
+from ..core._cache import BoundedCache
 from ..errors import EinshardError
-from ..mesh import Mesh
+from ..comm.mesh import Mesh
 from ..notation import expand_unchecked
 from ..plan.contraction import ANY
 from .merge import merge_states

@@ -6,14 +6,14 @@ import math
 
 import torch
 
-from .._split import compute_split_shapes
-from ..distributed import plan_distributed
+from ..core._split import compute_split_shapes
+from ..runtime.distributed import plan_distributed
 from ..errors import EinshardError
-from ..local import freeze_sizes
-from ..mesh import Mesh, current_mesh, mesh_required, resolve_mesh
+from ..plan.local import freeze_sizes
+from ..comm.mesh import Mesh, current_mesh, mesh_required, resolve_mesh
 from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
-from ..policy import resolve_policy
-from ..stationary import is_stationary, needs_mesh_for_grad, why_mesh
+from ..core.policy import resolve_policy
+from ..plan.stationary import is_stationary, needs_mesh_for_grad, why_mesh
 from .formula import check_params_first, recorder_for
 from .names import mesh_names, unknown_groups
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._split import compute_split_shapes_for_factors
+from ..core._split import compute_split_shapes_for_factors
 from ..errors import EinshardError
-from ..mesh import Mesh
+from ..comm.mesh import Mesh
 from ..notation import Axis, EllipsisItem, Group
 from .names import components
 from .state import ParameterState, check_state

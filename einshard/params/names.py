@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import _context
+from ..core import _context
 from ..errors import EinshardError
-from ..mesh import Mesh, as_mesh
+from ..comm.mesh import Mesh, as_mesh
 
 __all__ = [
     "components",

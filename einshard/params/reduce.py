@@ -21,7 +21,7 @@ other and from the shards, so local shapes match and nothing is counted twice.
 One mechanism sums a gradient: the helpers refuse a gradient that live hooks
 sum, or that a ``shard_map(check_vma=True)`` body summed already.
 
-Every all-reduce goes through :func:`einshard.collectives.all_reduce`, so
+Every all-reduce goes through :func:`einshard.comm.collectives.all_reduce`, so
 ``es.count_communication`` records it (calls and bytes, as ``backward`` inside backward).
 """
 
@@ -32,7 +32,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .. import collectives as C
+from ..comm import collectives as C
 from ..errors import EinshardError
 from .buckets import DEFAULT_BUCKET_BYTES, GradBucketer, hooked_by
 from .names import check_group_syntax, components, resolve_dims, resolve_group, runtime_mesh

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import _context
+from ..core import _context
 from ..errors import EinshardError
-from ..execute import transition
-from ..layout import Layout
-from ..mesh import Mesh, mesh_required, resolve_mesh
+from ..runtime.execute import transition
+from ..core.layout import Layout
+from ..comm.mesh import Mesh, mesh_required, resolve_mesh
 from ..plan.contraction import ANY, duty_dims
 
 __all__ = ["keep_duties_on_root"]

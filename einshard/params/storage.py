@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _torch_compat
+from ..core import _torch_compat
 from ..errors import EinshardError
 from .store import get_parameter_state
 

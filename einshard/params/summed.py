@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .. import _torch_compat
+from ..core import _torch_compat
 from .buckets import hooked_by
 from .store import PARAM_STATE_ATTR
 

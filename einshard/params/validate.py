@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from .. import _context
+from ..core import _context
 from ..errors import EinshardError
 from .names import mesh_names, resolve_dims, runtime_mesh
 from .state import ParameterGradComm, ParameterState, check_rank, check_state

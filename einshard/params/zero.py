@@ -35,12 +35,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._split import compute_split_shapes_for_factors
-from .. import _torch_compat
-from .. import collectives as C
-from ..backwards import PerBackward
+from ..core._split import compute_split_shapes_for_factors
+from ..core import _torch_compat
+from ..comm import collectives as C
+from ..comm.backwards import PerBackward
 from ..errors import EinshardError
-from ..grad_sums import DeferredSums, accumulates
+from ..comm.grad_sums import DeferredSums, accumulates
 from ..ops.einshard import einshard
 from .buckets import DEFAULT_BUCKET_BYTES
 from .names import components, runtime_mesh
@@ -191,7 +191,7 @@ class _Plan:
 
     def start(self, shard: torch.Tensor):
         """Start gathering ``shard``'s compute block in ``param_dtype`` (no autograd): a
-        :class:`~einshard.collectives.PendingGather` (the block itself for a cast-only plan). The forward of
+        :class:`~einshard.comm.collectives.PendingGather` (the block itself for a cast-only plan). The forward of
         :func:`gather_formula` is an all-gather over the storage group alone (its partial groups are a
         ``pvary``, the identity), so it may be issued ahead of its use (prefetch)."""
         with torch.no_grad():

@@ -25,10 +25,10 @@ import itertools
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from .._split import compute_split_shapes
+from ..core._split import compute_split_shapes
 from ..errors import EinshardError
-from ..layout import Layout, MeshShape, broadcast_size
-from ..policy import PlanPolicy
+from ..core.layout import Layout, MeshShape, broadcast_size
+from ..core.policy import PlanPolicy
 from .cost import Cost, price
 from .transition import Step, plan_gradient, plan_transition
 

@@ -3,7 +3,7 @@
 :func:`price` prices a move (its forward steps and the backward steps that
 are its adjoint) as a :class:`Cost`; contractions, FFT plans and the
 transitions between them all use it, and :meth:`Cost.key` orders costs under
-a :class:`~einshard.policy.PlanPolicy`. Two metrics, chosen by the policy:
+a :class:`~einshard.core.policy.PlanPolicy`. Two metrics, chosen by the policy:
 
 - ``"sent"``: bytes each rank sends, averaged over the ranks (each step's
   primitive's traffic, padded blocks included) and one call per collective;
@@ -21,9 +21,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..layout import MeshShape
-from ..policy import PlanPolicy
-from ..primitives import PRIMITIVES, moved_numel
+from ..core.layout import MeshShape
+from ..core.policy import PlanPolicy
+from ..comm.primitives import PRIMITIVES, moved_numel
 
 __all__ = ["Cost", "price"]
 
@@ -75,7 +75,7 @@ _METRICS = {"sent": _sent, "max_received": _max_received}
 def price(forward, backward, mesh: MeshShape, itemsize: int, metric: str = "sent") -> Cost:
     """The cost of running the steps ``forward`` and, in backward, ``backward``, under ``metric``.
 
-    >>> from einshard.layout import Layout
+    >>> from einshard.core.layout import Layout
     >>> mesh = MeshShape(("tp",), (4,))
     >>> shard = Layout(("a",), (8,), (("tp",),), ((2, 2, 2, 2),))
     >>> whole = Layout(("a",), (8,), ((),), (None,))

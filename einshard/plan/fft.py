@@ -33,9 +33,9 @@ import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .._split import compute_split_shapes
-from ..layout import Layout, MeshShape
-from ..policy import PlanPolicy
+from ..core._split import compute_split_shapes
+from ..core.layout import Layout, MeshShape
+from ..core.policy import PlanPolicy
 from .cost import price
 from .transition import plan_transition
 

@@ -20,7 +20,7 @@ Roll: the receiver's buffer is its own output block; every source element
 lands exactly once.
 
 Everything here is pure arithmetic on global intervals; the runs are turned
-into an exchange by :func:`einshard.exchange.runs_exchange`.
+into an exchange by :func:`einshard.comm.exchange.runs_exchange`.
 """
 
 from __future__ import annotations

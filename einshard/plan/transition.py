@@ -10,12 +10,12 @@ move the fewest bytes:
 3. **exchange** the remaining shard/replicate changes. The exchange is one
    general mechanism (every rank receives exactly the part of its new block
    it does not already hold, once; of several copies it reads its own, else
-   one whose holder reads from it too, see :mod:`einshard.exchange`); it runs
+   one whose holder reads from it too, see :mod:`einshard.comm.exchange`); it runs
    as a local slice, an all-gather, an all-to-all, or the general exchange
    (point-to-point with the peers that have data), whichever its pattern is;
 4. dimensions that become partial need nothing in forward (``pvary``).
 
-Plans are rank-independent and cached; :func:`einshard.execute.compile_step`
+Plans are rank-independent and cached; :func:`einshard.runtime.execute.compile_step`
 binds one to a rank's coordinate and process groups. The backward of a transition is the
 reverse transition (``dst -> src``), which is its exact adjoint under the
 layouts' inner products.
@@ -29,8 +29,8 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import EinshardError
-from ..layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
-from ..primitives import PRIMITIVES, moved_numel
+from ..core.layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
+from ..comm.primitives import PRIMITIVES, moved_numel
 
 __all__ = ["Step", "plan_transition", "plan_gradient"]
 
@@ -39,7 +39,7 @@ __all__ = ["Step", "plan_transition", "plan_gradient"]
 class Step:
     """One move of a transition: ``kind`` over the mesh dimensions ``dims``.
 
-    ``kind`` names a :data:`~einshard.primitives.PRIMITIVES` entry: ``slice``,
+    ``kind`` names a :data:`~einshard.comm.primitives.PRIMITIVES` entry: ``slice``,
     ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
     ``exchange`` (and, for contributions, ``embed``, ``embed_adjoint``,
     ``keep_root``). ``axis`` (and ``to_axis`` for all-to-all) index the
@@ -84,7 +84,7 @@ def plan_gradient(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]
 @lru_cache(maxsize=8192)
 def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]:
     """The steps that turn ``src`` into ``dst`` (same axes, same order); none where they hold the same
-    blocks (equal :meth:`~einshard.layout.Layout.essential` layouts: only mesh dimensions of size 1 differ)."""
+    blocks (equal :meth:`~einshard.core.layout.Layout.essential` layouts: only mesh dimensions of size 1 differ)."""
     if src.axes != dst.axes or src.sizes != dst.sizes:
         raise EinshardError(f"transition between different tensors: '{src}' -> '{dst}'")
     if src.essential(mesh) == dst.essential(mesh):

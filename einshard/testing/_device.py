@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..errors import EinshardError
-from ..helpers import init_process_group
+from ..comm.helpers import init_process_group
 
 __all__ = ["DEVICES", "add_device_argument", "choose_device", "device_mesh", "init_rank", "launched", "local_device",
            "parse_device", "rank_device", "synchronize"]

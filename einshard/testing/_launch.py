@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..checks import checks_enabled, set_checks
+from ..comm.checks import checks_enabled, set_checks
 from ..errors import EinshardError
 from ._device import choose_device, init_rank, launched
 from ._pool import spawn

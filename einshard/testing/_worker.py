@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..checks import set_checks
+from ..comm.checks import set_checks
 from ._mesh import MeshSpec
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL

@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from .._split import compute_split_shapes, resolve_split_shapes
+from ..core._split import compute_split_shapes, resolve_split_shapes
 from ..errors import EinshardError
-from ..mesh import resolve_mesh
+from ..comm.mesh import resolve_mesh
 from ..notation import EllipsisItem, Group, expand
 
 __all__ = ["local_block"]
