@@ -1,1 +1,3 @@
+"""The version string."""
+
 __version__ = "0.1.0.dev0"

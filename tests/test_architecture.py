@@ -1,12 +1,14 @@
-"""The package's import graph matches docs/development/architecture.md.
+"""The package's import graph matches docs/development/architecture.md: folders are the layers.
 
-The architecture note has one table row per module: its layer, its name and
-its one job. This test reads every module's imports (with ``ast``, without
-importing anything) and fails on
+The architecture note has one table row per layer: its number and the
+package (a folder) or module it holds. This test reads every module's
+imports (with ``ast``, without importing anything) and fails on
 
-- a module missing from the table, or a table row naming no module;
+- a module in no listed folder, or a row naming no module;
+- a module without a docstring (its one job);
 - an import cycle between the package's modules;
-- a module importing one of a higher layer;
+- a module importing one of a higher layer, except the upward imports the
+  note lists (and a listed one that is gone);
 - an import inside a function, except of the optional or heavy third-party
   modules listed in the note;
 - a private name (``_x``) of another module imported or read from outside it.
@@ -23,6 +25,7 @@ PACKAGE = ROOT / "einshard"
 NOTE = ROOT / "docs" / "development" / "architecture.md"
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`(einshard(?:\.\w+)*)`\s*\|")
 _LAZY = re.compile(r"^Imported inside functions:(.*)$", re.M)
+_UPWARD = re.compile(r"^Upward imports:(.*)$", re.M)
 
 
 def _module_name(path: Path) -> str:
@@ -36,14 +39,43 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _layers() -> dict[str, int]:
-    layers: dict[str, int] = {}
+def _rows() -> dict[str, int]:
+    """The note's table: package or module -> layer."""
+    rows: dict[str, int] = {}
     for line in NOTE.read_text().splitlines():
         m = _ROW.match(line)
         if m:
-            assert m.group(2) not in layers, f"{m.group(2)} is listed twice in {NOTE.name}"
-            layers[m.group(2)] = int(m.group(1))
-    return layers
+            assert m.group(2) not in rows, f"{m.group(2)} is listed twice in {NOTE.name}"
+            rows[m.group(2)] = int(m.group(1))
+    return rows
+
+
+def _home(module: str, rows: dict[str, int]) -> str | None:
+    """The row a module belongs to: itself, or the innermost listed package holding it."""
+    name = module
+    while name:
+        if name in rows:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _layers() -> dict[str, int]:
+    """Every module's layer: its folder's (its home row's)."""
+    rows = _rows()
+    return {m: rows[h] for m in _modules() if (h := _home(m, rows)) is not None}
+
+
+def _upward_allowed() -> set[tuple[str, str]]:
+    m = _UPWARD.search(NOTE.read_text())
+    assert m, f"{NOTE.name} must list the upward imports it allows ('Upward imports: none' if none)"
+    allowed = set()
+    for part in m.group(1).split(";"):
+        if "→" in part:
+            src, _, dsts = part.partition("→")
+            (s,) = re.findall(r"`([\w.]+)`", src)
+            allowed |= {(s, d) for d in re.findall(r"`([\w.]+)`", dsts)}
+    return allowed
 
 
 def _lazy_allowed() -> set[str]:
@@ -123,10 +155,16 @@ def _is_ancestor(a: str, b: str) -> bool:
     return b.startswith(a + ".")
 
 
-def test_every_module_is_in_the_note():
-    modules, layers = _modules(), _layers()
-    assert sorted(set(modules) - set(layers)) == [], f"modules missing from {NOTE.name}"
-    assert sorted(set(layers) - set(modules)) == [], f"{NOTE.name} names modules that do not exist"
+def test_every_module_is_in_a_folder_of_the_note():
+    modules, rows = _modules(), _rows()
+    assert sorted(m for m in modules if _home(m, rows) is None) == [], f"modules in no folder of {NOTE.name}"
+    assert sorted(set(rows) - set(modules)) == [], f"{NOTE.name} names packages or modules that do not exist"
+
+
+def test_every_module_states_its_job():
+    modules = _modules()
+    bare = [m for m, path in modules.items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert bare == [], "modules without a docstring"
 
 
 def _edges(modules, graph):
@@ -172,13 +210,13 @@ def test_no_import_cycles():
 
 def test_layers_point_down():
     modules, graph = _graph()
-    layers = _layers()
-    bad = [
-        f"{m}:{line} (layer {layers.get(m)}) imports {t} (layer {layers.get(t)})"
-        for m, t, line in _edges(modules, graph)
-        if layers.get(t, 0) > layers.get(m, 0)
-    ]
+    layers, allowed = _layers(), _upward_allowed()
+    upward = {(m, t): line for m, t, line in _edges(modules, graph) if layers.get(t, 0) > layers.get(m, 0)}
+    bad = [f"{m}:{line} (layer {layers.get(m)}) imports {t} (layer {layers.get(t)})"
+           for (m, t), line in sorted(upward.items()) if (m, t) not in allowed]
     assert not bad, "imports of a higher layer:\n" + "\n".join(bad)
+    gone = sorted(allowed - set(upward))
+    assert not gone, f"upward imports listed in {NOTE.name} that no longer exist (remove them there): {gone}"
 
 
 def test_no_imports_inside_functions():

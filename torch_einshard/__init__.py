@@ -4,9 +4,12 @@
 einshard as es`` gives, and ``torch_einshard.X`` is ``einshard.X`` for every
 submodule (``import torch_einshard.helpers``, ``from torch_einshard.mappings
 import ...``): each module is executed once, as ``einshard.X``, and shared.
+The module paths of torch-einshard 1.0 keep working: a module that has moved
+into a folder since (``helpers`` is ``einshard.comm.helpers``) is found under
+its old name too (``_MOVED``).
 
 >>> import einshard, torch_einshard, torch_einshard.helpers
->>> torch_einshard is einshard, torch_einshard.helpers is einshard.helpers
+>>> torch_einshard is einshard, torch_einshard.helpers is einshard.comm.helpers
 (True, True)
 """
 
@@ -23,6 +26,24 @@ import einshard as _einshard
 _ALIAS = __name__  # "torch_einshard"
 _TARGET = _einshard.__name__  # "einshard"
 
+_MOVED = {  # module paths of torch-einshard 1.0 (and of einshard before its folders) -> where they live now
+    "attention_kernels": "attention.kernels", "backwards": "comm.backwards", "checks": "comm.checks",
+    "collectives": "comm.collectives", "comm_stats": "comm.comm_stats", "distributed": "runtime.distributed",
+    "dtensor": "spmd.dtensor", "dtensor_mesh": "spmd.dtensor_mesh", "exchange": "comm.exchange",
+    "execute": "runtime.execute", "explain": "ops.explain", "grad_sums": "comm.grad_sums",
+    "helpers": "comm.helpers", "layout": "core.layout", "local": "plan.local", "mappings": "comm.mappings",
+    "mesh": "comm.mesh", "named": "spmd.named", "pipeline": "runtime.pipeline", "policy": "core.policy",
+    "primitives": "comm.primitives", "recompute": "runtime.recompute", "resolve": "plan.resolve",
+    "shard_map": "spmd.shard_map", "stationary": "plan.stationary", "tree": "spmd.tree",
+    "visualize": "ops.visualize", "vma": "runtime.vma",
+}
+
+
+def _real_name(alias_name: str) -> str:
+    """``torch_einshard.X.Y`` -> ``einshard.X.Y``, ``X`` translated where its module moved (``_MOVED``)."""
+    head, dot, tail = alias_name[len(_ALIAS) + 1 :].partition(".")
+    return f"{_TARGET}.{_MOVED.get(head, head)}{dot}{tail}"
+
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Resolves ``torch_einshard.X`` to the module object ``einshard.X``."""
@@ -30,7 +51,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith(_ALIAS + "."):
             return None
-        real_name = _TARGET + fullname[len(_ALIAS) :]
+        real_name = _real_name(fullname)
         try:
             real_spec = importlib.util.find_spec(real_name)
         except (ImportError, ValueError):
@@ -70,3 +91,6 @@ sys.modules[_ALIAS] = _einshard
 for _name, _module in list(sys.modules.items()):
     if _name.startswith(_TARGET + "."):
         sys.modules.setdefault(_ALIAS + _name[len(_TARGET) :], _module)
+for _old, _new in _MOVED.items():
+    if f"{_TARGET}.{_new}" in sys.modules:
+        sys.modules.setdefault(f"{_ALIAS}.{_old}", sys.modules[f"{_TARGET}.{_new}"])
