@@ -4,11 +4,15 @@ Every test here states what the shim assumes about this torch release; a
 release that changes it fails here, not somewhere deep in a compiled step.
 """
 
+import pathlib
+import re
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.utils.checkpoint as torch_checkpoint
 
+import einshard
 from einshard.core import _torch_compat, _trace
 from einshard.runtime import recompute
 
@@ -26,12 +30,12 @@ def test_the_declared_range_includes_this_torch():
     assert (2, 11) <= _torch_compat.TORCH_VERSION <= (2, 15), torch.__version__
 
 
-def test_is_compiling_is_true_in_trace_time_python():
+def test_compile_in_progress_is_true_in_trace_time_python():
     seen = []
 
     @_trace.constant_result
     def planner(n):
-        seen.append((torch.compiler.is_compiling(), _torch_compat.is_compiling()))
+        seen.append((torch.compiler.is_compiling(), _torch_compat.compile_in_progress()))
         return n + 1
 
     out = _compile(lambda x: x * planner(2))(torch.ones(2))
@@ -40,8 +44,36 @@ def test_is_compiling_is_true_in_trace_time_python():
     assert shim_says
     # torch says so itself only from 2.13 on: the reason for the shim (a release that changes it fails here)
     assert torch_says == (_torch_compat.TORCH_VERSION >= (2, 13))
-    assert not _torch_compat.is_compiling()  # eager code
+    assert not _torch_compat.compile_in_progress()  # eager code
     assert planner(2) == 3 and seen[1] == (False, False)  # called eagerly: plain Python, not at trace time
+
+
+def test_the_two_predicates_of_compiling():
+    """``in_traced_code``: dynamo traces this code (false in the Python it runs at trace time);
+    ``compile_in_progress``: a graph is being built (true in both)."""
+    seen = {}
+
+    @_trace.constant_result
+    def planner(n):
+        seen["planner"] = (_torch_compat.in_traced_code(), _torch_compat.compile_in_progress())
+        return n
+
+    def traced(x):
+        seen["traced"] = (_torch_compat.in_traced_code(), _torch_compat.compile_in_progress())
+        return x * planner(2)
+
+    assert _compile(traced)(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert seen == {"traced": (True, True), "planner": (False, True)}
+    traced(torch.ones(2))
+    assert seen == {"traced": (False, False), "planner": (False, False)}
+
+
+def test_only_the_shims_ask_torch_whether_it_compiles():
+    """Every module asks ``in_traced_code`` or ``compile_in_progress``; none asks torch itself."""
+    root = pathlib.Path(einshard.__file__).parent
+    asking = [str(p.relative_to(root)) for p in sorted(root.rglob("*.py"))
+              if p.name != "_torch_compat.py" and re.search(r"\bis_(dynamo_)?compiling\b", p.read_text())]
+    assert asking == []
 
 
 def test_planners_get_objects_by_identity():

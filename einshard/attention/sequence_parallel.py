@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import _context, _torch_compat, _trace
+from ..core._torch_compat import compile_in_progress
 from ..comm import checks as _checks
 from ..comm import collectives as C
 from ..runtime import vma as _vma
@@ -51,7 +52,6 @@ from ..ops.einshard import einshard
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shapes", "zigzag_indices", "to_zigzag", "from_zigzag"]
 
-_compiling = _torch_compat.is_compiling
 _functional = torch.ops._c10d_functional  # functional collectives as graph nodes: start, and wait where needed
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -182,7 +182,7 @@ _PLANS = BoundedCache()
 
 def _plan(build, *args):
     """``build(*args)``, made once per arguments; under ``torch.compile`` made while tracing (a constant)."""
-    if _compiling():
+    if compile_in_progress():
         return _trace.lookup(_plan_name(build, *_trace.static_value(args)))
     return _cached(build, *args)
 
@@ -245,7 +245,7 @@ def _groups(q, k) -> int:
 def _agree(what: str, group, error: str | None, facts) -> None:
     """Raise a local problem here (checks off) or on every rank of ``group`` (checks on), before the ring."""
     err = None if error is None else EinshardError(error)
-    if _compiling() or group is None or not _checks.agreement_needed():
+    if compile_in_progress() or group is None or not _checks.agreement_needed():
         if err is not None:
             raise err
         return
@@ -355,7 +355,7 @@ def _start(ring: _Ring, x: torch.Tensor, n: int):
     (with every other rank it exchanges nothing) and the received shape.
     """
     shape = x.shape[:-2] + (n, x.shape[-1])
-    if _compiling():
+    if compile_in_progress():
         ins, outs = [0] * ring.size, [0] * ring.size
         ins[ring.send_to] = x.numel()
         outs[ring.recv_from] = math.prod(shape)
@@ -370,7 +370,7 @@ def _start(ring: _Ring, x: torch.Tensor, n: int):
 def _wait(pending) -> torch.Tensor:
     """The tensor :func:`_start` receives, once it has arrived."""
     got, rest = pending
-    if _compiling():
+    if compile_in_progress():
         return _functional.wait_tensor(got).view(rest)
     for work in rest:
         work.wait()
@@ -447,7 +447,7 @@ def _ring_backward(ring: _Ring, kernel, q, k, v, out, lse, dout, scale: float):
     d, n, acc = q.shape[-1], q.shape[-2], _sum_dtype(q.dtype)
     dq = None
     kv = torch.cat([k, v], -1) if ring.size > 1 else None
-    if kv is not None and _compiling():  # tied to dout (a sum of none of its elements): the partitioner cannot
+    if kv is not None and compile_in_progress():  # tied to dout (a sum of none of its elements): the partitioner cannot
         kv = kv + dout.reshape(-1)[:0].sum()  # move the backward's transfers into the forward, away from their work
         k, v = _split(kv, d)
     last = ring.size - 1
@@ -491,11 +491,11 @@ class _RingAttention(torch.autograd.Function):
         ctx.ring, ctx.kernel, ctx.scale = ring, kernel, scale
         # the output is saved for backward too: under torch.compile on torch 2.11 a saved output that is also
         # returned lost the gradient of q (see _torch_compat.traced_function_result)
-        return _torch_compat.traced_function_result(out) if _compiling() else out
+        return _torch_compat.traced_function_result(out) if compile_in_progress() else out
 
     @staticmethod
     def backward(ctx, dout):
-        if torch.is_grad_enabled() and not _compiling():  # create_graph=True: the raw transfers have no graph
+        if torch.is_grad_enabled() and not compile_in_progress():  # create_graph=True: the raw transfers have no graph
             raise EinshardError("ring_attention: double backward (create_graph=True) is not supported")
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, q, k, v, out, lse, dout.contiguous(), ctx.scale)
@@ -762,7 +762,7 @@ def _convert_op(formula, x, *, dim, axis, zigzag, shapes, mesh):
                 tuple(dst_lengths))
     _agree(what, src.group, src.error, (("dtype", x.dtype), ("device", x.device), ("lengths", src.lengths)))
     ex = _plan(_conversion, src, dst, shape, axis)
-    if _compiling():
+    if compile_in_progress():
         return _TracedExchange.apply(x, ex)
     return ex(x)
 

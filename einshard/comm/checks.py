@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import _context, _trace
+from ..core._torch_compat import in_traced_code
 from . import comm_stats
 from ..errors import EinshardError
 
@@ -302,7 +303,7 @@ def agree(
         if error is not None:
             raise error
         return
-    if _trace.traced():  # code that dynamo traces: agree now, at trace time (``describe`` is not carried)
+    if in_traced_code():  # code that dynamo traces: agree now, at trace time (``describe`` is not carried)
         _agree_at_trace_time(_trace.group_name(group), _trace.group_name(_body_group()),
                              None if error is None else (type(error), error.args), fingerprint, what, tuple(facts),
                              point, sent, received, pairs)

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..core import _trace
+from ..core._torch_compat import in_traced_code
 from . import _traced_collectives as _TC
 from . import checks as _checks
 from . import comm_stats as _stats
@@ -245,7 +245,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
     >>> y  # on 4 ranks  # doctest: +SKIP
     tensor([4., 4., 4.])
     """
-    if op == "sum" and not (async_op or _checks.ENABLED or _stats.is_active() or _trace.traced()):
+    if op == "sum" and not (async_op or _checks.ENABLED or _stats.is_active() or in_traced_code()):
         return _sum_copy(x, group)  # the steady state: nothing to check, count or trace
     name = op.lower() if isinstance(op, str) else op
     if name not in _REDUCE_OPS:
@@ -259,7 +259,7 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         _agree(group, err, "all_reduce", x, extra=(("op", name),))
     size = _size(group)
     x = x.detach()
-    if _trace.traced():
+    if in_traced_code():
         y = _TC.all_reduce(x / size if name in ("avg", "mean") else x, group, "sum" if name in ("avg", "mean") else name)
         return (y, _CompletedWork()) if async_op else y
     if name in ("avg", "mean"):
@@ -320,7 +320,7 @@ def broadcast(x: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
     if _checks.agreement_needed():
         _agree(group, None, "broadcast", x, extra=(("src", src),))
     x = x.detach()
-    if _trace.traced():
+    if in_traced_code():
         return _TC.broadcast(x, group, src)
     if size == 1:
         return _contiguous_clone(x)
@@ -383,7 +383,7 @@ def all_gather(x: torch.Tensor, group, dim: int, shapes: Sequence[int] | None = 
         _agree(group, err, "all_gather", x, _masked(x.shape, d if shapes is not None and err is None else None),
                (("dim", d), ("shapes", shapes)))
     x = x.detach()
-    if _trace.traced():
+    if in_traced_code():
         return _TC.all_gather(x, group, d, [x.shape[d]] * size if shapes is None else shapes, order)
     if size == 1:
         return _contiguous_clone(x)
@@ -431,7 +431,7 @@ def reduce_scatter(
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "reduce_scatter", x, extra=(("dim", d), ("shapes", shapes)))
     x = x.detach()
-    if _trace.traced():
+    if in_traced_code():
         return _TC.reduce_scatter(x, group, d, shapes, order)
     if size == 1:
         return _contiguous_clone(x)
@@ -591,7 +591,7 @@ def all_to_all(
         _agree(group, err, "all_to_all", x, _masked(x.shape, sd if uneven else None),
                (("dims", (sd, dd)), ("src_shapes", src_shapes), ("dst_shapes", dst_shapes)))
     x = x.detach()
-    if _trace.traced():
+    if in_traced_code():
         return _TC.all_to_all(x, group, sd, dd, src_shapes, dst_shapes, order)
     if size == 1:
         return _contiguous_clone(x)
@@ -675,7 +675,7 @@ def all_to_all_v(chunks: Sequence[torch.Tensor], recv_numels: Sequence[int], gro
         )
     if err is not None or _checks.agreement_needed():
         _agree(group, err, "all_to_all_v", extra=(("dtype", dtype), ("device", chunks[rank].device)))
-    if _trace.traced():
+    if in_traced_code():
         return _TC.all_to_all_v([c.detach() for c in chunks], recv_numels, group)
     own = chunks[rank].detach().reshape(-1)
     if size == 1:
@@ -770,7 +770,7 @@ def ppermute(x: torch.Tensor, group, perm, recv_shape=None) -> torch.Tensor:
         _agree(group, err, "ppermute", extra=(("dtype", x.dtype), ("device", x.device), ("perm", pairs)),
                sent=x.numel() if dst is not None else -1, received=math.prod(recv_shape) if src is not None else -1,
                pairs=pairs)
-    if _trace.traced():
+    if in_traced_code():
         return _TC.ppermute(x, group, pairs, recv_shape)
     if src is None:
         out = x.new_zeros(recv_shape)

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from ..core import _torch_compat, _trace
+from ..core import _torch_compat
+from ..core._torch_compat import in_traced_code
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
@@ -181,7 +182,7 @@ class Exchange:
         In code that dynamo traces: :meth:`run_traced`, backward the adjoint's (build it at trace time first,
         :meth:`prepare_traced`).
         """
-        if _trace.traced():
+        if in_traced_code():
             if self.group is not None and _checks.agreement_needed():
                 _checks.agree(self.group, None, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange")
             return _TracedExchange.apply(x, self, fill)

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core import _torch_compat, _trace
+from ..core import _torch_compat
+from ..core._torch_compat import in_traced_code
 from . import collectives as C
 from ..core._split import compute_split_shapes
 
@@ -58,7 +59,6 @@ def _shapes(x: torch.Tensor, group, dim: int, shapes, even: bool) -> tuple[int, 
 
 _C_APPLY = _torch_compat.function_base_apply
 _transforms_active = _torch_compat.functorch_transforms_active
-_traced = _trace.traced  # (hot paths: one global read)
 
 
 def make_mapping(name: str, forward, adjoint):
@@ -90,7 +90,7 @@ def make_mapping(name: str, forward, adjoint):
     raw, slow = _C_APPLY.__get__(None, Mapping), Mapping.apply
 
     def apply(*args):
-        if _traced():  # Function.apply; without a gradient to track, the forward (dynamo would pass it a ctx)
+        if in_traced_code():  # Function.apply; without a gradient to track, the forward (dynamo would pass it a ctx)
             return slow(*args) if args[0].requires_grad and torch.is_grad_enabled() else forward(*args)
         return slow(*args) if _transforms_active() else raw(*args)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 
-from ._torch_compat import is_compiling as _compiling
+from ._torch_compat import compile_in_progress
 
 
 class Ambient:
@@ -63,14 +63,14 @@ _STATE = _State(_EMPTY)
 
 
 def current() -> Ambient:
-    if _compiling():
+    if compile_in_progress():
         return _STATE.ambient
     return _AMBIENT.get()
 
 
 def push(mesh=None, shapes=None, shard_map=None):
     """Enter a changed context; returns the token for :func:`pop` (always pop in ``finally``)."""
-    if _compiling():
+    if compile_in_progress():
         old = _STATE.ambient
         _STATE.ambient = old.changed(mesh, shapes, shard_map)
         return old

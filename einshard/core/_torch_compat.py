@@ -5,10 +5,14 @@ einshard needs, the difference is settled here, once, and every other module
 uses the shim; ``tests/test_torch_compat.py`` checks each shim against the
 installed torch, so a release that changes what a shim assumes fails there.
 
-- :func:`is_compiling`: true while ``torch.compile`` traces, both in the code
-  dynamo traces and in the plain Python it runs while tracing (the planners
-  marked ``assume_constant_result``). ``torch.compiler.is_compiling`` is true
-  in the latter only from torch 2.13 on, so trace-time Python enters
+- the two meanings of "compiling", each one predicate used everywhere
+  (no other module asks torch): :func:`in_traced_code`, dynamo is tracing
+  the calling code (its Python runs once, to build a graph); and
+  :func:`compile_in_progress`, a graph is being built on this thread, in
+  code dynamo traces or in the plain Python it runs while tracing (the
+  planners marked ``assume_constant_result``, AOTAutograd's and compiled
+  autograd's traces). ``torch.compiler.is_compiling`` says the latter in
+  trace-time Python only from torch 2.13 on, so trace-time Python enters
   :func:`trace_time`.
 - :func:`traced_function_result`: the copy that keeps torch 2.11 from
   zeroing a gradient through a traced autograd Function.
@@ -38,7 +42,7 @@ import torch.distributed.distributed_c10d as _c10d
 import torch.utils.checkpoint as _checkpoint
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY", "CheckpointFrame",
+__all__ = ["TORCH_VERSION", "in_traced_code", "compile_in_progress", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY", "CheckpointFrame",
            "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
            "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
            "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass", "EnableTorchFunction", "push_torch_function_mode",
@@ -47,17 +51,25 @@ __all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_resul
 #: the installed torch release as ``(major, minor)``
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
+#: whether dynamo is tracing the calling code: its Python runs once, to build a graph (which holds a constant
+#: ``True`` for this call); false in the plain Python dynamo runs while it traces (a planner) and in eager code.
+#: The branch that picks what goes into a graph (a functional collective, a plan made at trace time).
+in_traced_code = torch.compiler.is_dynamo_compiling
+
 _torch_is_compiling = torch.compiler.is_compiling
 _TRACE_TIME = [0]  # how many trace-time Python calls are running
 
 
-def is_compiling() -> bool:
-    """``torch.compiler.is_compiling()``, also true in trace-time Python on every release (see the module docstring)."""
+def compile_in_progress() -> bool:
+    """Whether ``torch.compile`` (or ``torch.export``) is building a graph on this thread: true in code dynamo
+    traces (:func:`in_traced_code`) and also in the plain Python it runs while tracing (planners, on every
+    release: see the module docstring) and in AOTAutograd's and compiled autograd's traces. The branch for state
+    that must not be Python's own there (context variables), and for work a graph does instead."""
     return _torch_is_compiling() or _TRACE_TIME[0] > 0
 
 
 class trace_time:
-    """Mark Python that dynamo runs while it traces (a planner), so that :func:`is_compiling` is true there."""
+    """Mark Python that dynamo runs while it traces (a planner), so that :func:`compile_in_progress` is true there."""
 
     __slots__ = ()
 

@@ -6,9 +6,10 @@ They register the plan here and return its name; traced code fetches it with
 :func:`lookup`, an attribute of a module-level object, which is a source
 dynamo knows how to guard on.
 
-:func:`traced` tells the two apart: it is true in code that dynamo traces
-and false in such trace-time Python (``torch.compiler.is_compiling`` is true
-in both). Process groups reach trace-time functions by name
+:func:`einshard.core._torch_compat.in_traced_code` tells the two apart: it is
+true in code that dynamo traces and false in such trace-time Python
+(:func:`~einshard.core._torch_compat.compile_in_progress` is true in both).
+Process groups reach trace-time functions by name
 (:func:`group_name`, :func:`resolve_group`): dynamo hands them a stand-in.
 
 Code that must see the graph dynamo is building runs in :func:`at_trace_time`
@@ -33,14 +34,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch_compat
+from ._torch_compat import in_traced_code
 from ..errors import EinshardError
 
-__all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
+__all__ = ["register", "lookup", "static_shape", "constant_result", "group_name", "resolve_group",
            "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "refuse", "keep_collectives_apart", "static_value"]
-
-#: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
-traced = torch.compiler.is_dynamo_compiling
-
 
 def constant_result(fn):
     """Make ``fn`` a trace-time planner: under ``torch.compile`` dynamo runs it as plain Python and keeps its
@@ -73,7 +71,7 @@ def constant_result(fn):
 
     @functools.wraps(fn)
     def call(*args):
-        if traced():
+        if in_traced_code():
             return planner(*[_handle(a) for a in args])
         return fn(*args)
 
@@ -260,7 +258,7 @@ def refuse(message: str) -> None:
     dynamo runs the frame eagerly instead of compiling it (as for any code it does not support), and the
     eager call refuses or not as eager code does.
     """
-    if traced():
+    if in_traced_code():
         _refuse_at_trace_time(message)
     raise EinshardError(message)
 

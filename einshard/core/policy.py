@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 from dataclasses import dataclass
 
-from ._torch_compat import is_compiling as _compiling
+from ._torch_compat import compile_in_progress
 
 from ..errors import EinshardError
 
@@ -163,7 +163,7 @@ def resolve_policy(optimize=None, policy=None) -> PlanPolicy:
         return policy
     if optimize is not None:
         return PlanPolicy.from_mode(optimize)
-    scoped = _SCOPE_MIRROR[0] if _compiling() else _SCOPE.get()
+    scoped = _SCOPE_MIRROR[0] if compile_in_progress() else _SCOPE.get()
     if scoped is not None:
         return scoped
     return _DEFAULT[0] or MODES["training"]

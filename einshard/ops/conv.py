@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..core import _trace
+from ..core._torch_compat import in_traced_code
 from ..comm import mappings
 from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
@@ -314,7 +315,7 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
             mesh=mesh, shapes=shapes, families=families, checkpoint=checkpoint, use_reentrant=use_reentrant,
         )
     args = (windows, padding, stride, dilation, groups, boundary, mesh, shapes, families, checkpoint)
-    if _trace.traced():  # torch.compile: planned at trace time
+    if in_traced_code():  # torch.compile: planned at trace time
         spec, plan, group = traced_plan(_traced_plan, formula, *[None if t is None else _trace.static_shape(t)
                                                                    for t in (x, weight, bias)],
                                         x.dtype, x.device, *args)

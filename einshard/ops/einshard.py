@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core import _context, _torch_compat, _trace
+from ..core import _context, _trace
+from ..core._torch_compat import compile_in_progress, in_traced_code
 from ..comm import checks
 from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
@@ -61,7 +62,7 @@ def einshard(
         if ambient is not None:  # in it, not in a library op (the call below, where tracking is suspended)
             return _tracked(ambient, formula, tensors, {"mesh": mesh, "shapes": shapes, "sizes": sizes,
                                                         "families": families, "optimize": optimize, "policy": policy})
-    if _compiling():  # traced: gradient duties are not planned here (see the parameters guide)
+    if compile_in_progress():  # traced: gradient duties are not planned here (see the parameters guide)
         return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
     if optimize is not None and policy is not None:
         raise EinshardError("einshard: pass either optimize or policy, not both")
@@ -197,7 +198,7 @@ def _tracked(ambient, formula, tensors, kwargs):
 
 
 def _vma_recorder(formula, families):
-    if _trace.traced():  # looked up at trace time: dynamo would trace the parser, and guard on the cache
+    if in_traced_code():  # looked up at trace time: dynamo would trace the parser, and guard on the cache
         return _trace.lookup(_vma_recorder_at_trace_time(formula, families))
     frozen = None if families is None else freeze_families(families)
     key = formula if frozen is None else (formula, frozen)  # (a plain string: no families)
@@ -327,8 +328,6 @@ def _scalar_form(parsed, tensors) -> str | None:
 
 
 # -- under torch.compile ------------------------------------------------------------------------
-
-_compiling = _torch_compat.is_compiling
 
 
 def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import _context, _trace
+from ..core._torch_compat import in_traced_code
 from ..comm import checks
 from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
@@ -694,7 +695,7 @@ def einfft(
     if not explain and in_vma_scope():  # in shard_map(check_vma=True)
         if not isinstance(axes, Mapping):
             raise EinshardError.named(_axes_form(formula, axes), formula)
-        proxy = _traced_proxy(formula, axes, families) if _trace.traced() else _parse_cached(formula, axes_key,
+        proxy = _traced_proxy(formula, axes, families) if in_traced_code() else _parse_cached(formula, axes_key,
                                                                                                  fam_key).proxy
 
         def untracked(_proxy, t, mesh=None):
@@ -702,7 +703,7 @@ def einfft(
                           real=real, signal_sizes=signal_sizes)
 
         return _vma.formula_op(untracked, proxy, (x,), mesh=mesh)
-    if not explain and _trace.traced():  # torch.compile: planned (and agreed) at trace time
+    if not explain and in_traced_code():  # torch.compile: planned (and agreed) at trace time
         return traced_plan(_traced_bound, formula, _trace.static_shape(x), dtype, x.device, axes, inverse, norm, mesh,
                            shapes, families, real, signal_sizes)(x)
     bound = _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm, real, signal_sizes, mesh,

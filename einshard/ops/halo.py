@@ -32,6 +32,7 @@ import functools
 import torch
 
 from ..core import _context, _trace
+from ..core._torch_compat import in_traced_code
 from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
 from ..errors import EinshardError
@@ -160,7 +161,7 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
     if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda s, t, **kw: einhalo(s, t, halos, **kw), spec, (x,), boundary=boundary,
                                fill=fill, mesh=mesh, shapes=shapes, families=families)
-    if _trace.traced():  # torch.compile: planned at trace time
+    if in_traced_code():  # torch.compile: planned at trace time
         return traced_plan(_traced_plan, spec, _trace.static_shape(x), x.dtype, x.device, halos, boundary, mesh,
                            shapes, families)(x, fill)
     try:

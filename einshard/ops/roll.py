@@ -19,6 +19,7 @@ import operator
 import torch
 
 from ..core import _context, _trace
+from ..core._torch_compat import in_traced_code
 from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
 from ..errors import EinshardError
@@ -108,7 +109,7 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
     if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda s, t, **kw: einroll(s, t, shifts, **kw), spec, (x,), mesh=mesh,
                                shapes=shapes, families=families)
-    if _trace.traced():  # torch.compile: planned at trace time
+    if in_traced_code():  # torch.compile: planned at trace time
         return traced_plan(_traced_plan, spec, _trace.static_shape(x), x.dtype, x.device, shifts, mesh, shapes,
                            families)(x)
     try:

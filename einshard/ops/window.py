@@ -11,6 +11,7 @@ a permutation to the output order.
 from __future__ import annotations
 
 from ..core import _trace
+from ..core._torch_compat import in_traced_code
 from ..runtime import vma as _vma
 from ..errors import EinshardError
 from ..notation import expand, freeze_families
@@ -105,7 +106,7 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     if in_vma_scope():  # in shard_map(check_vma=True): variance rules
         return _vma.formula_op(lambda f, t, **kw: einwindow(f, t, windows, radius, **kw), formula, (x,),
                                boundary=boundary, fill=fill, mesh=mesh, shapes=shapes, families=families)
-    if _trace.traced():  # torch.compile: planned at trace time
+    if in_traced_code():  # torch.compile: planned at trace time
         plan, ins, out, wmap, rad = traced_plan(_traced_plan, formula, _trace.static_shape(x), x.dtype, x.device,
                                                 windows, radius, boundary, mesh, shapes, families)
     else:
@@ -125,7 +126,7 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     order = [current.index(a.name) for a in out.axes]
     if order != list(range(len(order))):
         y = y.permute(order)
-    if _trace.traced() and wmap:
+    if in_traced_code() and wmap:
         # a copy: AOTAutograd (torch 2.13) gets the gradient of a graph output whose elements overlap (the
         # windows of an unfold) wrong; inside a graph the copy feeds the next op
         y = y.contiguous()

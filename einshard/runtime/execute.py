@@ -12,7 +12,8 @@ import copy
 
 import torch
 
-from ..core import _torch_compat, _trace
+from ..core import _torch_compat
+from ..core._torch_compat import in_traced_code
 from ..comm import _traced_collectives as TC
 from ..comm import checks as _checks
 from ..comm import collectives as C
@@ -26,7 +27,6 @@ from ..plan.transition import Step, plan_gradient, plan_transition
 from ..comm.primitives import PRIMITIVES, Site
 
 _transforms_active = _torch_compat.functorch_transforms_active
-_traced = _trace.traced  # (hot paths: one global read)
 
 __all__ = ["Transition", "compile_step", "transition"]
 
@@ -131,7 +131,7 @@ class Transition:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.trivial:
             return x
-        if _traced():  # dynamo traces this call: the functional steps (prepared at trace time)
+        if in_traced_code():  # dynamo traces this call: the functional steps (prepared at trace time)
             return _TracedTransition.apply(x, self)
         if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
             return self.run_raw(x)  # no backward will run: skip the autograd Function

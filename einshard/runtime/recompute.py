@@ -37,13 +37,13 @@ import optree
 import torch.distributed as dist
 
 from ..core import _context, _torch_compat
+from ..core._torch_compat import compile_in_progress
 from ..core import policy as _policy
 from . import vma as _vma
 from ..errors import EinshardError
 
 __all__ = ["Forward", "capture", "replay", "install", "installed"]
 
-_compiling = _torch_compat.is_compiling
 
 
 class Forward:
@@ -69,7 +69,7 @@ def capture() -> Forward | None:
     >>> capture() is None   # no es.use_mesh, shard_map or es.optimize around
     True
     """
-    if _compiling():  # a compiled region's recompute is part of the compiled graph
+    if compile_in_progress():  # a compiled region's recompute is part of the compiled graph
         return None
     ambient = _context.current()
     scope = _policy.scope()
@@ -93,7 +93,7 @@ def replay(forward: Forward, fn, args, kwargs=None):
     >>> replay(Forward(_context.current(), None, None), max, (1, 2))
     2
     """
-    if _compiling():  # compiled autograd tracing a reentrant backward: the context cannot be entered there
+    if compile_in_progress():  # compiled autograd tracing a reentrant backward: the context cannot be entered there
         raise EinshardError(
             "activation checkpointing: a recompute traced by torch.compile (compiled autograd) cannot run in its "
             "forward's einshard context; compile the forward too, use use_reentrant=False, or run backward eagerly"

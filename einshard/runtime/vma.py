@@ -52,6 +52,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..core import _context, _torch_compat, _trace
+from ..core._torch_compat import in_traced_code
 from ..core._cache import BoundedCache
 from ..comm.grad_sums import leaf_sum
 from ..comm._traced_collectives import all_reduce
@@ -85,7 +86,6 @@ _Tensor = torch.Tensor
 _SEQ = (list, tuple)
 _DisableTorchFunction = _torch_compat.DisableTorchFunction
 _grad_enabled = torch.is_grad_enabled
-_compiling = _trace.traced  # code that dynamo traces (not the Python it runs at trace time)
 
 
 # -- per-mesh static data ------------------------------------------------------------
@@ -856,7 +856,7 @@ class TracedTracker(_Rules):
 
     @staticmethod
     def is_inplace(func) -> bool:
-        return _traced_is_inplace(func) if _compiling() else _is_inplace(func)
+        return _traced_is_inplace(func) if in_traced_code() else _is_inplace(func)
 
     def __init__(self, mesh):
         self.info = _trace.lookup(_traced_info(mesh))
@@ -864,7 +864,7 @@ class TracedTracker(_Rules):
         self.suspended = 0
         self.inplace = False
         self.memo: list = []  # (tensor, missing mask, grad mode, pvaried): no id(), which dynamo guards on
-        if _compiling():
+        if in_traced_code():
             serial, trivial = self.serial, self.info.trivial  # (read by _open_body)
             _trace.at_trace_time(_open_body)
 
@@ -872,7 +872,7 @@ class TracedTracker(_Rules):
         m = getattr(t, ATTR, 0) ^ self.serial
         if m <= MASK:
             return m
-        if not _compiling():  # the eager call at a graph break
+        if not in_traced_code():  # the eager call at a graph break
             return _real_mask(self.serial, t)
         serial, trivial, name = self.serial, self.info.trivial, _trace.fresh_name()  # (read by _node_lookup)
         _trace.at_trace_time(_node_lookup)
@@ -880,7 +880,7 @@ class TracedTracker(_Rules):
 
     def tag(self, t, mask: int) -> None:
         setattr(t, ATTR, self.serial | mask)
-        if _compiling():
+        if in_traced_code():
             serial, trivial = self.serial, self.info.trivial  # (read by _node_tag)
             _trace.at_trace_time(_node_tag)
 
@@ -939,18 +939,18 @@ class TracedTracker(_Rules):
 
     def region(self) -> None:
         """The graph nodes made since the last check belong to a library op (its internals): not checked."""
-        if _compiling():
+        if in_traced_code():
             serial, trivial = self.serial, self.info.trivial  # (read by _skip_region)
             _trace.at_trace_time(_skip_region)
 
     def check_graph(self) -> None:
         """Decide and check the variance of every graph node made since the last check (at the body's end)."""
-        if _compiling():
+        if in_traced_code():
             serial, trivial = self.serial, self.info.trivial  # (read by _sweep_here)
             _trace.at_trace_time(_sweep_here)
 
     def dispatch(self, func, args, kwargs):
-        if self.suspended or not _compiling() and _fake(args):
+        if self.suspended or not in_traced_code() and _fake(args):
             # (fake tensors outside traced code: dynamo's own work while it compiles a frame of the body)
             return func(*args, **kwargs)
         special = _SPECIAL.get(func)
@@ -982,7 +982,7 @@ def _call_traced(func, args, kwargs):
     """``func(*args, **kwargs)`` in traced code. A Tensor method written in Python (``Tensor.unflatten``,
     ``Tensor.split``) is called as a method, which dynamo handles itself: tracing its Python body, it fails
     at the ``super()`` call inside."""
-    if _compiling() and args and isinstance(args[0], _Tensor):
+    if in_traced_code() and args and isinstance(args[0], _Tensor):
         name = _python_tensor_method(func)
         if name is not None:
             return getattr(args[0], name)(*args[1:], **kwargs)

@@ -28,6 +28,7 @@ import optree
 import torch
 
 from ..core import _context, _trace
+from ..core._torch_compat import in_traced_code
 from ..comm import checks as _checks
 from ..comm import collectives as C
 from ..comm import mappings as M
@@ -62,7 +63,7 @@ class _Axes:
 
     def __init__(self, names, mesh, what):
         tracker = _vma.current()
-        if _trace.traced():  # resolved at trace time: dynamo would trace the mesh's caches and guard on them
+        if in_traced_code():  # resolved at trace time: dynamo would trace the mesh's caches and guard on them
             m, dims, self._group, self._order = _trace.lookup(
                 _resolved_at_trace_time(mesh, _context.current().mesh, names, what))
         else:
@@ -447,7 +448,7 @@ def pvary(x, dims, *, mesh=None):
     def one(t):
         _check_tensor(t, "pvary")
         if ax.tracker is None:
-            if t.is_leaf and t.requires_grad and torch.is_grad_enabled() and not _trace.traced():  # (a parameter:
+            if t.is_leaf and t.requires_grad and torch.is_grad_enabled() and not in_traced_code():  # (a parameter:
                 # its sum may wait for the end of backward; traced code sums with a functional all-reduce)
                 return leaf_sum(t, ax.group)
             return _vma.pvary_tensor(t, ax.group)

@@ -33,6 +33,7 @@ import torch
 import torch.utils._pytree as _pytree
 
 from ..core import _context, _trace
+from ..core._torch_compat import in_traced_code
 from ..comm import checks
 from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
@@ -64,7 +65,6 @@ from ..params.zero import BodyGathers, shard_map_entry, stored_source
 
 __all__ = ["shard_map", "ShardMap"]
 
-_compiling = _trace.traced
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -163,7 +163,7 @@ class ShardMap:
 
     # -- the call -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if _compiling():
+        if in_traced_code():
             return self._call_traced(args, kwargs)
         if "torch._dynamo" in sys.modules:  # maybe run eagerly inside a compiled region: see _untraced
             return _untraced()(self, args, kwargs)
@@ -582,7 +582,7 @@ def _untraced():
     :func:`_stored_under_compile`. Dynamo would then compile each frame the eager call runs as a frame of
     its own, with the eager variance tracker's mode active and tensors' attributes read as plain Python:
     it cannot, and fails with an internal error. Left alone, the call gives eager's values and gradients
-    (and raises eager's errors). A function dynamo traces never reaches this (``_compiling()`` is true
+    (and raises eager's errors). A function dynamo traces never reaches this (``in_traced_code()`` is true
     there), so ``fullgraph=True`` sees the traced call only; an explicitly compiled function called in the
     body still compiles."""
     if not _UNTRACED:
