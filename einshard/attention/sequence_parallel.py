@@ -177,7 +177,7 @@ class _Sequence:
         return tuple((offset, length, start) for start, length, offset in runs)
 
 
-_PLANS = BoundedCache()
+_PLANS = BoundedCache(name="einshard.attention.sequence_parallel.plans")
 
 
 def _plan(build, *args):

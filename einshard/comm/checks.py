@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import _context, _trace
+from ..core._cache import BoundedCache
 from ..core._torch_compat import in_traced_code
 from . import comm_stats
 from ..errors import EinshardError
@@ -154,8 +155,8 @@ _DTYPE_CODES = {
         if hasattr(torch, name)
     )
 }
-_DEVICE_CODES: dict = {}
-_STR_CODES: dict = {}
+_DEVICE_CODES = BoundedCache(name="einshard.comm.checks.device_codes")
+_STR_CODES = BoundedCache(name="einshard.comm.checks.str_codes")
 
 
 def _code(value) -> int:
@@ -169,7 +170,7 @@ def _code(value) -> int:
     if isinstance(value, torch.device):
         code = _DEVICE_CODES.get(value)
         if code is None:
-            code = _DEVICE_CODES[value] = _text_code(str(value))
+            code = _DEVICE_CODES.put(value, _text_code(str(value)))
         return code
     if isinstance(value, str):
         return _text_code(value)
@@ -181,9 +182,7 @@ def _code(value) -> int:
 def _text_code(text: str) -> int:
     code = _STR_CODES.get(text)
     if code is None:
-        code = zlib.crc32(text.encode())
-        if len(_STR_CODES) < 4096:
-            _STR_CODES[text] = code
+        code = _STR_CODES.put(text, zlib.crc32(text.encode()))
     return code
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
 from dataclasses import dataclass, replace
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from ._cache import cached
 
 __all__ = ["Layout", "MeshShape", "broadcast_size", "coarsen_splits", "interval_grid", "grouped"]
 
@@ -188,7 +189,7 @@ class Layout:
         return text
 
 
-@lru_cache(maxsize=16384)
+@cached(16384)
 def interval_grid(layout: Layout, mesh: MeshShape) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's block at once: ``(starts, stops)``, each of shape ``(len(axes),) + mesh.shape``."""
     starts = np.zeros((len(layout.axes),) + mesh.shape, dtype=np.int64)

@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
 
+from ..core._cache import cached
 from ..errors import EinshardError
 from .grammar import invalid, parse_axis, parse_text
 from .objects import Annotation, Axis, EllipsisItem, Family, Formula, Group, Item, TensorSpec, Zip
@@ -39,7 +39,7 @@ _MAX_AXES = 52  # torch.einsum's letters
 _ANNOTATION_KEYS = {"param": False, "grad": True, "init_sync": True}
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def _parse(formula: str) -> Formula:
     """Syntax and the checks that do not depend on families."""
     inputs, output = parse_text(formula)
@@ -48,7 +48,7 @@ def _parse(formula: str) -> Formula:
     return parsed
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def parse_sharding(formula: str) -> Formula:
     """Parse a formula (or a bare tensor spec) into immutable objects; syntax only.
 
@@ -99,7 +99,7 @@ def expand_specs(formula: str, families: Mapping | tuple | None = None) -> Formu
     return _expand_cached(formula, freeze_families(families), False)
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def _expand_cached(formula: str, frozen: tuple, einsum: bool) -> Formula:
     parsed = expand_unchecked(formula, frozen)
     check_semantics(parsed, einsum)

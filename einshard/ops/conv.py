@@ -264,7 +264,7 @@ def _check_stride(stride) -> None:
         )
 
 
-_SPECS = BoundedCache()
+_SPECS = BoundedCache(name="einshard.ops.conv.specs")
 
 
 def _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families):

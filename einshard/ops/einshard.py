@@ -24,13 +24,14 @@ from ..core.policy import resolve_policy
 __all__ = ["einshard", "duties_satisfied"]
 
 # (formula, sizes key, families key, *input shapes) -> LocalPlan
-_LOCAL_PLANS = BoundedCache(65536)
+_LOCAL_PLANS = BoundedCache(65536, name="einshard.ops.einshard.local_plans")
 # (formula, families key) known to be distributed -> its [param] recorder (None: no [param])
-_DISTRIBUTED = BoundedCache()
+_DISTRIBUTED = BoundedCache(name="einshard.ops.einshard.distributed")
 _MAX_DISTRIBUTED = 4096
 _MISSING = object()
-_VMA_RECORDERS = BoundedCache()
-_SIZED_KEYS = BoundedCache(4096)  # (key, recorded global shapes) -> the key with their sizes
+_VMA_RECORDERS = BoundedCache(name="einshard.ops.einshard.vma_recorders")
+# (key, recorded global shapes) -> the key with their sizes
+_SIZED_KEYS = BoundedCache(4096, name="einshard.ops.einshard.sized_keys")
 _SATISFIED: list = []  # non-empty inside shard_map(check_vma=True): the body sums every gradient, no duty applies
 
 

@@ -51,7 +51,7 @@ from ..plan.resolve import Splits, resolve
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 
 _NORMS = (None, "backward", "ortho", "forward")
-_PLANS = BoundedCache()
+_PLANS = BoundedCache(name="einshard.ops.fft.plans")
 
 
 # -- parsing and validation -------------------------------------------------------
@@ -170,7 +170,7 @@ def _parse(text: str, axes_key, families: tuple) -> _Spec:
     return _Spec(text, inp, out, pairs, is_local)
 
 
-_PARSED = BoundedCache()
+_PARSED = BoundedCache(name="einshard.ops.fft.parsed")
 
 
 def _parse_cached(text, axes_key, families) -> _Spec:

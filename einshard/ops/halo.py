@@ -112,8 +112,9 @@ class HaloPlan:
         return t
 
 
-_PLANS = BoundedCache()
-_FAST = BoundedCache()  # the raw arguments of einhalo -> plan (skips parsing and validation on repeat calls)
+_PLANS = BoundedCache(name="einshard.ops.halo.plans")
+# the raw arguments of einhalo -> plan (skips parsing and validation on repeat calls)
+_FAST = BoundedCache(name="einshard.ops.halo.fast")
 
 
 def halo_plan(spec: TensorSpec, text: str, x: torch.Tensor, widths: dict[str, tuple[int, int]], boundary: str,

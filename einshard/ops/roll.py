@@ -75,8 +75,8 @@ class RollPlan:
         return torch.roll(x, self.shifts, self.dims) if self.dims else x
 
 
-_PLANS = BoundedCache()
-_FAST = BoundedCache()  # the raw arguments of einroll -> plan
+_PLANS = BoundedCache(name="einshard.ops.roll.plans")
+_FAST = BoundedCache(name="einshard.ops.roll.fast")  # the raw arguments of einroll -> plan
 
 
 def _shift(value, axis: str) -> int:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
+from ..core._cache import cached
 from ..core._split import compute_split_shapes
 from ..errors import EinshardError
 from ..core.layout import Layout, MeshShape, broadcast_size
@@ -337,7 +337,7 @@ def _shares_axis(problem: Problem, i: int, j: int) -> bool:
     return bool(set(problem.operands[i].axes) & set(problem.operands[j].axes))
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
     """Schedules best first: one einsum over every operand, or pairwise contractions.
 
@@ -382,7 +382,7 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
     return tuple(schedules[k] for k in order)
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def plan_contraction(problem: Problem, policy: PlanPolicy) -> tuple[Candidate, ...]:
     """Every candidate, best first under ``policy`` (deterministic on every rank)."""
     options = [_axis_roles(problem, d) for d in problem.mesh.names]  # never empty: ("R",) or ("E", None)

@@ -17,10 +17,10 @@ a :class:`~einshard.core.policy.PlanPolicy`. Two metrics, chosen by the policy:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
+from ..core._cache import cached
 from ..core.layout import MeshShape
 from ..core.policy import PlanPolicy
 from ..comm.primitives import PRIMITIVES, moved_numel
@@ -63,7 +63,7 @@ def _max_received(steps, mesh: MeshShape, itemsize: int) -> tuple[int, int, floa
     return most * itemsize, int(most > 0), 0.0
 
 
-@lru_cache(maxsize=65536)
+@cached(65536)
 def _most_received(src, dst, mesh: MeshShape) -> int:
     moved = moved_numel(src, dst, mesh)
     return int(np.max(moved)) if moved.size else 0

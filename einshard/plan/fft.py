@@ -31,8 +31,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
 
+from ..core._cache import cached
 from ..core._split import compute_split_shapes
 from ..core.layout import Layout, MeshShape
 from ..core.policy import PlanPolicy
@@ -93,7 +93,7 @@ class FFTProblem:
             return self.dst.splits[i]
         return tuple(compute_split_shapes(size, self.mesh.size(dims)))
 
-    @lru_cache(maxsize=65536)
+    @cached(65536)
     def layout(self, assign: tuple, done: frozenset) -> Layout:
         """The layout where mesh dimension ``k`` shards axis ``assign[k]`` (``-1``: none)."""
         names = self.mesh.names
@@ -302,7 +302,7 @@ def _four_step_cost(p: FFTProblem, fs: FourStep, done_before: frozenset) -> tupl
     return cost
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def _best_four_step(p: FFTProblem, pre: Layout, post: Layout, i: int, done_before: frozenset):
     dims = pre.shard[i]
     if not dims:
@@ -483,7 +483,7 @@ def _merge_moves(p: FFTProblem, actions: list) -> tuple:
     return tuple(out)
 
 
-@lru_cache(maxsize=1024)
+@cached(1024)
 def plan_fft(p: FFTProblem) -> FFTPlan:
     """The cheapest plan for ``p`` (cached).
 

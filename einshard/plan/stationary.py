@@ -24,7 +24,7 @@ from ..notation import Axis, Formula, Group, TensorSpec
 
 __all__ = ["is_stationary", "local_formula", "needs_mesh_for_grad", "stationary_plan", "why_mesh"]
 
-_PLANS = BoundedCache()
+_PLANS = BoundedCache(name="einshard.plan.stationary.plans")
 
 
 def is_stationary(parsed: Formula, sizes: tuple = ()) -> bool:

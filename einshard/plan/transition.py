@@ -24,10 +24,10 @@ layouts' inner products.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
+from ..core._cache import cached
 from ..errors import EinshardError
 from ..core.layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
 from ..comm.primitives import PRIMITIVES, moved_numel
@@ -65,7 +65,7 @@ class Step:
         return PRIMITIVES[self.kind].what(self)
 
 
-@lru_cache(maxsize=4096)
+@cached(4096)
 def plan_gradient(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]:
     """Steps for a gradient whose layout ``dst`` is partial where ``src`` was not (a gradient duty).
 
@@ -81,7 +81,7 @@ def plan_gradient(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]
     return plan_transition(src, mid, mesh) + (Step("keep_root", mid, dst, dims),)
 
 
-@lru_cache(maxsize=8192)
+@cached(8192)
 def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ...]:
     """The steps that turn ``src`` into ``dst`` (same axes, same order); none where they hold the same
     blocks (equal :meth:`~einshard.core.layout.Layout.essential` layouts: only mesh dimensions of size 1 differ)."""

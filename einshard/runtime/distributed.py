@@ -28,7 +28,7 @@ from ..plan.stationary import is_stationary, needs_mesh_for_grad, stationary_pla
 
 __all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
 
-_PLANS = BoundedCache(16384)
+_PLANS = BoundedCache(16384, name="einshard.runtime.distributed.plans")
 
 
 class DistributedPlan:

@@ -145,7 +145,7 @@ class Transition:
         return _apply_transition(x, self)
 
 
-_TRANSITIONS = BoundedCache(16384)
+_TRANSITIONS = BoundedCache(16384, name="einshard.runtime.execute.transitions")
 
 
 def transition(src: Layout, dst: Layout, mesh, back: Layout | None = None) -> Transition:

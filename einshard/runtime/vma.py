@@ -132,7 +132,7 @@ class _MeshInfo:
         return g
 
 
-_INFOS = BoundedCache(64)
+_INFOS = BoundedCache(64, name="einshard.runtime.vma.infos")
 
 
 def same_mesh(info: _MeshInfo, mesh) -> bool:
@@ -402,7 +402,7 @@ _INPLACE_DUNDER = frozenset(
     "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __iand__ __ior__ "
     "__ixor__ __ilshift__ __irshift__ __imatmul__".split()
 )
-_INPLACE_CACHE: dict = {}
+_INPLACE_CACHE = BoundedCache(name="einshard.runtime.vma.inplace")  # torch function -> whether it writes in place
 
 
 def _is_inplace(func) -> bool:
@@ -410,7 +410,7 @@ def _is_inplace(func) -> bool:
     if found is None:
         name = getattr(func, "__name__", "")
         found = name in _INPLACE_DUNDER or (name.endswith("_") and not name.endswith("__"))
-        _INPLACE_CACHE[func] = found
+        _INPLACE_CACHE.put(func, found)
     return found
 
 
@@ -1063,7 +1063,7 @@ class _GraphBody:
         self.swept: dict = {}  # graph -> the last node checked (None: none yet)
 
 
-_GRAPH_BODIES = BoundedCache(256)
+_GRAPH_BODIES = BoundedCache(256, name="einshard.runtime.vma.graph_bodies")
 
 
 def _local(ctx, name: str):

@@ -97,7 +97,7 @@ class _Axes:
         return self.mesh.order(self.dims)
 
 
-_RESOLVED = BoundedCache(4096)
+_RESOLVED = BoundedCache(4096, name="einshard.spmd.named.resolved")
 
 
 @_trace.constant_result
