@@ -40,24 +40,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ..core import _trace
-from ..core._torch_compat import in_traced_code
 from ..comm import mappings
-from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
 from ..errors import EinshardError
 from ..core.layout import MeshShape
 from ..notation import expand, freeze_families
+from ..runtime.dispatch import Operation
 from ..runtime.pipeline import (
     check_boundary,
     check_kept_sharding,
     check_spec,
     family_table,
     freeze,
-    in_vma_scope,
     per_axis,
     pick_mesh,
-    traced_plan,
     width_pair,
 )
 from .halo import halo_plan
@@ -267,14 +263,13 @@ def _check_stride(stride) -> None:
 _SPECS = BoundedCache(name="einshard.ops.conv.specs")
 
 
-def _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families):
-    key = (formula, freeze_families(families), tuple(x.shape), tuple(weight.shape),
-           None if bias is None else tuple(bias.shape), freeze(windows), freeze(padding), freeze(dilation), groups)
+def _conv_spec(formula, x, weight, b_shape, windows, padding, dilation, groups, families):
+    key = (formula, freeze_families(families), tuple(x.shape), tuple(weight.shape), b_shape, freeze(windows),
+           freeze(padding), freeze(dilation), groups)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _SPECS.put(key, _ConvSpec(formula, tuple(x.shape), tuple(weight.shape),
-                                         None if bias is None else tuple(bias.shape), windows, padding, dilation,
-                                         groups, families))
+        spec = _SPECS.put(key, _ConvSpec(formula, tuple(x.shape), tuple(weight.shape), b_shape, windows, padding,
+                                         dilation, groups, families))
     return spec
 
 
@@ -308,19 +303,15 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
         y = es.einconv("b h/sp w c, o c kh kw -> b h/sp w o", x_block, w, {"h": "kh", "w": "kw"},
                        bias=b, boundary="periodic", mesh=mesh)
     """
-    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
-        return _vma.formula_op(
-            lambda f, t, w, **kw: einconv(f, t, w, windows, **kw), formula, (x, weight), bias=bias,
-            padding=padding, stride=stride, dilation=dilation, groups=groups, boundary=boundary, fill=fill,
-            mesh=mesh, shapes=shapes, families=families, checkpoint=checkpoint, use_reentrant=use_reentrant,
-        )
-    args = (windows, padding, stride, dilation, groups, boundary, mesh, shapes, families, checkpoint)
-    if in_traced_code():  # torch.compile: planned at trace time
-        spec, plan, group = traced_plan(_traced_plan, formula, *[None if t is None else _trace.static_shape(t)
-                                                                   for t in (x, weight, bias)],
-                                        x.dtype, x.device, *args)
-    else:
-        spec, plan, group = _plan(formula, x, weight, bias, *args)
+    args = (None if bias is None else tuple(bias.shape), windows, padding, stride, dilation, groups, boundary,
+            checkpoint)
+    return _EINCONV(formula, (x, weight), args, mesh, shapes, families, (bias, fill, checkpoint, use_reentrant))
+
+
+def _run(planned, tensors, run_args):
+    """The weight's gradient summed, then the halo and the convolution (checkpointed as asked)."""
+    spec, plan, group = planned
+    (x, weight), (bias, fill, checkpoint, use_reentrant) = tensors, run_args
     # the replicated weight and bias feed every rank's block: sum their gradients over the input's dims
     if group is not None:
         weight = mappings.identity_forward_allreduce_backward(weight, group)
@@ -333,8 +324,7 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     def full(xv, w, b):
         return conv(plan(xv, fill), w, b)
 
-    tensors = [x, weight, bias]
-    grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if checkpoint == "full" and grad_needed:
         return _checkpoint(full, x, weight, bias, use_reentrant=use_reentrant)
     xh = plan(x, fill)
@@ -343,21 +333,18 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     return conv(xh, weight, bias)
 
 
-def _plan(formula, x, weight, bias, windows, padding, stride, dilation, groups, boundary, mesh, shapes, families,
-          checkpoint):
+def _plan(formula, tensors, args, mesh, shapes, families):
     """``(conv spec, halo plan, group)`` of one call: the group (or ``None``) sums the gradients of the weight
     and bias, which feed every rank's block."""
-    try:
-        check_boundary(boundary)
-        _check_stride(stride)
-        if checkpoint not in _CHECKPOINT_MODES:
-            raise EinshardError(f"checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
-        spec = _conv_spec(formula, x, weight, bias, windows, padding, dilation, groups, families)
-        m = pick_mesh(spec.x_spec, mesh)
-        plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
-                         freeze_families(families))
-    except EinshardError as err:
-        raise err.within(formula, "einconv")
+    (x, weight), (b_shape, windows, padding, stride, dilation, groups, boundary, checkpoint) = tensors, args
+    check_boundary(boundary)
+    _check_stride(stride)
+    if checkpoint not in _CHECKPOINT_MODES:
+        raise EinshardError(f"checkpoint must be 'full', 'conv' or False, got {checkpoint!r}")
+    spec = _conv_spec(formula, x, weight, b_shape, windows, padding, dilation, groups, families)
+    m = pick_mesh(spec.x_spec, mesh)
+    plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
+                     freeze_families(families))
     group = None
     if m is not None:
         shape = MeshShape.of(m)
@@ -367,11 +354,13 @@ def _plan(formula, x, weight, bias, windows, padding, stride, dilation, groups, 
     return spec, plan, group
 
 
-def _traced_plan(formula, x_shape, w_shape, b_shape, dtype, device, *args):
-    x, w = _trace.stand_in(x_shape, dtype, device), _trace.stand_in(w_shape, dtype, device)
-    b = None if b_shape is None else _trace.stand_in(b_shape, dtype, device)
-    spec, plan, group = _plan(formula, x, w, b, *args)
+def _graph_plan(planned):
+    spec, plan, group = planned
     return spec, plan.prepare_traced(), group
+
+
+_EINCONV = Operation("einconv", plan=_plan, run=_run, graph_plan=_graph_plan,
+                     cache=BoundedCache(name="einshard.ops.conv.calls"))
 
 
 def _conv_core(spec: _ConvSpec, xh: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:

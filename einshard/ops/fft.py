@@ -24,7 +24,6 @@ import torch
 from ..core import _context, _trace
 from ..core._torch_compat import in_traced_code
 from ..comm import checks
-from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
 from ..core._split import compute_split_shapes
 from ..core._table import text_table
@@ -43,7 +42,8 @@ from ..notation import (
     invalid,
 )
 from ..notation.grammar import parse_text
-from ..runtime.pipeline import agree, agrees_always, check_spec, family_table, freeze, in_vma_scope, per_axis, traced_plan
+from ..runtime.dispatch import Operation
+from ..runtime.pipeline import agree, agrees_always, check_spec, family_table, freeze, per_axis
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
 from ..plan.transition import plan_transition
 from ..plan.resolve import Splits, resolve
@@ -451,7 +451,7 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
 class _Bound:
     """A plan bound to this rank: call it with the local tensor."""
 
-    __slots__ = ("plan", "steps", "local_error", "warning", "mesh", "fingerprint")
+    __slots__ = ("plan", "steps", "local_error", "warning", "mesh", "fingerprint", "call")
 
     def __init__(self, plan: FFTPlan, mesh, norm, dtype, order, local_error=None, warning=None, device=None):
         self.plan = plan
@@ -680,9 +680,15 @@ def einfft(
     """
     if norm not in _NORMS:
         raise EinshardError(f"einfft: norm must be None, 'backward', 'ortho' or 'forward', got {norm!r}")
+    if not explain:
+        if not isinstance(x, torch.Tensor):
+            raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
+        if type(axes) is not dict:
+            axes = _axes_arg(formula, axes)
+        return _EINFFT(formula, (x,), (axes, inverse, norm, real, signal_sizes), mesh, shapes, families)
     if isinstance(x, torch.Tensor):
         shape, dtype, device = tuple(x.shape), x.dtype, x.device
-    elif explain and isinstance(x, (tuple, list, torch.Size)):
+    elif isinstance(x, (tuple, list, torch.Size)):
         shape = tuple(int(s) for s in x)
         dtype = torch.complex64 if (real and inverse) else torch.float32
         device = torch.device("meta")
@@ -690,55 +696,56 @@ def einfft(
         raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
     if type(axes) is not dict:
         axes = _axes_arg(formula, axes)
-    axes_key = freeze(axes)
-    fam_key = freeze_families(families)
-    if not explain and in_vma_scope():  # in shard_map(check_vma=True)
-        if not isinstance(axes, Mapping):
-            raise EinshardError.named(_axes_form(formula, axes), formula)
-        proxy = _traced_proxy(formula, axes, families) if in_traced_code() else _parse_cached(formula, axes_key,
-                                                                                                 fam_key).proxy
-
-        def untracked(_proxy, t, mesh=None):
-            return einfft(formula, t, axes, inverse=inverse, norm=norm, mesh=mesh, shapes=shapes, families=families,
-                          real=real, signal_sizes=signal_sizes)
-
-        return _vma.formula_op(untracked, proxy, (x,), mesh=mesh)
-    if not explain and in_traced_code():  # torch.compile: planned (and agreed) at trace time
-        return traced_plan(_traced_bound, formula, _trace.static_shape(x), dtype, x.device, axes, inverse, norm, mesh,
-                           shapes, families, real, signal_sizes)(x)
+    axes_key, fam_key = freeze(axes), freeze_families(families)
     bound = _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm, real, signal_sizes, mesh,
-                   shapes, explain)
-    if explain:
-        if bound.local_error is not None:
-            raise EinshardError.named(bound.local_error, formula)
-        spec = _parse_cached(formula, axes_key, fam_key)
-        return _explain(bound.plan, formula, _mode(real, inverse, norm), spec.out)
-    _agree(bound, formula, x.dtype, x.device, agrees_always(bound.mesh, shapes))
-    return bound(x)
+                   shapes, True)
+    if bound.local_error is not None:
+        raise EinshardError.named(bound.local_error, formula)
+    return _explain(bound.plan, formula, _mode(real, inverse, norm), _parse_cached(formula, axes_key, fam_key).out)
 
 
 def _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm, real, signal_sizes, mesh, shapes,
            explain):
-    """The cached plan of one call for an input on ``device``, bound to this rank (built on a miss; the ranks
-    agree on a build error)."""
-    ambient = _context.current()
-    mesh_key = mesh if mesh is not None else ambient.mesh
-    key = (formula, axes_key, bool(inverse), norm, bool(real), freeze(signal_sizes), fam_key, shape, dtype, device,
-           freeze(shapes), id(mesh_key), mesh_key, ambient.shapes_key)
-    bound = _PLANS.get(key)
-    if bound is None:
-        try:
-            bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
-                                 mesh, shapes, device)
-        except ValueError as err:
-            if not explain:
-                _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh)
-            raise
+    """The plan of one call for an input on ``device``, bound to this rank (the ranks agree on a build error)."""
+    try:
+        bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
+                             mesh, shapes, device)
+    except ValueError as err:
         if not explain:
-            if bound.mesh is None and bound.plan.problem.mesh.names:
-                raise EinshardError("a virtual mesh has no process groups; use it with explain=True").within(formula)
-            _PLANS.put(key, bound)
+            _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh)
+        raise
+    if not explain and bound.mesh is None and bound.plan.problem.mesh.names:
+        raise EinshardError("a virtual mesh has no process groups; use it with explain=True").within(formula)
     return bound
+
+
+def _plan(formula, tensors, args, mesh, shapes, families) -> _Bound:
+    """:func:`_bound` for the dispatch, with what :func:`_agree` needs before it runs."""
+    x, (axes, inverse, norm, real, signal_sizes) = tensors[0], args
+    bound = _bound(formula, axes, freeze(axes), freeze_families(families), tuple(x.shape), x.dtype, x.device,
+                   inverse, norm, real, signal_sizes, mesh, shapes, False)
+    bound.call = (formula, x.dtype, x.device, agrees_always(bound.mesh, shapes))
+    return bound
+
+
+def _run(bound, tensors, run_args):
+    if not in_traced_code():  # (traced: agreed at trace time, by _graph_plan)
+        _agree(bound, *bound.call)
+    return bound(tensors[0])
+
+
+def _graph_plan(bound):
+    """:func:`_agree` at trace time (the warning, too, is given once per compile), and the plan for a graph."""
+    _agree(bound, *bound.call)
+    return bound.prepare_traced()
+
+
+def _vma_rule(formula, args, families):
+    """The formula variance tracking reads for ``einfft`` (at trace time: dynamo would trace the parser)."""
+    axes = args[0]
+    if in_traced_code():
+        return _traced_proxy(formula, axes, families), None
+    return _parse_cached(formula, freeze(axes), freeze_families(families)).proxy, None
 
 
 def _agree(bound, formula, dtype, device, always=False) -> None:
@@ -760,16 +767,7 @@ def _agree(bound, formula, dtype, device, always=False) -> None:
 
 @_trace.constant_result
 def _traced_proxy(formula, axes, families) -> str:
-    """The formula variance tracking reads for ``einfft`` (at trace time: dynamo would trace the parser)."""
     return _parse_cached(formula, freeze(axes), freeze_families(families)).proxy
-
-
-def _traced_bound(formula, shape, dtype, device, axes, inverse, norm, mesh, shapes, families, real, signal_sizes):
-    """:func:`_bound` and :func:`_agree` at trace time (the warning, too, is given once per compile)."""
-    bound = _bound(formula, axes, freeze(axes), freeze_families(families), shape, dtype, device, inverse, norm, real,
-                   signal_sizes, mesh, shapes, False)
-    _agree(bound, formula, dtype, device, agrees_always(bound.mesh, shapes))
-    return bound.prepare_traced()
 
 
 def _agree_on_build_error(err, formula, axes, axes_key, fam_key, mesh) -> None:
@@ -825,3 +823,7 @@ def _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, 
         bound.mesh, bound.fingerprint = None, 0
         return bound, spec
     return _Bound(plan, m, norm, dtype, order, local_error, warning, device), spec
+
+
+_EINFFT = Operation("einfft", plan=_plan, run=_run, vma_rule=_vma_rule, graph_plan=_graph_plan, names_op=False,
+                    cache=_PLANS)

@@ -31,27 +31,22 @@ import functools
 
 import torch
 
-from ..core import _context, _trace
-from ..core._torch_compat import in_traced_code
-from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
 from ..errors import EinshardError
 from ..comm.exchange import exchange_group, runs_exchange
 from ..core.layout import Layout, MeshShape
 from ..notation import TensorSpec, freeze_families
+from ..runtime.dispatch import Operation
 from ..runtime.pipeline import (
     agree_before_communicating,
     agrees_always,
     ambient_key,
     build_plan,
     check_boundary,
-    freeze,
-    in_vma_scope,
     parse_spec,
     per_axis,
     pick_mesh,
     spec_layout,
-    traced_plan,
     width_pair,
 )
 from ..plan.halo import halo_axis, halo_runs
@@ -113,8 +108,6 @@ class HaloPlan:
 
 
 _PLANS = BoundedCache(name="einshard.ops.halo.plans")
-# the raw arguments of einhalo -> plan (skips parsing and validation on repeat calls)
-_FAST = BoundedCache(name="einshard.ops.halo.fast")
 
 
 def halo_plan(spec: TensorSpec, text: str, x: torch.Tensor, widths: dict[str, tuple[int, int]], boundary: str,
@@ -159,36 +152,21 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
 
         y = es.einhalo("b h/sp w c", x_block, {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
-    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
-        return _vma.formula_op(lambda s, t, **kw: einhalo(s, t, halos, **kw), spec, (x,), boundary=boundary,
-                               fill=fill, mesh=mesh, shapes=shapes, families=families)
-    if in_traced_code():  # torch.compile: planned at trace time
-        return traced_plan(_traced_plan, spec, _trace.static_shape(x), x.dtype, x.device, halos, boundary, mesh,
-                           shapes, families)(x, fill)
-    try:
-        fast = (spec, freeze(halos), boundary, freeze(families), freeze_shapes(shapes), mesh,
-                _context.current().mesh, ambient_key(), x.shape, x.dtype, x.device)
-        plan = _FAST.get(fast)
-    except TypeError:  # unhashable arguments: take the checked path (it reports them)
-        fast, plan = None, None
-    if plan is None:
-        plan = _plan(spec, x, halos, boundary, mesh, shapes, families)
-        if fast is not None:
-            _FAST.put(fast, plan)
-    return plan(x, fill)
+    return _EINHALO(spec, (x,), (halos, boundary), mesh, shapes, families, (fill,))
 
 
-def _plan(spec, x, halos, boundary, mesh, shapes, families) -> HaloPlan:
-    try:
-        check_boundary(boundary)
-        tspec = parse_spec(spec, families, "einhalo")
-        names = [a.name for a in tspec.axes]
-        widths = {k: width_pair(v, k, "halos") for k, v in per_axis(halos, names, families, "halos").items()}
-        m = pick_mesh(tspec, mesh)
-        return halo_plan(tspec, spec, x, widths, boundary, m, shapes, "einhalo", freeze_families(families))
-    except EinshardError as err:
-        raise err.within(spec, "einhalo")
+def _plan(spec, tensors, args, mesh, shapes, families) -> HaloPlan:
+    halos, boundary = args
+    check_boundary(boundary)
+    tspec = parse_spec(spec, families, "einhalo")
+    names = [a.name for a in tspec.axes]
+    widths = {k: width_pair(v, k, "halos") for k, v in per_axis(halos, names, families, "halos").items()}
+    m = pick_mesh(tspec, mesh)
+    return halo_plan(tspec, spec, tensors[0], widths, boundary, m, shapes, "einhalo", freeze_families(families))
 
 
-def _traced_plan(spec, shape, dtype, device, halos, boundary, mesh, shapes, families) -> HaloPlan:
-    return _plan(spec, _trace.stand_in(shape, dtype, device), halos, boundary, mesh, shapes, families).prepare_traced()
+def _run(plan, tensors, run_args):
+    return plan(tensors[0], run_args[0])
+
+
+_EINHALO = Operation("einhalo", plan=_plan, run=_run, cache=BoundedCache(name="einshard.ops.halo.calls"))

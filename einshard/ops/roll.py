@@ -18,26 +18,21 @@ import operator
 
 import torch
 
-from ..core import _context, _trace
-from ..core._torch_compat import in_traced_code
-from ..runtime import vma as _vma
 from ..core._cache import BoundedCache
 from ..errors import EinshardError
 from ..comm.exchange import exchange_group, runs_exchange
 from ..core.layout import Layout
 from ..notation import freeze_families
+from ..runtime.dispatch import Operation
 from ..runtime.pipeline import (
     agree_before_communicating,
     agrees_always,
     ambient_key,
     build_plan,
-    freeze,
-    in_vma_scope,
     parse_spec,
     per_axis,
     pick_mesh,
     spec_layout,
-    traced_plan,
 )
 from ..plan.halo import roll_runs
 from ..plan.resolve import freeze_shapes
@@ -76,7 +71,6 @@ class RollPlan:
 
 
 _PLANS = BoundedCache(name="einshard.ops.roll.plans")
-_FAST = BoundedCache(name="einshard.ops.roll.fast")  # the raw arguments of einroll -> plan
 
 
 def _shift(value, axis: str) -> int:
@@ -106,29 +100,11 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
 
         y = es.einroll("b h/sp w", x_block, {"h": 3, "w": -1}, mesh=mesh, shapes={"sp": [5, 5, 6]})
     """
-    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
-        return _vma.formula_op(lambda s, t, **kw: einroll(s, t, shifts, **kw), spec, (x,), mesh=mesh,
-                               shapes=shapes, families=families)
-    if in_traced_code():  # torch.compile: planned at trace time
-        return traced_plan(_traced_plan, spec, _trace.static_shape(x), x.dtype, x.device, shifts, mesh, shapes,
-                           families)(x)
-    try:
-        fast = (spec, freeze(shifts), freeze(families), freeze_shapes(shapes), mesh, _context.current().mesh,
-                ambient_key(), x.shape, x.dtype, x.device)
-        plan = _FAST.get(fast)
-    except TypeError:  # unhashable arguments: take the checked path (it reports them)
-        fast, plan = None, None
-    if plan is None:
-        try:
-            plan = _plan(spec, x, shifts, mesh, shapes, families)
-        except EinshardError as err:
-            raise err.within(spec, "einroll")
-        if fast is not None:
-            _FAST.put(fast, plan)
-    return plan(x)
+    return _EINROLL(spec, (x,), (shifts,), mesh, shapes, families)
 
 
-def _plan(spec, x, shifts, mesh, shapes, families) -> RollPlan:
+def _plan(spec, tensors, args, mesh, shapes, families) -> RollPlan:
+    x, (shifts,) = tensors[0], args
     tspec = parse_spec(spec, families, "einroll")
     names = [a.name for a in tspec.axes]
     by_name = {k: _shift(v, k) for k, v in per_axis(shifts, names, families, "shifts").items()}
@@ -144,9 +120,8 @@ def _plan(spec, x, shifts, mesh, shapes, families) -> RollPlan:
     return build_plan(_PLANS, key, m, build, (spec, "einroll"))
 
 
-def _traced_plan(spec, shape, dtype, device, shifts, mesh, shapes, families) -> RollPlan:
-    try:
-        plan = _plan(spec, _trace.stand_in(shape, dtype, device), shifts, mesh, shapes, families)
-    except EinshardError as err:
-        raise err.within(spec, "einroll")
-    return plan.prepare_traced()
+def _run(plan, tensors, run_args):
+    return plan(tensors[0])
+
+
+_EINROLL = Operation("einroll", plan=_plan, run=_run, cache=BoundedCache(name="einshard.ops.roll.calls"))

@@ -10,20 +10,18 @@ a permutation to the output order.
 
 from __future__ import annotations
 
-from ..core import _trace
+from ..core._cache import BoundedCache
 from ..core._torch_compat import in_traced_code
-from ..runtime import vma as _vma
 from ..errors import EinshardError
 from ..notation import expand, freeze_families
+from ..runtime.dispatch import Operation
 from ..runtime.pipeline import (
     check_boundary,
     check_kept_sharding,
     check_spec,
     family_table,
-    in_vma_scope,
     per_axis,
     pick_mesh,
-    traced_plan,
     width_pair,
 )
 from .halo import halo_plan
@@ -103,14 +101,13 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
         y = es.einwindow("b h/sp w c -> b h/sp w kh kw c", x_block, {"h": "kh", "w": "kw"},
                          {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
-    if in_vma_scope():  # in shard_map(check_vma=True): variance rules
-        return _vma.formula_op(lambda f, t, **kw: einwindow(f, t, windows, radius, **kw), formula, (x,),
-                               boundary=boundary, fill=fill, mesh=mesh, shapes=shapes, families=families)
-    if in_traced_code():  # torch.compile: planned at trace time
-        plan, ins, out, wmap, rad = traced_plan(_traced_plan, formula, _trace.static_shape(x), x.dtype, x.device,
-                                                windows, radius, boundary, mesh, shapes, families)
-    else:
-        plan, ins, out, wmap, rad = _plan(formula, x, windows, radius, boundary, mesh, shapes, families)
+    return _EINWINDOW(formula, (x,), (windows, radius, boundary), mesh, shapes, families, (fill,))
+
+
+def _run(planned, tensors, run_args):
+    """The halo, then the windows (an unfold per window axis) in the output's order."""
+    plan, ins, out, wmap, rad = planned
+    x, (fill,) = tensors[0], run_args
     y = plan(x, fill)
     names = [a.name for a in ins.axes]
     current = list(names)
@@ -133,19 +130,19 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
     return y
 
 
-def _plan(formula, x, windows, radius, boundary, mesh, shapes, families):
+def _plan(formula, tensors, args, mesh, shapes, families):
     """``(halo plan, input spec, output spec, windows, radii)`` of one call."""
-    try:
-        check_boundary(boundary)
-        ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families)
-        m = pick_mesh(ins, mesh)
-        plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, "einwindow", freeze_families(families))
-    except EinshardError as err:
-        raise err.within(formula, "einwindow")
+    windows, radius, boundary = args
+    check_boundary(boundary)
+    ins, in_text, out, wmap, rad = parse_window_formula(formula, windows, radius, families)
+    m = pick_mesh(ins, mesh)
+    plan = halo_plan(ins, in_text, tensors[0], rad, boundary, m, shapes, "einwindow", freeze_families(families))
     return plan, ins, out, wmap, rad
 
 
-def _traced_plan(formula, shape, dtype, device, windows, radius, boundary, mesh, shapes, families):
-    plan, ins, out, wmap, rad = _plan(formula, _trace.stand_in(shape, dtype, device), windows, radius, boundary,
-                                      mesh, shapes, families)
-    return plan.prepare_traced(), ins, out, wmap, rad
+def _graph_plan(planned):
+    return (planned[0].prepare_traced(), *planned[1:])
+
+
+_EINWINDOW = Operation("einwindow", plan=_plan, run=_run, graph_plan=_graph_plan,
+                       cache=BoundedCache(name="einshard.ops.window.calls"))
