@@ -18,6 +18,7 @@ from ..params.formula import (ANY, check_not_stored, check_params_first, duty_of
 from ..params.metadata import named_sizes
 from ..params.replicated import keep_duties_on_root
 from ..params.state import ParameterState
+from ..runtime.dispatch import Branches
 from ..runtime.pipeline import check_tensors
 from ..core.policy import resolve_policy
 
@@ -58,13 +59,12 @@ def einshard(
     >>> es.einshard("b (h p) -> b h p", torch.ones(2, 8), sizes={"p": 4}).shape
     torch.Size([2, 2, 4])
     """
-    if _vma.ACTIVE:  # some shard_map(check_vma=True) body runs; ACTIVE first: no call when idle
-        ambient = _vma.tracking_ambient()
-        if ambient is not None:  # in it, not in a library op (the call below, where tracking is suspended)
-            return _tracked(ambient, formula, tensors, {"mesh": mesh, "shapes": shapes, "sizes": sizes,
-                                                        "families": families, "optimize": optimize, "policy": policy})
-    if compile_in_progress():  # traced: gradient duties are not planned here (see the parameters guide)
-        return _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
+    return _EINSHARD(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
+
+
+def _eager(formula, tensors, call):
+    """The steady state: the local plan of the formula and shapes, or the distributed formula's recorder."""
+    mesh, shapes, sizes, families, optimize, policy = call
     if optimize is not None and policy is not None:
         raise EinshardError("einshard: pass either optimize or policy, not both")
     try:
@@ -177,8 +177,11 @@ def _tracks(ambient) -> bool:
     return body is not None and body.tracker is not None
 
 
-def _tracked(ambient, formula, tensors, kwargs):
+def _tracked(ambient, formula, tensors, call):
     """``einshard`` in a body that tracks variance: the variance rules around the untracked call."""
+    mesh, shapes, sizes, families, optimize, policy = call
+    kwargs = {"mesh": mesh, "shapes": shapes, "sizes": sizes, "families": families, "optimize": optimize,
+              "policy": policy}
     tracker = ambient.shard_map.tracker
     if not tracker.traced:  # eager: the body's parameters, whose gradients it sums (see einshard.params.summed)
         for t in tensors:
@@ -331,14 +334,16 @@ def _scalar_form(parsed, tensors) -> str | None:
 # -- under torch.compile ------------------------------------------------------------------------
 
 
-def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
-    """``einshard`` while dynamo traces: plan at trace time, trace only the replay.
+def _traced(formula, tensors, call):
+    """``einshard`` while a graph is made: plan at trace time, trace only the replay (gradient duties are not
+    planned here: see the parameters guide).
 
     :func:`_plan_for_trace` runs as ordinary Python while dynamo traces and
     returns the name of the plan's replay function (a constant of the graph), so parsing, checks and planning cost
     nothing at run time; the plan's replay (reshapes, the einsum, functional
     collectives) is what dynamo traces.
     """
+    mesh, shapes, sizes, families, optimize, policy = call
     for i, t in enumerate(tensors):  # traced by dynamo
         if not isinstance(t, torch.Tensor):
             _trace.refuse(f"{formula!r}: operand {i} must be a torch.Tensor, got {type(t).__name__}")
@@ -419,3 +424,8 @@ def _refuse_annotated_duties(recorder, mesh) -> None:
 
 def _duty_text(duty) -> str:
     return "groups the planner would infer" if duty == ANY else repr(tuple(duty))
+
+
+# a graph is made whenever a compile is in progress: also in AOTAutograd's trace of a backward, where the plans
+# run their functional collectives
+_EINSHARD = Branches("einshard", tracked=_tracked, traced=_traced, eager=_eager, traced_when=compile_in_progress)

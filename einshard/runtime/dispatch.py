@@ -1,8 +1,7 @@
 """The one dispatch of the public operations: :class:`Operation`.
 
 Every operation (``einshard``, ``einfft``, ``einhalo``, ``einwindow``, ``einconv``, ``einroll``) is a call
-``op(expression, tensors, args, mesh, shapes, families, run_args)`` of its :class:`Operation`, which takes one
-of three branches, in this order:
+``op(expression, tensors, *call)`` of its :class:`Dispatch`, which takes one of three branches, in this order:
 
 1. **variance** — inside ``shard_map(check_vma=True)`` (not inside another library op): the variance rules of
    the formula the op's ``vma_rule`` names run around the untracked call
@@ -14,9 +13,10 @@ of three branches, in this order:
    ambient mesh and split shapes and the operands' shapes, dtypes and devices; on a miss the op's ``plan``
    parses, checks and builds it, its errors naming the expression.
 
-An op declares only ``plan``, ``run`` and, where they differ from the defaults, ``vma_rule`` and
-``graph_plan``. ``einshard`` itself, whose [param] operands record gradient duties, supplies its own three
-branches to the same dispatch (:class:`Branches`).
+An :class:`Operation` declares only ``plan``, ``run`` and, where they differ from the defaults, ``vma_rule``
+and ``graph_plan``; its call is ``(args, mesh, shapes, families, run_args)``. ``einshard`` itself, whose [param]
+operands record gradient duties and whose local plans replay in a few microseconds, supplies its own three
+branches (:class:`Branches`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,23 @@ from ..errors import EinshardError
 from . import vma as _vma
 from .pipeline import freeze, traced_plan
 
-__all__ = ["Operation", "Branches"]
+__all__ = ["Dispatch", "Operation", "Branches"]
+
+
+class Dispatch:
+    """The one dispatch: :meth:`tracked` inside a ``shard_map`` body that tracks variance, :meth:`traced` when
+    :meth:`traced_when` says a graph is being made, else :meth:`eager` (see the module docstring)."""
+
+    __slots__ = ()
+
+    def __call__(self, expr, tensors, *call):
+        if _vma.ACTIVE:  # some shard_map(check_vma=True) body runs; ACTIVE first: no call when idle
+            ambient = _vma.tracking_ambient()
+            if ambient is not None:  # in it, not in a library op (the untracked call, where tracking is suspended)
+                return self.tracked(ambient, expr, tensors, call)
+        if self.traced_when():
+            return self.traced(expr, tensors, call)
+        return self.eager(expr, tensors, call)
 
 
 def _same_formula(expr, args, families):
@@ -42,8 +58,9 @@ def _prepared(plan):
     return plan.prepare_traced()
 
 
-class Operation:
-    """A public operation's dispatch (see the module docstring).
+class Operation(Dispatch):
+    """A public operation declared by its parts; a call is ``op(expr, tensors, args, mesh, shapes, families,
+    run_args)``.
 
     - ``name``: the op's name, which prefixes its errors (``einhalo: 'b h/sp w': ...``) when ``names_op``;
     - ``plan(expr, tensors, args, mesh, shapes, families)``: the plan of one call (``tensors`` may be stand-ins
@@ -51,35 +68,41 @@ class Operation:
     - ``run(plan, tensors, run_args)``: the result (in eager and in traced code);
     - ``vma_rule(expr, args, families)``: ``(formula, families)`` whose variance rules apply;
     - ``graph_plan(plan)``: the plan ready for traced code, at trace time;
-    - ``cache``: where eager plans are kept (a registered :class:`BoundedCache`).
+    - ``cache``: where plans are kept (a registered :class:`BoundedCache`).
+
+    It plans for a graph only in code dynamo traces (:func:`in_traced_code`): the exchanges of these ops pick
+    their transport by the same predicate.
     """
 
     __slots__ = ("name", "plan", "run", "vma_rule", "graph_plan", "cache", "names_op")
+
+    traced_when = staticmethod(in_traced_code)
 
     def __init__(self, name: str, *, plan, run, cache: BoundedCache, vma_rule=_same_formula, graph_plan=_prepared,
                  names_op: bool = True):
         self.name, self.plan, self.run, self.cache = name, plan, run, cache
         self.vma_rule, self.graph_plan, self.names_op = vma_rule, graph_plan, names_op
 
-    def __call__(self, expr, tensors, args, mesh, shapes, families, run_args=()):
-        if _vma.ACTIVE:  # some shard_map(check_vma=True) body runs; ACTIVE first: no call when idle
-            ambient = _vma.tracking_ambient()
-            if ambient is not None:  # in it, not in a library op (the untracked call, where tracking is suspended)
-                formula, rule_families = self.vma_rule(expr, args, families)
+    def tracked(self, ambient, expr, tensors, call):
+        """The variance rules of :attr:`vma_rule`'s formula around the untracked call."""
+        args, mesh, shapes, families, run_args = call
+        formula, rule_families = self.vma_rule(expr, args, families)
 
-                def untracked(_formula, *ts, **_kwargs):
-                    return self.untracked(expr, ts, args, mesh, shapes, families, run_args)
+        def untracked(_formula, *ts, **_kwargs):
+            return self(expr, ts, *call)  # (tracking is suspended there)
 
-                return _vma.formula_op_in(ambient, untracked, formula, tensors,
-                                          {"mesh": mesh, "families": rule_families})
-        return self.untracked(expr, tensors, args, mesh, shapes, families, run_args)
+        return _vma.formula_op_in(ambient, untracked, formula, tensors, {"mesh": mesh, "families": rule_families})
 
-    def untracked(self, expr, tensors, args, mesh, shapes, families, run_args):
-        """The traced or the eager branch."""
-        if in_traced_code():  # torch.compile: planned at trace time
-            metas = tuple(None if t is None else (static_shape(t), t.dtype, t.device) for t in tensors)
-            plan = traced_plan(_graph_plan, self, expr, metas, mesh, shapes, families, *args)
-            return self.run(plan, tensors, run_args)
+    def traced(self, expr, tensors, call):
+        """Planned at trace time; only the run is traced."""
+        args, mesh, shapes, families, run_args = call
+        metas = tuple(None if t is None else (static_shape(t), t.dtype, t.device) for t in tensors)
+        plan = traced_plan(_graph_plan, self, expr, metas, mesh, shapes, families, *args)
+        return self.run(plan, tensors, run_args)
+
+    def eager(self, expr, tensors, call):
+        """The steady state: the cached plan, run."""
+        args, mesh, shapes, families, run_args = call
         return self.run(self.cached_plan(expr, tensors, args, mesh, shapes, families), tensors, run_args)
 
     def cached_plan(self, expr, tensors, args, mesh, shapes, families):
@@ -112,21 +135,11 @@ def _graph_plan(op: Operation, expr, metas, mesh, shapes, families, *args):
     return op.graph_plan(op.cached_plan(expr, tensors, args, mesh, shapes, families))
 
 
-class Branches(Operation):
-    """An operation that supplies its own three branches to the dispatch: ``tracked(ambient, expr, tensors,
-    kwargs)``, ``traced(expr, tensors, kwargs)`` and ``eager(expr, tensors, kwargs)``, taken as
-    :class:`Operation` takes its own, with ``traced_when()`` telling when to plan for a graph."""
+class Branches(Dispatch):
+    """An operation that supplies its own three branches: ``tracked(ambient, expr, tensors, call)``,
+    ``traced(expr, tensors, call)`` and ``eager(expr, tensors, call)``, and ``traced_when()``."""
 
-    __slots__ = ("tracked", "traced", "eager", "traced_when")
+    __slots__ = ("name", "tracked", "traced", "eager", "traced_when")
 
     def __init__(self, name: str, *, tracked, traced, eager, traced_when):
         self.name, self.tracked, self.traced, self.eager, self.traced_when = name, tracked, traced, eager, traced_when
-
-    def __call__(self, expr, tensors, kwargs):
-        if _vma.ACTIVE:
-            ambient = _vma.tracking_ambient()
-            if ambient is not None:
-                return self.tracked(ambient, expr, tensors, kwargs)
-        if self.traced_when():
-            return self.traced(expr, tensors, kwargs)
-        return self.eager(expr, tensors, kwargs)
