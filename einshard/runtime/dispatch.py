@@ -1,4 +1,4 @@
-"""The one dispatch of the public operations: :class:`Operation`.
+"""The one dispatch of the public operations: :class:`Dispatch`.
 
 Every operation (``einshard``, ``einfft``, ``einhalo``, ``einwindow``, ``einconv``, ``einroll``) is a call
 ``op(expression, tensors, *call)`` of its :class:`Dispatch`, which takes one of three branches, in this order:

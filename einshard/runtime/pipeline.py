@@ -1,9 +1,9 @@
 """The front end every operation shares, each step written once.
 
 ``einshard``, ``einfft`` and the stencil ops parse and check their specs, freeze their arguments into cache
-keys, build a plan once (the ranks agree on a build error), agree on a rank-local error before communicating,
-and go through :mod:`einshard.runtime.vma` first inside ``shard_map(check_vma=True)`` (:func:`in_vma_scope`). Under
-``torch.compile`` they plan at trace time (:func:`traced_plan`) and dynamo traces only the plan's replay.
+keys, build a plan once (the ranks agree on a build error) and agree on a rank-local error before communicating.
+Under ``torch.compile`` they plan at trace time (:func:`traced_plan`) and dynamo traces only the plan's replay.
+Which of these paths a call takes is :mod:`einshard.runtime.dispatch`'s choice.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from ..core import _context, _trace
 from ..comm import checks
-from . import vma as _vma
 from ..core._cache import BoundedCache
 from ..core._split import is_size
 from ..errors import EinshardError, naming
@@ -24,14 +23,9 @@ from ..notation import Axis, Formula, Group, TensorSpec, expand, family_member, 
 from ..plan.halo import BOUNDARIES
 from ..plan.resolve import resolve
 
-__all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_sharding", "parse_spec", "per_axis",
+__all__ = ["freeze", "family_table", "check_spec", "check_kept_sharding", "parse_spec", "per_axis",
            "width_pair", "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout",
            "agree", "agree_before_communicating", "agrees_always", "build_plan", "traced_plan"]
-
-
-def in_vma_scope() -> bool:
-    """Inside ``shard_map(check_vma=True)``: the op runs through :func:`einshard.runtime.vma.formula_op`."""
-    return _vma.ACTIVE and _vma.current() is not None
 
 
 # -- arguments ---------------------------------------------------------------------------------
