@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..core import _context, _trace
@@ -30,6 +32,7 @@ _LOCAL_PLANS = BoundedCache(65536, name="einshard.ops.einshard.local_plans")
 _DISTRIBUTED = BoundedCache(name="einshard.ops.einshard.distributed")
 _MAX_DISTRIBUTED = 4096
 _MISSING = object()
+_shape = operator.attrgetter("shape")
 _VMA_RECORDERS = BoundedCache(name="einshard.ops.einshard.vma_recorders")
 # (key, recorded global shapes) -> the key with their sizes
 _SIZED_KEYS = BoundedCache(4096, name="einshard.ops.einshard.sized_keys")
@@ -68,7 +71,7 @@ def _eager(formula, tensors, call):
     if optimize is not None and policy is not None:
         raise EinshardError("einshard: pass either optimize or policy, not both")
     try:
-        in_shapes = [t.shape for t in tensors]
+        in_shapes = list(map(_shape, tensors))  # (no Python frame)
     except AttributeError:  # a non-tensor operand: reported by position, whatever is cached
         in_shapes = None
     if in_shapes is None:

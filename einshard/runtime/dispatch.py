@@ -48,6 +48,9 @@ class Dispatch:
         return self.eager(expr, tensors, call)
 
 
+_PLAIN = frozenset({str, int, float, type(None)})  # arguments that are their own key (a bool is tagged, as by freeze)
+
+
 def _same_formula(expr, args, families):
     """The default variance rule: the op's expression, with its families."""
     return expr, families
@@ -110,7 +113,9 @@ class Operation(Dispatch):
         at trace time (a plan is made once for both)."""
         try:
             ambient = _context.current()
-            key = (expr, mesh, ambient.mesh, ambient.shapes_key, freeze((args, shapes, families)),
+            key = (expr, mesh, ambient.mesh, ambient.shapes_key,
+                   *[a if type(a) in _PLAIN else (bool, a) if type(a) is bool else freeze(a) for a in args],
+                   None if shapes is None else freeze(shapes), None if families is None else freeze(families),
                    *[None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
             plan = self.cache.get(key)
         except TypeError:  # unhashable arguments: take the checked path (it reports them)
