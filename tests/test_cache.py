@@ -1,9 +1,10 @@
 """The registry of caches (einshard.core._cache): every plan and parse cache of the package is registered,
 listed with its size, and emptied by ``clear_caches``."""
 
+import ast
 import importlib
+import inspect
 import pkgutil
-import weakref
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from einshard.core._cache import BoundedCache, cached, caches, clear_caches, reg
 
 # Module-level dicts that are state, not caches: emptying them would change what the library does.
 STATE = {
+    "einshard.core._cache._REGISTRY": "the registry itself",
+    "einshard.comm.primitives.PRIMITIVES": "the table of step kinds, filled as their modules are imported",
     "einshard.core._trace._NAMES": "objects traced code looks up by name",
     "einshard.comm.checks._RANKS": "weak: a process group's ranks",
     "einshard.comm.comm_stats._LABELS": "weak: labels given by the user",
@@ -55,13 +58,25 @@ def test_every_cache_is_registered():
     assert missing == []
 
 
+def _empty_dicts():
+    """``(qualified name, object)`` of the module-level dicts a module's source makes empty (``{}``,
+    ``dict()``, a ``weakref`` dictionary): they fill at run time."""
+    for mod in _modules():
+        tree = ast.parse(inspect.getsource(mod))
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+            value = getattr(node, "value", None)
+            empty = (isinstance(value, ast.Dict) and not value.keys) or (
+                isinstance(value, ast.Call) and not value.args
+                and ast.unparse(value.func) in ("dict", "weakref.WeakKeyDictionary", "weakref.WeakValueDictionary"))
+            if isinstance(target, ast.Name) and empty:
+                yield f"{mod.__name__}.{target.id}", getattr(mod, target.id)
+
+
 def test_no_module_keeps_a_dict_cache_outside_the_registry():
     """A module-level dict that starts empty fills at run time: a cache (registered) or listed state."""
     known = {id(c) for c in registered().values()}
-    kinds = (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
-    found = {name for name, value in _module_objects()
-             if type(value) in kinds and not name.rsplit(".", 1)[-1].startswith("__") and id(value) not in known
-             and not len(value)}
+    found = {name for name, value in _empty_dicts() if id(value) not in known}
     assert found == set(STATE)
 
 
