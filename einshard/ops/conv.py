@@ -305,7 +305,7 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     """
     args = (None if bias is None else tuple(bias.shape), windows, padding, stride, dilation, groups, boundary,
             checkpoint)
-    return _EINCONV(formula, (x, weight), args, mesh, shapes, families, (bias, fill, checkpoint, use_reentrant))
+    return _EINCONV.dispatch(formula, (x, weight), (args, mesh, shapes, families, (bias, fill, checkpoint, use_reentrant)))
 
 
 def _run(planned, tensors, run_args):

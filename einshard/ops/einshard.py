@@ -20,7 +20,7 @@ from ..params.formula import (ANY, check_not_stored, check_params_first, duty_of
 from ..params.metadata import named_sizes
 from ..params.replicated import keep_duties_on_root
 from ..params.state import ParameterState
-from ..runtime.dispatch import Branches
+from ..runtime.dispatch import dispatch
 from ..runtime.pipeline import check_tensors
 from ..core.policy import resolve_policy
 
@@ -62,7 +62,7 @@ def einshard(
     >>> es.einshard("b (h p) -> b h p", torch.ones(2, 8), sizes={"p": 4}).shape
     torch.Size([2, 2, 4])
     """
-    return _EINSHARD(formula, tensors, mesh, shapes, sizes, families, optimize, policy)
+    return _EINSHARD(formula, tensors, (mesh, shapes, sizes, families, optimize, policy))
 
 
 def _eager(formula, tensors, call):
@@ -431,4 +431,4 @@ def _duty_text(duty) -> str:
 
 # a graph is made whenever a compile is in progress: also in AOTAutograd's trace of a backward, where the plans
 # run their functional collectives
-_EINSHARD = Branches("einshard", tracked=_tracked, traced=_traced, eager=_eager, traced_when=compile_in_progress)
+_EINSHARD = dispatch(_tracked, _traced, _eager, compile_in_progress)

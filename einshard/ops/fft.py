@@ -685,7 +685,7 @@ def einfft(
             raise EinshardError(f"einfft: x must be a torch.Tensor, got {type(x).__name__}")
         if type(axes) is not dict:
             axes = _axes_arg(formula, axes)
-        return _EINFFT(formula, (x,), (axes, inverse, norm, real, signal_sizes), mesh, shapes, families, ())
+        return _EINFFT.dispatch(formula, (x,), ((axes, inverse, norm, real, signal_sizes), mesh, shapes, families, ()))
     if isinstance(x, torch.Tensor):
         shape, dtype, device = tuple(x.shape), x.dtype, x.device
     elif isinstance(x, (tuple, list, torch.Size)):

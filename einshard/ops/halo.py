@@ -152,7 +152,7 @@ def einhalo(spec, x, halos, *, boundary="constant", fill=0, mesh=None, shapes=No
 
         y = es.einhalo("b h/sp w c", x_block, {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
-    return _EINHALO(spec, (x,), (halos, boundary), mesh, shapes, families, (fill,))
+    return _EINHALO.dispatch(spec, (x,), ((halos, boundary), mesh, shapes, families, (fill,)))
 
 
 def _plan(spec, tensors, args, mesh, shapes, families) -> HaloPlan:

@@ -100,7 +100,7 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
 
         y = es.einroll("b h/sp w", x_block, {"h": 3, "w": -1}, mesh=mesh, shapes={"sp": [5, 5, 6]})
     """
-    return _EINROLL(spec, (x,), (shifts,), mesh, shapes, families, ())
+    return _EINROLL.dispatch(spec, (x,), ((shifts,), mesh, shapes, families, ()))
 
 
 def _plan(spec, tensors, args, mesh, shapes, families) -> RollPlan:

@@ -101,7 +101,7 @@ def einwindow(formula, x, windows, radius, *, boundary="constant", fill=0, mesh=
         y = es.einwindow("b h/sp w c -> b h/sp w kh kw c", x_block, {"h": "kh", "w": "kw"},
                          {"h": 1, "w": 1}, boundary="periodic", mesh=mesh)
     """
-    return _EINWINDOW(formula, (x,), (windows, radius, boundary), mesh, shapes, families, (fill,))
+    return _EINWINDOW.dispatch(formula, (x,), ((windows, radius, boundary), mesh, shapes, families, (fill,)))
 
 
 def _run(planned, tensors, run_args):

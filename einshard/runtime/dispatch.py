@@ -1,7 +1,7 @@
-"""The one dispatch of the public operations: :class:`Dispatch`.
+"""The one dispatch of the public operations: :func:`dispatch`.
 
 Every operation (``einshard``, ``einfft``, ``einhalo``, ``einwindow``, ``einconv``, ``einroll``) is a call
-``op(expression, tensors, *call)`` of its :class:`Dispatch`, which takes one of three branches, in this order:
+``op(expression, tensors, call)`` of its :func:`dispatch`, which takes one of three branches, in this order:
 
 1. **variance** — inside ``shard_map(check_vma=True)`` (not inside another library op): the variance rules of
    the formula the op's ``vma_rule`` names run around the untracked call
@@ -15,8 +15,8 @@ Every operation (``einshard``, ``einfft``, ``einhalo``, ``einwindow``, ``einconv
 
 An :class:`Operation` declares only ``plan``, ``run`` and, where they differ from the defaults, ``vma_rule``
 and ``graph_plan``; its call is ``(args, mesh, shapes, families, run_args)``. ``einshard`` itself, whose [param]
-operands record gradient duties and whose local plans replay in a few microseconds, supplies its own three
-branches (:class:`Branches`).
+operands record gradient duties and whose local plans replay in a few microseconds, gives :func:`dispatch` its
+own three branches.
 """
 
 from __future__ import annotations
@@ -29,23 +29,25 @@ from ..errors import EinshardError
 from . import vma as _vma
 from .pipeline import freeze, traced_plan
 
-__all__ = ["Dispatch", "Operation", "Branches"]
+__all__ = ["dispatch", "Operation"]
 
 
-class Dispatch:
-    """The one dispatch: :meth:`tracked` inside a ``shard_map`` body that tracks variance, :meth:`traced` when
-    :meth:`traced_when` says a graph is being made, else :meth:`eager` (see the module docstring)."""
+def dispatch(tracked, traced, eager, traced_when):
+    """The one dispatch, as the function ``op(expr, tensors, call)`` of an operation's branches:
+    ``tracked(ambient, expr, tensors, call)`` inside a ``shard_map`` body that tracks variance,
+    ``traced(expr, tensors, call)`` when ``traced_when()`` says a graph is being made, else
+    ``eager(expr, tensors, call)`` (see the module docstring). A closure: the steady state pays one call."""
 
-    __slots__ = ()
-
-    def __call__(self, expr, tensors, *call):
+    def op(expr, tensors, call):
         if _vma.ACTIVE:  # some shard_map(check_vma=True) body runs; ACTIVE first: no call when idle
             ambient = _vma.tracking_ambient()
             if ambient is not None:  # in it, not in a library op (the untracked call, where tracking is suspended)
-                return self.tracked(ambient, expr, tensors, call)
-        if self.traced_when():
-            return self.traced(expr, tensors, call)
-        return self.eager(expr, tensors, call)
+                return tracked(ambient, expr, tensors, call)
+        if traced_when():
+            return traced(expr, tensors, call)
+        return eager(expr, tensors, call)
+
+    return op
 
 
 _PLAIN = frozenset({str, int, float, type(None)})  # arguments that are their own key (a bool is tagged, as by freeze)
@@ -61,9 +63,9 @@ def _prepared(plan):
     return plan.prepare_traced()
 
 
-class Operation(Dispatch):
-    """A public operation declared by its parts; a call is ``op(expr, tensors, args, mesh, shapes, families,
-    run_args)``.
+class Operation:
+    """A public operation declared by its parts; a call is ``op.dispatch(expr, tensors, (args, mesh, shapes,
+    families, run_args))``.
 
     - ``name``: the op's name, which prefixes its errors (``einhalo: 'b h/sp w': ...``) when ``names_op``;
     - ``plan(expr, tensors, args, mesh, shapes, families)``: the plan of one call (``tensors`` may be stand-ins
@@ -77,14 +79,13 @@ class Operation(Dispatch):
     their transport by the same predicate.
     """
 
-    __slots__ = ("name", "plan", "run", "vma_rule", "graph_plan", "cache", "names_op")
-
-    traced_when = staticmethod(in_traced_code)
+    __slots__ = ("name", "plan", "run", "vma_rule", "graph_plan", "cache", "names_op", "dispatch")
 
     def __init__(self, name: str, *, plan, run, cache: BoundedCache, vma_rule=_same_formula, graph_plan=_prepared,
                  names_op: bool = True):
         self.name, self.plan, self.run, self.cache = name, plan, run, cache
         self.vma_rule, self.graph_plan, self.names_op = vma_rule, graph_plan, names_op
+        self.dispatch = dispatch(self.tracked, self.traced, self.eager, in_traced_code)
 
     def tracked(self, ambient, expr, tensors, call):
         """The variance rules of :attr:`vma_rule`'s formula around the untracked call."""
@@ -92,7 +93,7 @@ class Operation(Dispatch):
         formula, rule_families = self.vma_rule(expr, args, families)
 
         def untracked(_formula, *ts, **_kwargs):
-            return self(expr, ts, *call)  # (tracking is suspended there)
+            return self.dispatch(expr, ts, call)  # (tracking is suspended there)
 
         return _vma.formula_op_in(ambient, untracked, formula, tensors, {"mesh": mesh, "families": rule_families})
 
@@ -138,13 +139,3 @@ def _graph_plan(op: Operation, expr, metas, mesh, shapes, families, *args):
     """At trace time: ``op``'s plan for operands with ``metas`` (stand-ins), ready for a graph."""
     tensors = tuple(None if m is None else stand_in(*m) for m in metas)
     return op.graph_plan(op.cached_plan(expr, tensors, args, mesh, shapes, families))
-
-
-class Branches(Dispatch):
-    """An operation that supplies its own three branches: ``tracked(ambient, expr, tensors, call)``,
-    ``traced(expr, tensors, call)`` and ``eager(expr, tensors, call)``, and ``traced_when()``."""
-
-    __slots__ = ("name", "tracked", "traced", "eager", "traced_when")
-
-    def __init__(self, name: str, *, tracked, traced, eager, traced_when):
-        self.name, self.tracked, self.traced, self.eager, self.traced_when = name, tracked, traced, eager, traced_when
