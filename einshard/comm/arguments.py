@@ -46,6 +46,7 @@ __all__ = [
     "norm_axis",
     "named_shapes",
     "default_shapes",
+    "all_to_all_single",
 ]
 
 # torch 2.13 renamed the tensor collectives; older versions only have the old names.
@@ -128,6 +129,18 @@ def pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = extra
     return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def all_to_all_single(out: torch.Tensor, send: torch.Tensor, out_splits, in_splits, group) -> None:
+    """``torch.distributed.all_to_all_single`` of flat buffers, split sizes in elements (complex ones too)."""
+    factor = real_factor(send)
+    dist.all_to_all_single(
+        flat(out),
+        flat(send.contiguous()),
+        [s * factor for s in out_splits],
+        [s * factor for s in in_splits],
+        group=group,
+    )
 
 
 def real_factor(t: torch.Tensor) -> int:

@@ -21,7 +21,7 @@ from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
 from ..core.layout import Layout, MeshShape
-from .mappings import make_mapping
+from .collective import make_mapping
 
 _transforms_active = _torch_compat.functorch_transforms_active
 

@@ -7,7 +7,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 from ...errors import EinshardError
@@ -15,10 +14,10 @@ from .. import checks as _checks
 from .. import comm_stats as _stats
 from ..arguments import (
     agree,
+    all_to_all_single,
     contiguous_clone,
     default_shapes,
     dim as check_dim,
-    flat,
     group_rank,
     group_size,
     holder,
@@ -27,7 +26,6 @@ from ..arguments import (
     offsets,
     order as check_order,
     real,
-    real_factor,
     sizes,
     whole_split,
 )
@@ -111,7 +109,6 @@ def _eager(x: torch.Tensor, group, sd: int, dd: int, src_shapes, dst_shapes, ord
         send = torch.cat([x.narrow(dd, starts[b], dst_shapes[b]).reshape(-1) for b in blocks])
     other = math.prod(x.shape[k] for k in range(x.dim()) if k not in (sd, dd))
     mine = dst_shapes[me]
-    factor = real_factor(x)
     in_splits = [dst_shapes[b] * other * x.shape[sd] for b in blocks]
     out_splits = [mine * other * src_shapes[b] for b in blocks]
     out = x.new_empty(sum(out_splits))
@@ -125,13 +122,7 @@ def _eager(x: torch.Tensor, group, sd: int, dd: int, src_shapes, dst_shapes, ord
                 (sum(in_splits) - in_splits[rank]) * isz,
                 (sum(out_splits) - out_splits[rank]) * isz,
             )
-        dist.all_to_all_single(
-            flat(out),
-            flat(send.contiguous()),
-            [s * factor for s in out_splits],
-            [s * factor for s in in_splits],
-            group=group,
-        )
+        all_to_all_single(out, send, out_splits, in_splits, group)
     result_shape = list(x.shape)
     result_shape[sd] = sum(src_shapes)
     result_shape[dd] = mine

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 from ...errors import EinshardError
 from .. import checks as _checks
 from .. import comm_stats as _stats
-from ..arguments import agree, flat, group_rank, group_size, real, real_factor, sizes
+from ..arguments import agree, all_to_all_single, group_rank, group_size, real, sizes
 from ..collective import Collective, register
 from ..primitives import same, varying
 
@@ -67,14 +66,7 @@ def _eager(chunks, recv_numels, group) -> list[torch.Tensor]:
     if _stats.is_active():
         isz = own.element_size()
         _stats.record("all_to_all_v", group, sum(in_splits) * isz, sum(out_splits) * isz)
-    factor = real_factor(own)
-    dist.all_to_all_single(
-        flat(out),
-        flat(inp.contiguous()),
-        [s * factor for s in out_splits],
-        [s * factor for s in in_splits],
-        group=group,
-    )
+    all_to_all_single(out, inp, out_splits, in_splits, group)
     result = list(out.split(out_splits))
     result[rank] = own
     return result
