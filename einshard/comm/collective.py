@@ -19,10 +19,10 @@ that also holds
 - ``named`` and ``bind``: the name and argument binding of its form for
   ``shard_map`` bodies (:mod:`einshard.spmd.named`).
 
-From these come the **raw** form (:attr:`Collective.raw`: check, then the
+From these come the **raw** form (``entry.raw``: check, then the
 eager or the traced transport, ``es.collectives``), the **traced** form
 (``traced``, ``einshard.comm._traced_collectives``), the **autograd** form
-(:attr:`Collective.autograd`, an autograd Function whose backward is the
+(``entry.autograd``, an autograd Function whose backward is the
 adjoint's autograd form, so double backward works; ``es.mappings``) and the
 **named** form. :func:`register` adds an entry to ``PRIMITIVES``; the modules
 of :mod:`einshard.comm.entries` are the entries, one collective each.
@@ -56,12 +56,16 @@ class Collective(Primitive):
     named: str = ""  # the named form's public name ("": none)
     bind: Callable | None = None  # (x, axes, *args, **kw) -> (autograd callable, its arguments)
 
-    @functools.cached_property
-    def raw(self) -> Callable:
+    def __post_init__(self):
+        # the forms, made once (attributes, not cached properties: dynamo cannot enter their lock)
+        object.__setattr__(self, "raw", self.form if self.form is not None else self._raw())
+        object.__setattr__(self, "autograd", self._autograd() if self.adjoint else None)
+
+    def _raw(self) -> Callable | None:
         """The raw form: ``check``, then the eager transport, or the traced one in traced code."""
-        if self.form is not None:
-            return self.form
         check, eager, traced, now_traced = self.check, self.eager, self.traced, _trace.traced
+        if check is None:
+            return None
 
         @functools.wraps(check)
         def raw(*args, **kwargs):
@@ -71,19 +75,15 @@ class Collective(Primitive):
         raw.__name__ = raw.__qualname__ = self.name
         return raw
 
-    @functools.cached_property
-    def autograd(self) -> Callable:
+    def _autograd(self) -> Callable:
         """The autograd form ``(x, group, *args)``: the forward, and the adjoint's autograd form backward."""
         adjoint, transpose = self.adjoint, self.transpose
-        if not adjoint:
-            raise AttributeError(f"collective {self.name!r} has no adjoint, so no autograd form")
 
         def backward(grad, *args):
             form = PRIMITIVES[adjoint].autograd
             return form(grad, *transpose(*args)) if transpose is not None else form(grad, *args)
 
-        name = _camel(self.name) + _camel(adjoint)
-        return make_mapping(name, self.forward or self.raw, backward)
+        return make_mapping(_camel(self.name) + _camel(adjoint), self.forward or self.raw, backward)
 
 
 def _camel(name: str) -> str:
