@@ -476,7 +476,7 @@ assert sys.modules["torch_einshard.mappings"] is einshard.comm.mappings
 assert sys.modules["torch_einshard"] is einshard
 # submodules named like a public function must not replace it on the package
 import torch_einshard.shard_map, torch_einshard.visualize, torch_einshard.explain, torch_einshard.ops.einshard
-assert callable(einshard.spmd.shard_map) and callable(einshard.ops.visualize) and callable(einshard.ops.explain)
+assert callable(einshard.shard_map) and callable(einshard.visualize) and callable(einshard.explain)
 assert callable(einshard.ops.einshard)
 try:
     import torch_einshard.no_such_module

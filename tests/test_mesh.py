@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from einshard.comm import comm_stats
-from einshard.comm.mesh import Mesh, current_mesh, resolve_mesh, use_mesh, wrap_mesh
+from einshard.comm.mesh import Mesh, as_mesh, current_mesh, resolve_mesh, use_mesh, wrap_mesh
 
 # -- without ranks ------------------------------------------------------------------
 
@@ -162,3 +164,16 @@ def test_use_mesh(mesh_2x4):
     # an explicit mesh wins over the ambient one
     with use_mesh(mesh_2x4):
         assert resolve_mesh(wrap_mesh(mesh_2x4)).allow_compound
+
+
+@pytest.mark.ranks(2)
+def test_wrappers_belong_to_their_device_mesh_objects():
+    # DeviceMesh compares by value: two of them over the same ranks with their own process groups are equal,
+    # and each wrapper must keep its own (a cache by value once handed one mesh's wrapper for the other)
+    a = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("tp",))
+    b = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("tp",))
+    assert a == b and a is not b
+    for wrap in (wrap_mesh, as_mesh):
+        wa, wb = wrap(a), wrap(b)
+        assert wa.device_mesh is a and wb.device_mesh is b
+        assert wrap(a) is wa and wrap(b) is wb  # still cached, per object

@@ -497,8 +497,25 @@ def check_names(device_mesh, names=None) -> tuple[str, ...]:
     return _check_name_list(own, ndim)
 
 
-_WRAPPED: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
-_PLAIN: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
+class _ByIdentity:
+    """Meshes wrapped per ``DeviceMesh`` *object*: ``DeviceMesh`` compares by value (ranks, shape, names,
+    device type), so two meshes with their own process groups can be equal; a wrapper must keep its own
+    groups. An entry lives while its ``DeviceMesh`` does (the wrapper holds it)."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, Mesh]] = {}
+
+    def get(self, mesh) -> Mesh | None:
+        entry = self._entries.get(id(mesh))
+        return entry[1] if entry is not None and entry[0]() is mesh else None
+
+    def put(self, mesh, wrapped: Mesh) -> None:
+        key, entries = id(mesh), self._entries
+        entries[key] = (weakref.ref(mesh, lambda _ref: entries.pop(key, None)), wrapped)
+
+
+_WRAPPED = _ByIdentity()
+_PLAIN = _ByIdentity()
 
 
 def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
@@ -527,13 +544,13 @@ def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
     if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
         raise EinshardError(f"wrap_mesh needs a DeviceMesh, got {type(mesh).__name__}")
     names = check_names(mesh, mesh_dim_names)
-    try:
-        wrapped = _WRAPPED.get(mesh)
-    except TypeError:  # an object that cannot be weakly referenced: wrapped anew each time
-        return Mesh.from_device_mesh(mesh, names=names)
+    wrapped = _WRAPPED.get(mesh)
     if wrapped is None:
         wrapped = Mesh.from_device_mesh(mesh, names=names)
-        _WRAPPED[mesh] = wrapped
+        try:
+            _WRAPPED.put(mesh, wrapped)
+        except TypeError:  # an object that cannot be weakly referenced: wrapped anew each time
+            pass
     elif wrapped.names != names:
         raise EinshardError(f"mesh_dim_names={names!r} contradicts the names this mesh was wrapped with {wrapped.names!r}")
     return wrapped
@@ -548,7 +565,10 @@ def as_mesh(mesh) -> Mesh:
     wrapped = _PLAIN.get(mesh)
     if wrapped is None:
         wrapped = Mesh.from_device_mesh(mesh, allow_compound=False)
-        _PLAIN[mesh] = wrapped
+        try:
+            _PLAIN.put(mesh, wrapped)
+        except TypeError:  # (as in wrap_mesh)
+            pass
     return wrapped
 
 
