@@ -20,7 +20,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "einshard"
 NOTE = ROOT / "docs" / "development" / "architecture.md"
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`(einshard(?:\.\w+)*)`\s*\|")

@@ -13,7 +13,7 @@ import einshard as es
 from einshard.testing import local_block
 from scripts import kept_process_group, torchrun
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _first_python_block() -> str:
