@@ -23,9 +23,9 @@ FACTORIES = frozenset(
 
 # (file relative to the package, enclosing function, factory) -> why a host tensor is right there
 HOST_TENSORS = {
-    ("mesh.py", "Mesh.mesh", "arange"): "rank numbers of a virtual mesh: host metadata, like DeviceMesh.mesh",
-    ("mesh.py", "Mesh.mesh", "as_tensor"): "rank numbers of the mesh: host metadata, like DeviceMesh.mesh",
-    ("checks.py", "_exchange", "frombuffer"): "host bytes of a message, copied into the device buffer at once",
+    ("comm/mesh.py", "Mesh.mesh", "arange"): "rank numbers of a virtual mesh: host metadata, like DeviceMesh.mesh",
+    ("comm/mesh.py", "Mesh.mesh", "as_tensor"): "rank numbers of the mesh: host metadata, like DeviceMesh.mesh",
+    ("comm/checks.py", "_exchange", "frombuffer"): "host bytes of a message, copied into the device buffer at once",
 }
 
 
