@@ -2,7 +2,7 @@
 
 einshard supports torch 2.11 through 2.15. Where releases differ in something
 einshard needs, the difference is settled here, once, and every other module
-uses the shim; ``tests/test_torch_compat.py`` checks each shim against the
+uses the shim; ``tests/core/test_torch_compat.py`` checks each shim against the
 installed torch, so a release that changes what a shim assumes fails there.
 
 - :func:`is_compiling`: true while ``torch.compile`` traces, both in the code

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import einshard as es
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _python_blocks(name: str) -> list[str]:

@@ -125,7 +125,7 @@ def _expect(stats, kind, label, calls, sent, received, direction="forward"):
 
 
 # checks off: this test counts exact communication, and checks add one small collective per
-# operation (counted in tests/test_checks.py)
+# operation (counted in tests/comm/test_checks.py)
 @pytest.mark.ranks(8, checks=False)
 def test_byte_counts(mesh_2x4, mesh_2x2x2):
     m24 = wrap_mesh(mesh_2x4)
@@ -204,7 +204,7 @@ def test_byte_counts(mesh_2x4, mesh_2x2x2):
 
 
 # checks off: this test counts exact communication, and checks add one small collective per
-# operation (counted in tests/test_checks.py)
+# operation (counted in tests/comm/test_checks.py)
 @pytest.mark.ranks(8, checks=False)
 def test_forward_and_backward_records(mesh_2x4):
     group = wrap_mesh(mesh_2x4).group("tp")
@@ -228,7 +228,7 @@ def test_forward_and_backward_records(mesh_2x4):
 
 
 # checks off: this test counts exact communication, and checks add one small collective per
-# operation (counted in tests/test_checks.py)
+# operation (counted in tests/comm/test_checks.py)
 @pytest.mark.ranks(8, checks=False)
 def test_labels_and_single_rank_groups():
     r = dist.get_rank()

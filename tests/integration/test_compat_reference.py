@@ -257,7 +257,7 @@ def test_einshard_like_on_a_names_only_mesh_records_like_a_real_one():
     assert state_of(w) == state_of(v) and state_of(w).reduce == ("dp",)
 
 
-# -- F. registration helpers: see tests/test_params_register.py (shared grad=/init_sync= are defaults,
+# -- F. registration helpers: see tests/params/test_register.py (shared grad=/init_sync= are defaults,
 #    an explicit layout=None, the norm bias layout) -----------------------------------------------
 
 # -- G. einshard_like under torch.compile -----------------------------------------------------------
@@ -275,7 +275,7 @@ def test_einshard_like_carries_the_compile_disable_mark_and_runs_eagerly_under_c
     assert state_of(w).reduce == ("dp",)
 
 
-# -- H1. parameter_operand_state infers from any formula (see also tests/test_params_operand.py) --------
+# -- H1. parameter_operand_state infers from any formula (see also tests/params/test_operand.py) --------
 
 
 def test_parameter_operand_state_gathers_shards_then_output_partials():
@@ -349,7 +349,7 @@ print(plan.fingerprint)
 def test_plan_fingerprint_is_the_same_in_every_process():
     """Ranks started apart (torchrun) hash strings differently: a plan partial over two dimensions must
     fingerprint alike in all of them, or checks see a disagreement on a correct call."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     prints = set()
     for seed in range(6):
         env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))

@@ -6,7 +6,7 @@ device: reads of tensor values on the host (``.item()``, ``.tolist()``, ``bool(t
 (any output of an aten op on another device type but ``meta``), and tensor factories called without
 ``device=`` (on CUDA operands they would land on the CPU, so a CPU run finds them too). On the CPU it is
 approximate (a CPU tensor is on the operands' device; a host read of one costs nothing), which is why
-``tests/test_cuda.py`` also runs the same cases under ``torch.cuda.set_sync_debug_mode("error")``.
+``tests/integration/test_cuda.py`` also runs the same cases under ``torch.cuda.set_sync_debug_mode("error")``.
 
 ``cases(mesh, device)`` gives ``{name: (call, want)}``: ``call()`` runs one forward and backward of the op on
 tensors prepared beforehand (nothing of the test's own runs inside it) and returns the forward output;

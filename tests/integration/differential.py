@@ -16,7 +16,7 @@ program on whole tensors. :func:`check` runs it on the ranks of a mesh:
 
 Each scenario runs with even and uneven blocks (``Scenario.sizes``: one size
 per axis for each variant; odd sizes split unevenly, and the split shapes are
-passed to the program as ``shapes``). ``tests/test_differential.py`` runs the
+passed to the program as ``shapes``). ``tests/integration/test_differential.py`` runs the
 table; a scenario is added here and nowhere else.
 """
 

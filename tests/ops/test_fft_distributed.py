@@ -307,7 +307,7 @@ def roundtrip(mesh, cases):
 
 
 # checks off: this test counts exact communication, and checks add one small collective per
-# operation (counted in tests/test_checks.py)
+# operation (counted in tests/comm/test_checks.py)
 @pytest.mark.ranks(8, checks=False)
 def test_explain_matches_communication(mesh_2x4):
     """explain=True runs nothing; its forward bytes are what count_communication sees (even shards)."""

@@ -87,7 +87,7 @@ def _dp_case(mesh, check_vma, out_spec, body, batch_in):
 
 # checks off: the "block" cases pass uneven batch blocks (4 and 3 rows) without shapes=, which is
 # fine here (nothing is communicated along b) but makes each dp group derive another global batch
-# size, which checks reject (tests/test_faults.py covers that error)
+# size, which checks reject (tests/integration/test_faults.py covers that error)
 @pytest.mark.ranks(8, checks=False)
 def test_data_parallel_step(mesh_2x4):
     mesh = es.wrap_mesh(mesh_2x4)

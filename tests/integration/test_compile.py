@@ -155,7 +155,7 @@ def _run_step(step, params, x):
 
 
 @pytest.mark.ranks(2, timeout=900)
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.matrix)])
 def test_shard_map_step_compiles_with_vma(backend):
     mesh = _tp_mesh()
     r = dist.get_rank()
@@ -335,8 +335,10 @@ def _outcome(fn, params, x, hook):
 
 
 @pytest.mark.ranks(2, timeout=900)
-@pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
-@pytest.mark.parametrize("f", [8, 7], ids=["even", "uneven"])
+@pytest.mark.parametrize("f, vma", [  # the default run takes each value once; the other two pairs: -m matrix
+    pytest.param(8, True, id="even-vma"), pytest.param(7, False, id="uneven-per-rank"),
+    pytest.param(8, False, id="even-per-rank", marks=pytest.mark.matrix),
+    pytest.param(7, True, id="uneven-vma", marks=pytest.mark.matrix)])
 def test_a_tensor_hook_in_a_compiled_shard_map_body_runs_as_in_one_process(vma, f):
     """``h.register_hook(fn)`` on an intermediate of a compiled body: the outcome of the same compiled
     function on whole tensors in one process (float64). A hook that modifies the gradient modifies it; one

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
 
@@ -37,7 +37,9 @@ def test_gpt_example_matches_single_process_and_resumes_on_another_mesh(style, t
     assert found is not None and float(found.group(1)) < 1e-9, out
 
 
-@pytest.mark.parametrize("attention,style", [("ring", "shard_map"),
+# the default run trains the example once (above); ring and Ulysses attention (tests/attention) and ZeRO storage
+# (tests/params/test_zero.py) have their own default tests, so the example's variants run with -m matrix
+@pytest.mark.parametrize("attention,style", [pytest.param("ring", "shard_map", marks=pytest.mark.matrix),
                                              pytest.param("ring", "einshard", marks=pytest.mark.matrix),
                                              pytest.param("ulysses", "shard_map", marks=pytest.mark.matrix)])
 def test_gpt_example_with_ring_and_ulysses_attention_matches_single_process(attention, style, tmp_path):
@@ -60,7 +62,8 @@ def _differences(out):
     return [float(f.group(1)) for f in found]
 
 
-@pytest.mark.parametrize("style", ["einshard", pytest.param("shard_map", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("style", [pytest.param("einshard", marks=pytest.mark.matrix),
+                                   pytest.param("shard_map", marks=pytest.mark.matrix)])
 def test_gpt_example_with_states_stored_sharded_over_dp(style, tmp_path):
     """--zero: parameters, gradients and Adam states stored sharded over dp; the same losses as one
     process, also after resuming on dp 4 from the checkpoint."""

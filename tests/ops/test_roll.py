@@ -98,7 +98,7 @@ def must_send_roll(mesh, spec, gshape, shifts, shapes=None):
 
 
 # checks off: this test counts exact communication, and checks add one small collective per
-# operation (counted in tests/test_checks.py)
+# operation (counted in tests/comm/test_checks.py)
 @pytest.mark.ranks(8, checks=False)
 def test_roll_moves_only_crossing_slices(mesh_2x4):
     mesh = es.wrap_mesh(mesh_2x4)

@@ -22,7 +22,7 @@ raised. The first event where they differ is reported with the sequence up to it
 
 :data:`KNOWN_FAILING` (temporary) lists the events and situations that fail before the fixes of the
 bugs the harness found; the runs leave them out or step around them, and ``EINSHARD_LOOPS_ALL=1``
-runs everything. ``tests/test_training_loops.py`` runs the harness (docs/testing.md).
+runs everything. ``tests/integration/test_training_loops.py`` runs the harness (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ CAUSES = {  # the values of KNOWN_FAILING: what this harness found beyond issue 
           "child's forward used the passed storage block (a slice) unguarded (fixed)",
 }
 # TEMPORARY: what still fails, by cause (CAUSES; F1, F2, F4, F5 are fixed, each with a regression test in
-# tests/test_training_loops.py). Each entry is (mechanism, mesh or "*", event, situation or "*"): the runs
+# tests/integration/test_training_loops.py). Each entry is (mechanism, mesh or "*", event, situation or "*"): the runs
 # do not draw that event, step around that situation (SITUATIONS), or (with "*") leave the mechanism out on
 # that mesh. Once those are fixed this is empty (EINSHARD_LOOPS_ALL=1 ignores it).
 KNOWN_FAILING: dict = {}

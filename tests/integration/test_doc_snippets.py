@@ -29,7 +29,7 @@ import einshard as es
 from einshard.testing import run_on_ranks
 from scripts import kept_process_group, script_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
 
 _FENCE = re.compile(r"^([ \t]*)```(python|pycon)[ \t]*\n(.*?)^\1```", re.S | re.M)  # (indented in a list, too)

@@ -329,7 +329,7 @@ def must_send(mesh, spec, gshape, halos, boundary, shapes=None):
 
 
 # checks off: this test counts exact communication, and checks add one small collective per
-# operation (counted in tests/test_checks.py)
+# operation (counted in tests/comm/test_checks.py)
 @pytest.mark.ranks(8, checks=False)
 def test_halo_moves_each_ghost_cell_once(mesh_2x4):
     cases = [

@@ -20,7 +20,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "einshard"
 NOTE = ROOT / "docs" / "development" / "architecture.md"
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`(einshard(?:\.\w+)*)`\s*\|")
@@ -243,3 +243,21 @@ def test_no_private_names_across_modules():
                 if n.startswith("_") and not n.startswith("__"):
                     bad.append(f"{m}:{line} uses {t}.{n}")
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+TESTS = ROOT / "tests"
+
+
+def test_tests_mirror_the_package():
+    """Every test file lies in ``tests/<folder>/`` for a folder of ``einshard/``, or in ``tests/integration/``
+    (the suites that cross folders); helpers (no ``test_`` prefix) may also lie in ``tests/`` itself. Module
+    names are unique across the folders: ``tests/conftest.py`` puts every folder on ``sys.path`` and the
+    ranks import test modules by their plain names."""
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"integration"}
+    files = sorted(p.relative_to(TESTS) for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
+    misplaced = [str(p) for p in files
+                 if (p.name.startswith("test_") and (len(p.parts) != 2 or p.parts[0] not in folders))
+                 or len(p.parts) > 2 or (len(p.parts) == 2 and p.parts[0] not in folders)]
+    assert misplaced == [], f"test files outside tests/<einshard folder>/ or tests/integration/: {misplaced}"
+    names = [p.name for p in files]
+    assert sorted({n for n in names if names.count(n) > 1}) == [], "test modules with the same name in two folders"
