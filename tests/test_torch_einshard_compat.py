@@ -15,14 +15,15 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 import einshard as es
 import torch_einshard as te
 from einshard.comm import collectives as C
 from einshard.comm.mesh import Mesh, wrap_mesh
 from einshard.errors import EinshardError
-from einshard.notation import EllipsisItem, Group, TensorSpec as EsTensorSpec
-from einshard.ops.einshard import einshard as es_einshard
+from einshard.notation import EllipsisItem, Group
+from einshard.notation import TensorSpec as EsTensorSpec
 from einshard.params import get_parameter_state
 from einshard.testing import MeshSpec
 from torch_einshard import helpers as TH
@@ -546,9 +547,14 @@ def test_mappings_values_and_exact_adjoints_against_whole_tensors():
 
 
 @pytest.mark.ranks(4)
-def test_owner_swap_against_whole_tensors():
-    """``a/dp b/sp -> a/sp b/dp`` (the dimensions permuted) and ``a/dp b -> a/sp b`` (one axis changes dimension)."""
-    mesh = wrap_mesh(MESH_2X2.build())
+@pytest.mark.parametrize("grid", [None, [[0, 2], [1, 3]], [[3, 1], [2, 0]]], ids=["ascending", "cols", "rev"])
+def test_owner_swap_against_whole_tensors(grid):
+    """``a/dp b/sp -> a/sp b/dp`` (the dimensions permuted) and ``a/dp b -> a/sp b`` (one axis changes dimension),
+    on an ascending and two permuted rank tensors."""
+    if grid is None:
+        mesh = wrap_mesh(MESH_2X2.build())
+    else:
+        mesh = wrap_mesh(DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=("dp", "sp")))
     i, j = mesh.coordinate
     fails = []
     for rows, cols in (([3, 3], [2, 2]), ([3, 1], [2, 3])):

@@ -22,7 +22,7 @@ torch.Size([2, 4])
 
 from __future__ import annotations
 
-from einshard._version import __version__
+from einshard._version import __version__ as __version__
 from einshard.comm.mesh import wrap_mesh
 from einshard.core.policy import PlanPolicy, optimize, set_default_policy
 from einshard.notation import parse_sharding
@@ -67,9 +67,8 @@ from einshard.params import (
 )
 from einshard.params.zero import register_native_grad_reduction_hooks_
 
-from ._signatures import legacy_names
-
 from . import _paths
+from ._signatures import legacy_names
 from .distributed import distributed_1d
 from .einsum import einsum
 from .families import cached_expand_axis_families

@@ -29,19 +29,19 @@ from einshard.errors import EinshardError
 from einshard.plan.halo import roll_runs
 
 __all__ = [
-    "init_process_group",
-    "all_reduce",
-    "broadcast",
-    "split",
     "all_gather",
-    "reduce_scatter",
+    "all_reduce",
     "all_to_all_repartition",
-    "owner_swap",
-    "roll_shards",
-    "roll_sharded",
-    "resolve_split_shapes",
+    "broadcast",
     "compute_split_shapes",
     "compute_split_shapes_for_factors",
+    "init_process_group",
+    "owner_swap",
+    "reduce_scatter",
+    "resolve_split_shapes",
+    "roll_sharded",
+    "roll_shards",
+    "split",
 ]
 
 

@@ -22,17 +22,17 @@ from einshard.comm import mappings as M
 from . import helpers as H
 
 __all__ = [
-    "allreduce_forward_identity_backward",
-    "identity_forward_allreduce_backward",
-    "broadcast_forward_allreduce_backward",
-    "allgather_forward_split_backward",
-    "split_forward_allgather_backward",
-    "reducescatter_forward_allgather_backward",
     "allgather_forward_reducescatter_backward",
+    "allgather_forward_split_backward",
+    "allreduce_forward_identity_backward",
     "alltoall_repartition",
+    "broadcast_forward_allreduce_backward",
+    "identity_forward_allreduce_backward",
     "owner_swap_forward_backward",
-    "roll_shards_forward_backward",
+    "reducescatter_forward_allgather_backward",
     "roll_sharded_forward_backward",
+    "roll_shards_forward_backward",
+    "split_forward_allgather_backward",
 ]
 
 

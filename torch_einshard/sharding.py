@@ -36,7 +36,7 @@ from einshard import notation
 from einshard.errors import EinshardError
 from einshard.notation import objects
 
-__all__ = ["LegacyName", "Axis", "Axes", "AxisGroup", "EllipsisAxis", "TensorSpec", "as_formula", "formula_text"]
+__all__ = ["Axes", "Axis", "AxisGroup", "EllipsisAxis", "LegacyName", "TensorSpec", "as_formula", "formula_text"]
 
 
 class LegacyName(type):

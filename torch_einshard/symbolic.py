@@ -23,30 +23,36 @@ from dataclasses import dataclass, field
 
 from einshard import notation
 from einshard.comm.mesh import Mesh
-from einshard.core.policy import PlanPolicy, optimize, resolve_policy, scoped, set_default_policy
+from einshard.core.policy import (
+    PlanPolicy,
+    optimize,
+    resolve_policy,
+    scoped,
+    set_default_policy,
+)
 from einshard.errors import EinshardError
 from einshard.ops.explain import explain
 
 from .sharding import as_formula
 
 __all__ = [
-    "TensorState",
-    "PlanStep",
-    "ExecutionPlan",
-    "set_last_plan",
-    "last_plan",
-    "last_candidates",
-    "last_alternatives",
-    "UnaryTransitionPlan",
     "BinaryTransitionPlan",
-    "build_unary_transition_plan",
-    "build_binary_transition_plan",
+    "ExecutionPlan",
     "PlanPolicy",
-    "optimize",
-    "set_default_policy",
-    "resolve_plan_policy",
+    "PlanStep",
+    "TensorState",
+    "UnaryTransitionPlan",
+    "build_binary_transition_plan",
+    "build_unary_transition_plan",
     "get_default_policy",
     "get_optimization_policy",
+    "last_alternatives",
+    "last_candidates",
+    "last_plan",
+    "optimize",
+    "resolve_plan_policy",
+    "set_default_policy",
+    "set_last_plan",
 ]
 
 
