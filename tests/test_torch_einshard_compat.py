@@ -608,3 +608,30 @@ def test_distributed_1d_and_compound_mesh_against_whole_tensors():
             fails.append("distributed_1d attached parameter metadata (1.0's does not)")
     del i
     _failures_on_every_rank(fails)
+
+
+@pytest.mark.ranks(4)
+def test_new_mappings_double_backward():
+    """Backward of the backward: for a linear A, d/dy <Aᵀ y, z> = A z."""
+    group = wrap_mesh(MESH_4.build()).group("tp")
+    r = C.group_rank(group)
+    shapes = [3, 3, 3, 1]
+    cases = [
+        ("broadcast_forward_allreduce_backward", lambda t: TM.broadcast_forward_allreduce_backward(t, group, 2),
+         (2, 3), (2, 3)),
+        ("roll_sharded_forward_backward", lambda t: TM.roll_sharded_forward_backward(t, group, 1, 4, shapes),
+         (2, shapes[r]), (2, shapes[r])),
+        ("roll_shards_forward_backward", lambda t: TM.roll_shards_forward_backward(t, group, 1), (2, 3), (2, 3)),
+        ("alltoall_repartition", lambda t: TM.alltoall_repartition(t, group, 0, 1, shapes, [2, 2, 2, 2]),
+         (shapes[r], 8), (10, 2)),
+    ]
+    fails = []
+    for name, A, in_shape, out_shape in cases:
+        x = _rand(*in_shape, seed=1 + r).requires_grad_(True)
+        y = _rand(*out_shape, seed=2 + r).requires_grad_(True)
+        z = _rand(*in_shape, seed=3 + r)
+        (gx,) = torch.autograd.grad(A(x), x, y, create_graph=True)
+        (gy,) = torch.autograd.grad((gx * z).sum(), y)
+        if not torch.allclose(gy, A(z)):
+            fails.append(f"{name}: double backward differs from A z")
+    _failures_on_every_rank(fails)
