@@ -93,6 +93,11 @@ class Axes(tuple):
         self._items = tuple(self) if items is None else items
         return self
 
+    @property
+    def items(self) -> tuple:
+        """The spec's items these axes come from (groups and ``...`` kept)."""
+        return self._items
+
     def __repr__(self) -> str:
         return " × ".join(_item_text(i) for i in self._items) if self._items else "()"
 
