@@ -5,18 +5,14 @@
 torch.Size([2, 4])
 """
 
+from . import attention, collectives, helpers, mappings, testing
 from ._version import __version__
-from . import collectives, helpers, mappings, testing
+from .attention import ring_attention, ulysses_attention
 from .checks import checks_enabled, set_checks
-from .errors import EinshardError, SizeMismatchError
 from .comm_stats import CommStats, count_communication
+from .errors import EinshardError, SizeMismatchError
+from .explain import Explanation, explain
 from .mesh import Mesh, current_mesh, use_mesh, wrap_mesh
-from .notation import parse_sharding
-from .explain import explain, Explanation
-from .ops import einconv, einfft, einhalo, einroll, einshard, einwindow
-from .policy import PlanPolicy, optimize, set_default_policy
-from .visualize import visualize
-from .shard_map import shard_map
 from .named import (
     all_gather,
     all_to_all,
@@ -30,11 +26,14 @@ from .named import (
     psum_scatter,
     pvary,
 )
-from .tree import tree_gather, tree_shard
-from .vma import get_vma
-from . import attention
-from .attention import ring_attention, ulysses_attention
+from .notation import parse_sharding
+from .ops import einconv, einfft, einhalo, einroll, einshard, einwindow
+from .policy import PlanPolicy, optimize, set_default_policy
 from .recompute import install as _install_recompute
+from .shard_map import shard_map
+from .tree import tree_gather, tree_shard
+from .visualize import visualize
+from .vma import get_vma
 
 _install_recompute()  # torch.utils.checkpoint recomputes regions in their forward's context (einshard.recompute)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 
-from .errors import EinshardError
-
 import torch.distributed as dist
+
+from .errors import EinshardError
 
 __all__ = [
     "compute_split_shapes",

@@ -43,7 +43,8 @@ from . import collectives as C
 from . import vma as _vma
 from ._cache import BoundedCache
 from ._split import compute_split_shapes, is_size
-from .attention_kernels import enabled_backends, kernel as kernel_for
+from .attention_kernels import enabled_backends
+from .attention_kernels import kernel as kernel_for
 from .errors import EinshardError
 from .exchange import Exchange
 from .mesh import resolve_mesh

@@ -199,7 +199,7 @@ def _render(value) -> str:
 
 # -- groups ------------------------------------------------------------------------------------------
 
-_RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _group_ranks(group) -> tuple[int, ...]:

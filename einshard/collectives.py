@@ -145,7 +145,7 @@ def _sizes(shapes, what: str, size: int) -> list[int]:
             raise EinshardError(f"{what} must be a list of per-rank sizes, got {shapes!r}") from None
     out = []
     for s in shapes:
-        if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)) and int(s) != s:
+        if isinstance(s, bool) or (not isinstance(s, (int, torch.SymInt)) and int(s) != s):
             raise EinshardError(f"{what} must hold integers, got {list(shapes)!r}")
         out.append(int(s))
     if len(out) != size:

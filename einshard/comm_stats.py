@@ -45,7 +45,7 @@ __all__ = [
 
 # The active CommStats objects. Collectives test ``is_active()`` before doing
 # any accounting work, so the cost without a context is one call and a truthiness test.
-_ACTIVE: list["CommStats"] = []
+_ACTIVE: list[CommStats] = []
 _LOCK = threading.Lock()
 
 FORWARD = "forward"
@@ -60,7 +60,7 @@ class CommRecord:
     sent_bytes: int = 0
     received_bytes: int = 0
 
-    def _add(self, other: "CommRecord") -> None:
+    def _add(self, other: CommRecord) -> None:
         self.calls += other.calls
         self.sent_bytes += other.sent_bytes
         self.received_bytes += other.received_bytes
@@ -112,7 +112,7 @@ class CommStats:
         return sum(r.calls for r in self.records.values())
 
     # -- views -------------------------------------------------------------
-    def filter(self, kind: str | None = None, label: str | None = None, direction: str | None = None) -> "CommStats":
+    def filter(self, kind: str | None = None, label: str | None = None, direction: str | None = None) -> CommStats:
         """A new ``CommStats`` with the records that match every given key."""
         out = CommStats()
         for (k, l, d), r in self.records.items():
@@ -121,7 +121,7 @@ class CommStats:
         return out
 
     @property
-    def data(self) -> "CommStats":
+    def data(self) -> CommStats:
         """The records of the data's collectives: every kind but ``check`` (the cross-ranks agreements of
         checks, and of calls given an explicit ``shapes=``)."""
         out = CommStats()
@@ -130,12 +130,12 @@ class CommStats:
         return out
 
     @property
-    def forward(self) -> "CommStats":
+    def forward(self) -> CommStats:
         """The forward records only."""
         return self.filter(direction=FORWARD)
 
     @property
-    def backward(self) -> "CommStats":
+    def backward(self) -> CommStats:
         """The records made inside autograd's backward pass only."""
         return self.filter(direction=BACKWARD)
 
@@ -204,7 +204,7 @@ def is_active() -> bool:
 
 # Labels are kept weakly (ProcessGroup objects are weak-referenceable); the
 # strong fallback covers group objects that are not.
-_LABELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _STRONG_LABELS: dict[int, tuple[object, str]] = {}
 
 

@@ -76,7 +76,7 @@ class DistributedPlan:
                     seen[axis] = f"{axis}={size}" + (f" split {list(splits)} over {'-'.join(dims)}" if dims else "")
         return "global sizes " + ", ".join(seen.values())
 
-    def compile(self) -> "DistributedPlan":
+    def compile(self) -> DistributedPlan:
         mesh = self.mesh
         layouts = list(self.problem.operands)
         compiled = []

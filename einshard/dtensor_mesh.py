@@ -50,7 +50,7 @@ class Twin:
         self.device_mesh, self.pairs = device_mesh, pairs
 
 
-_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> Twin, or None (none needed)
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DeviceMesh -> Twin, or None (none needed)
 
 
 def _ascends(grid: np.ndarray) -> bool:

@@ -106,12 +106,12 @@ class Exchange:
                 self.recv_from.append((j, direct, [(_cuts(outs, d), _cuts(shape, p)) for _, d, p in boxes], shape))
         self.keep = not add and not blank and ins == outs and self.local == [((), ())]
 
-    def prepare_traced(self) -> "Exchange":
+    def prepare_traced(self) -> Exchange:
         """This exchange with its adjoint built (traced code reads it, and must not build it)."""
         self.adjoint()
         return self
 
-    def adjoint(self) -> "Exchange":
+    def adjoint(self) -> Exchange:
         """The same pieces moved back, summed into the sources (the exact adjoint)."""
         if self._adjoint is None:
             back = Exchange(self.group, self.out_shape, self.in_shape, [_flip(r) for r in self.recvs],

@@ -71,7 +71,7 @@ class Transition:
         if not self.steps and self.back == src and len(back_steps) == 1 and back_steps[0].kind == "all_reduce":
             self.sum_dims = back_steps[0].dims
 
-    def reverse(self) -> "Transition":
+    def reverse(self) -> Transition:
         if self._reverse is None:
             if self.back == self.src:
                 self._reverse = transition(self.dst, self.src, self.mesh)
@@ -82,7 +82,7 @@ class Transition:
                 self._reverse = rev
         return self._reverse
 
-    def owning(self) -> "Transition":
+    def owning(self) -> Transition:
         """This transition for a tensor nobody else reads (a contraction's fresh result).
 
         A leading all-reduce then sums into the tensor itself, as hand-written
@@ -110,7 +110,7 @@ class Transition:
             x = step(x)
         return x
 
-    def prepare_traced(self) -> "Transition":
+    def prepare_traced(self) -> Transition:
         """Build the functional-collective steps of this transition and of its reverse (for backward)."""
         for t in (self, self.reverse()):
             if t.traced_steps is None:

@@ -14,9 +14,9 @@ from .local import freeze_sizes
 from .mesh import resolve_mesh
 from .notation import expand, freeze_families
 from .params.formula import explain_duties
-from .plan.contraction import ANY
 from .params.state import gather_formula
 from .params.store import get_parameter_state
+from .plan.contraction import ANY
 from .policy import PlanPolicy, resolve_policy
 
 __all__ = ["explain", "Explanation"]

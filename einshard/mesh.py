@@ -93,7 +93,7 @@ class Mesh:
 
     # -- construction -----------------------------------------------------
     @classmethod
-    def from_device_mesh(cls, device_mesh, *, allow_compound: bool = True, names=None) -> "Mesh":
+    def from_device_mesh(cls, device_mesh, *, allow_compound: bool = True, names=None) -> Mesh:
         """Wrap a ``DeviceMesh``, or any object with ``mesh`` (the rank tensor) and ``mesh_dim_names``.
 
         Such an object needs neither ``get_coordinate`` nor process groups when it is wrapped: this
@@ -129,7 +129,7 @@ class Mesh:
         return self.coordinate
 
     @classmethod
-    def virtual(cls, shape: Sequence[int], names: Sequence[str], coordinate: Sequence[int] | None = None) -> "Mesh":
+    def virtual(cls, shape: Sequence[int], names: Sequence[str], coordinate: Sequence[int] | None = None) -> Mesh:
         """A mesh without process groups: enough to plan and explain."""
         shape = tuple(shape)
         if coordinate is None:
@@ -323,7 +323,7 @@ class Mesh:
     def get_rank(self) -> int:
         return int(self.mesh[tuple(self.coordinate)])
 
-    def __getitem__(self, names) -> "Mesh":
+    def __getitem__(self, names) -> Mesh:
         """A sub-mesh over one, several or compound names (``mesh["dp"]``, ``mesh["dp", "tp"]``, ``mesh["dp-sp"]``).
 
         Cached: the same names (in any component order) give the same object;
@@ -437,7 +437,7 @@ def _name_tuple(names) -> tuple:
         return ()
     if isinstance(names, str):
         return (names,)
-    if hasattr(names, "shape") and hasattr(names, "dtype") or not hasattr(names, "__iter__"):
+    if (hasattr(names, "shape") and hasattr(names, "dtype")) or not hasattr(names, "__iter__"):
         raise TypeError(f"mesh_dim_names must be an iterable of strings, got {type(names).__name__} {names!r}")
     return tuple(names)
 
@@ -496,8 +496,8 @@ def check_names(device_mesh, names=None) -> tuple[str, ...]:
     return _check_name_list(own, ndim)
 
 
-_WRAPPED: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
-_PLAIN: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakKeyDictionary[object, Mesh] = weakref.WeakKeyDictionary()
+_PLAIN: weakref.WeakKeyDictionary[object, Mesh] = weakref.WeakKeyDictionary()
 
 
 def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:

@@ -12,7 +12,6 @@ import contextvars
 from dataclasses import dataclass
 
 from ._torch_compat import is_compiling as _compiling
-
 from .errors import EinshardError
 
 __all__ = ["PlanPolicy", "optimize", "set_default_policy", "resolve_policy", "MODES", "scope", "scoped"]
@@ -54,7 +53,7 @@ class PlanPolicy:
         return cached
 
     @classmethod
-    def from_mode(cls, mode: str) -> "PlanPolicy":
+    def from_mode(cls, mode: str) -> PlanPolicy:
         """The policy of a named mode: training, inference, memory, communication, latency."""
         try:
             return MODES[mode]

@@ -14,8 +14,8 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .errors import EinshardError, SizeMismatchError, naming
 from ._split import as_sizes, compute_split_shapes
+from .errors import EinshardError, SizeMismatchError, naming
 from .layout import Layout, broadcast_size
 from .notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
 

@@ -80,7 +80,7 @@ class _Body:
         self.shard_map = shard_map
         self.group = group  # checks on: the mesh's whole group, where every agreement in the body runs
 
-    def with_tracker(self, tracker) -> "_Body":
+    def with_tracker(self, tracker) -> _Body:
         """The same body with another tracker (``None``: untracked), for a recompute (einshard.recompute)."""
         return _Body(tracker, self.shard_map, self.group)
 

@@ -53,9 +53,9 @@ from torch.overrides import TorchFunctionMode
 
 from . import _context, _torch_compat, _trace
 from ._cache import BoundedCache
-from .grad_sums import leaf_sum
 from ._traced_collectives import all_reduce
 from .errors import EinshardError
+from .grad_sums import leaf_sum
 from .mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
 from .notation import expand_specs, freeze_families
 
@@ -276,7 +276,7 @@ class Tracker(_Rules, TorchFunctionMode):
         self.kept: list | None = None
 
     # recomputation ------------------------------------------------------
-    def replica(self) -> "Tracker":
+    def replica(self) -> Tracker:
         """A tracker for a recompute of part of this call: the same serial (so it reads this call's tags),
         its own memo and suspension count (and this call's kept tags)."""
         replica = Tracker(self.info.mesh, self.info, self.serial)
@@ -950,7 +950,7 @@ class TracedTracker(_Rules):
             _trace.at_trace_time(_sweep_here)
 
     def dispatch(self, func, args, kwargs):
-        if self.suspended or not _compiling() and _fake(args):
+        if self.suspended or (not _compiling() and _fake(args)):
             # (fake tensors outside traced code: dynamo's own work while it compiles a frame of the body)
             return func(*args, **kwargs)
         special = _SPECIAL.get(func)
@@ -1162,7 +1162,7 @@ def _tensor_nodes(node) -> list:
 
 
 def _holds_tensor(value) -> bool:
-    return isinstance(value, _Tensor) or isinstance(value, (list, tuple)) and any(isinstance(v, _Tensor) for v in value)
+    return isinstance(value, _Tensor) or (isinstance(value, (list, tuple)) and any(isinstance(v, _Tensor) for v in value))
 
 
 def _requires_grad(node) -> bool:

@@ -118,7 +118,7 @@ class TensorSpec:
     pos: int = field(default=-1, compare=False, repr=False)
 
     @property
-    def axes(self) -> "Axes":
+    def axes(self) -> Axes:
         """Every named axis, group members flattened, in order (no ellipsis).
 
         A tuple of :class:`Axis`; its ``repr`` shows the spec's items joined by ``" × "``:

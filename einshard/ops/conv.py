@@ -250,7 +250,7 @@ def _per_spatial(value, spatial, families, arg) -> dict:
         return {}
     if isinstance(value, dict):
         return per_axis(value, spatial, families, arg)
-    return {a: value for a in spatial}
+    return dict.fromkeys(spatial, value)
 
 
 def _check_stride(stride) -> None:

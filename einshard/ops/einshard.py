@@ -11,8 +11,17 @@ from ..distributed import run_distributed, traced_run
 from ..errors import EinshardError
 from ..local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
-from ..params.formula import (ANY, check_not_stored, check_params_first, duty_of, formula_names, recorded_shapes, recorder_for,
-                              resolve_pending, state_duties)
+from ..params.formula import (
+    ANY,
+    check_not_stored,
+    check_params_first,
+    duty_of,
+    formula_names,
+    recorded_shapes,
+    recorder_for,
+    resolve_pending,
+    state_duties,
+)
 from ..params.metadata import named_sizes
 from ..params.replicated import keep_duties_on_root
 from ..params.state import ParameterState

@@ -474,7 +474,7 @@ class _Bound:
             steps.append(lambda x: x.permute(order))
         self.steps = tuple(steps)
 
-    def prepare_traced(self) -> "_Bound":
+    def prepare_traced(self) -> _Bound:
         """This plan ready for traced code (the functional steps of its transitions built)."""
         for step in self.steps:
             for s in (step,) if isinstance(step, Transition) else getattr(step, "steps", ()):  # (a four-step's)

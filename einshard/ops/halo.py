@@ -97,7 +97,7 @@ class HaloPlan:
         self.indices = [(i, torch.tensor(h.index, dtype=torch.long, device=device))
                         for i, h in mine.items() if h.index is not None]
 
-    def prepare_traced(self) -> "HaloPlan":
+    def prepare_traced(self) -> HaloPlan:
         """This plan ready for traced code (its exchange's adjoint built)."""
         if self.exchange is not None:
             self.exchange.prepare_traced()

@@ -61,7 +61,7 @@ class RollPlan:
                                           lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
                                           self.dims)
 
-    def prepare_traced(self) -> "RollPlan":
+    def prepare_traced(self) -> RollPlan:
         """This plan ready for traced code (its exchange's adjoint built)."""
         if self.exchange is not None:
             self.exchange.prepare_traced()

@@ -38,8 +38,8 @@ from collections.abc import Iterable
 import torch
 
 from .. import collectives as C
-from ..errors import EinshardError
 from ..backwards import PerBackward
+from ..errors import EinshardError
 from ..grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
 from ..mesh import Mesh, resolve_mesh
 
@@ -50,7 +50,7 @@ __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 _HOOKED: dict = {}
 
 
-def hooked_by(p) -> "GradBucketer | None":
+def hooked_by(p) -> GradBucketer | None:
     """The live :class:`GradBucketer` that sums ``p``'s gradient, or ``None``.
 
     >>> hooked_by(torch.nn.Parameter(torch.ones(2))) is None
@@ -317,14 +317,14 @@ class GradBucketer:
         finally:
             self._no_sync -= 1
 
-    def flush(self) -> "GradBucketer":
+    def flush(self) -> GradBucketer:
         """Start the sums of every bucket holding contributions not yet summed (unused parameters, ``no_sync``)."""
         for bucket in self.buckets:
             if bucket.window():
                 self._launch(bucket)
         return self
 
-    def wait(self) -> "GradBucketer":
+    def wait(self) -> GradBucketer:
         """Sum what is not summed yet, wait for every started all-reduce and write the sums into ``.grad``
         (what a backward that raised started is waited for and dropped)."""
         self._backwards.purge()
@@ -337,7 +337,7 @@ class GradBucketer:
             write(flat, bucket.params, modes)
         return self
 
-    def remove(self) -> "GradBucketer":
+    def remove(self) -> GradBucketer:
         """Wait, then detach every hook (idempotent); returns ``self``."""
         if self._removed:
             return self

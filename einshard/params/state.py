@@ -18,8 +18,8 @@ and validation) checks well-formedness and the layout/duty invariants.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ..errors import EinshardError
 from ..notation import Axis, EllipsisItem, Family, TensorSpec, Zip, parse_sharding
@@ -112,7 +112,7 @@ class ParameterInitSync:
     mesh_dims: tuple[str, ...] = ()
 
     @classmethod
-    def from_annotation(cls, ann, layout_shard_dims=(), mesh_dim_names=()) -> "ParameterInitSync":
+    def from_annotation(cls, ann, layout_shard_dims=(), mesh_dim_names=()) -> ParameterInitSync:
         """From ``init_sync=`` text (``None`` = absent: inferred): ``G``, ``none`` or ``external``."""
         if ann is None:
             return derive_init_sync(layout_shard_dims, mesh_dim_names)
@@ -156,7 +156,7 @@ class ParameterGradComm:
         return self.mode == "inferred" and not self.mesh_dims
 
     @classmethod
-    def from_annotation(cls, ann, *, is_param: bool = False) -> "ParameterGradComm":
+    def from_annotation(cls, ann, *, is_param: bool = False) -> ParameterGradComm:
         """From ``grad=`` text (``None`` = absent: pending native on a ``[param]``, else none)."""
         if ann is None:
             return cls("inferred", (), "native") if is_param else cls()
@@ -243,7 +243,7 @@ class ParameterState:
         return next(k for k, i in enumerate(self.spec.items) if isinstance(i, Axis) and i.mesh == self.store)
 
     @classmethod
-    def from_spec(cls, spec, *, mesh_dim_names=(), source: str = "inferred") -> "ParameterState":
+    def from_spec(cls, spec, *, mesh_dim_names=(), source: str = "inferred") -> ParameterState:
         """One operand spec and its ``param``/``grad=``/``init_sync=`` annotations; never infers dims.
 
         >>> from einshard import parse_sharding
@@ -270,7 +270,7 @@ class ParameterState:
     @classmethod
     def from_layout(
         cls, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source: str = "layout", store=None
-    ) -> "ParameterState":
+    ) -> ParameterState:
         """A layout (axes only): no gradient duty unless ``grad=``; init sync inferred unless ``init_sync=``.
 
         ``store="dp"``: stored sharded over ``dp`` on top of the compute ``layout`` (ZeRO-3, see
@@ -309,7 +309,7 @@ class ParameterState:
         return cls._build(spec, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, False, store)
 
     @classmethod
-    def _build(cls, spec, names, grad, init_sync, source, is_param, store=None) -> "ParameterState":
+    def _build(cls, spec, names, grad, init_sync, source, is_param, store=None) -> ParameterState:
         shard_dims = _spec_shard_dims(spec)
         state = cls(
             spec=spec,

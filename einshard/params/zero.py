@@ -35,9 +35,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._split import compute_split_shapes_for_factors
 from .. import _torch_compat
 from .. import collectives as C
+from .._split import compute_split_shapes_for_factors
 from ..backwards import PerBackward
 from ..errors import EinshardError
 from ..grad_sums import DeferredSums, accumulates
@@ -87,7 +87,7 @@ def _check_units(module, units) -> set:
     return out
 
 
-def units_of(p) -> "ZeroUnits | None":
+def units_of(p) -> ZeroUnits | None:
     """The installed gathers of stored parameter ``p`` (``None`` when none are installed)."""
     return getattr(p, _INSTALLED, None)
 
@@ -162,11 +162,11 @@ class _Plan:
     summed: bool = False  # the gradient arrives summed (a shard_map body with check_vma=True): sliced, not scattered
     sums: DeferredSums | None = None  # where the reduce-scatters are bucketed (None: one formula each, at once)
     cast_only: bool = False
-    owner: "ZeroUnits | None" = None  # the installed gathers (their no_sync accumulation), or None
+    owner: ZeroUnits | None = None  # the installed gathers (their no_sync accumulation), or None
     name: str | None = None  # the parameter's name in the model (for messages), when known
 
     @classmethod
-    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> "_Plan":
+    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> _Plan:
         state = get_parameter_state(p)
         if state is None or state.store is None:
             return cls(state, state, mesh, {}, param_dtype, reduce_dtype, cast_only=True)
@@ -353,12 +353,12 @@ class BodyGathers:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, ZeroUnits._unpack)
 
     @classmethod
-    def of(cls, leaves) -> "BodyGathers | None":
+    def of(cls, leaves) -> BodyGathers | None:
         blocks = [(x, *x._einshard_source) for x in leaves
                   if isinstance(x, GatheredParameter) and getattr(x, "_einshard_source", None) is not None]
         return cls(blocks) if blocks else None
 
-    def __enter__(self) -> "BodyGathers":
+    def __enter__(self) -> BodyGathers:
         self._hooks.__enter__()
         return self
 
@@ -694,7 +694,7 @@ class ZeroUnits:
         """Reduce-scatters started and not yet written (they all are when backward returns)."""
         return self.sums.pending
 
-    def wait(self) -> "ZeroUnits":
+    def wait(self) -> ZeroUnits:
         """End of a step: the order is recorded (after the first), unused prefetches are waited for and dropped."""
         self._recording = False
         self._backwards.purge()
@@ -720,7 +720,7 @@ class ZeroUnits:
         held = self._unreduced.pop(id(p), None)
         return grad if held is None else _add_into(held[2], grad)
 
-    def _end_of_backward(self, now: "_ZeroPass") -> None:
+    def _end_of_backward(self, now: _ZeroPass) -> None:
         """What the backward ``now`` kept in ``no_sync`` joins what earlier ones kept."""
         for key, (p, plan, grad) in now.unreduced.items():
             held = self._unreduced.get(key)
@@ -751,7 +751,7 @@ class ZeroUnits:
         finally:
             self._no_sync -= 1
 
-    def remove(self) -> "ZeroUnits":
+    def remove(self) -> ZeroUnits:
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -38,7 +38,7 @@ class Cost:
     bwd_calls: int = 0
     peak_bytes: float = 0.0
 
-    def __add__(self, other: "Cost") -> "Cost":
+    def __add__(self, other: Cost) -> Cost:
         return Cost(
             self.fwd_bytes + other.fwd_bytes,
             self.bwd_bytes + other.bwd_bytes,

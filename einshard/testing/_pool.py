@@ -356,7 +356,7 @@ class RankPool:
         inc = self._inc
         return inc.startup_seconds if inc is not None else None
 
-    def start(self, timeout: float | None = None) -> "RankPool":
+    def start(self, timeout: float | None = None) -> RankPool:
         """Start the processes if needed and wait until every rank is ready.
 
         >>> pool = RankPool(8).start()      # doctest: +SKIP
@@ -633,7 +633,7 @@ def _target(fn):
     seen = 0
     while seen < 10:
         seen += 1
-        if hasattr(fn, "func") and callable(getattr(fn, "func")):  # functools.partial
+        if hasattr(fn, "func") and callable(fn.func):  # functools.partial
             fn = fn.func
         elif hasattr(fn, "__func__"):  # bound method
             fn = fn.__func__
@@ -678,7 +678,7 @@ def _prepare_task(fn, args, kwargs, checks=True):
 # -- shared pools -------------------------------------------------------------------
 _POOLS: dict[int, RankPool] = {}
 _POOLS_LOCK = threading.Lock()
-_LIVE_POOLS: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
+_LIVE_POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
 _ATEXIT_DONE = False
 
 

@@ -28,7 +28,7 @@ import pytest
 
 from ._errors import RankError
 from ._mesh import MeshSpec
-from ._pool import mp_context, close_all_pools, get_pool
+from ._pool import close_all_pools, get_pool, mp_context
 
 DEFAULT_TIMEOUT = 120.0
 _MARKER_LINE = (
