@@ -38,10 +38,12 @@ import torch.distributed.distributed_c10d as _c10d
 import torch.utils.checkpoint as _checkpoint
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY", "CheckpointFrame",
-           "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
+__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY",
+           "CheckpointFrame", "install_checkpoint", "original_reentrant_forward", "checkpoint_installed",
+           "current_graph_task_id", "autograd_engine",
            "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
-           "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass", "EnableTorchFunction", "push_torch_function_mode",
+           "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass",
+           "EnableTorchFunction", "push_torch_function_mode",
            "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group"]
 
 #: the installed torch release as ``(major, minor)``

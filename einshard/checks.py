@@ -475,7 +475,7 @@ def _decide(rows, texts, members, what) -> BaseException:
             text += f" (reported by {_ranks_text(members[k] for k in errors)})"
         return EinshardError(text)
     points: dict = {}
-    for j, r in enumerate(rows):
+    for j in range(len(rows)):
         points.setdefault(texts[j][0], []).append(members[j])
     if len({r[2] for r in rows}) > 1:
         where = "; ".join(f"{_ranks_text(rs)} at {p}" for p, rs in points.items())
@@ -484,8 +484,8 @@ def _decide(rows, texts, members, what) -> BaseException:
     if bad:
         s, d = bad[0]
         return EinshardError(
-            f"the ranks disagree on the sizes of {what or texts[s][0]}: rank {members[s]} sends {rows[s][5]} elements to "
-            f"rank {members[d]}, which expects {rows[d][6]}"
+            f"the ranks disagree on the sizes of {what or texts[s][0]}: "
+            f"rank {members[s]} sends {rows[s][5]} elements to rank {members[d]}, which expects {rows[d][6]}"
         )
     # facts: compare within each group (same key), label by label
     by_key: dict = {}
@@ -503,7 +503,8 @@ def _decide(rows, texts, members, what) -> BaseException:
                 label, _, value = line.partition(": ")
                 values.setdefault(value, []).append(members[j])
             if len(values) > 1:
-                how = "; ".join(f"{_ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {v}" for v, rs in values.items())
+                how = "; ".join(f"{_ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {v}"
+                                for v, rs in values.items())
                 return EinshardError(f"the ranks disagree on {subject}: {label or 'a value'}: {how}")
         return EinshardError(f"the ranks disagree on {subject}")
     return EinshardError(f"the ranks disagree on {what or texts[0][0]}")

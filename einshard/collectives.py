@@ -260,7 +260,8 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
     size = _size(group)
     x = x.detach()
     if _trace.traced():
-        y = _TC.all_reduce(x / size if name in ("avg", "mean") else x, group, "sum" if name in ("avg", "mean") else name)
+        mean = name in ("avg", "mean")
+        y = _TC.all_reduce(x / size if mean else x, group, "sum" if mean else name)
         return (y, _CompletedWork()) if async_op else y
     if name in ("avg", "mean"):
         y = (x / size).contiguous() if size > 1 else _contiguous_clone(x)

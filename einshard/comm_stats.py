@@ -115,9 +115,10 @@ class CommStats:
     def filter(self, kind: str | None = None, label: str | None = None, direction: str | None = None) -> CommStats:
         """A new ``CommStats`` with the records that match every given key."""
         out = CommStats()
-        for (k, l, d), r in self.records.items():
-            if (kind is None or k == kind) and (label is None or l == label) and (direction is None or d == direction):
-                out.records[(k, l, d)] = CommRecord(r.calls, r.sent_bytes, r.received_bytes)
+        for (k, lab, d), r in self.records.items():
+            if ((kind is None or k == kind) and (label is None or lab == label)
+                    and (direction is None or d == direction)):
+                out.records[(k, lab, d)] = CommRecord(r.calls, r.sent_bytes, r.received_bytes)
         return out
 
     @property
@@ -162,8 +163,8 @@ class CommStats:
         header = ("kind", "group", "direction", "calls", "sent B", "received B")
         order = {FORWARD: 0, BACKWARD: 1}
         rows = [
-            (k, l, d, str(r.calls), str(r.sent_bytes), str(r.received_bytes))
-            for (k, l, d), r in sorted(self.records.items(), key=lambda kv: (order.get(kv[0][2], 2), kv[0]))
+            (k, lab, d, str(r.calls), str(r.sent_bytes), str(r.received_bytes))
+            for (k, lab, d), r in sorted(self.records.items(), key=lambda kv: (order.get(kv[0][2], 2), kv[0]))
         ]
         rows.append(("total", "", "", str(self.calls), str(self.sent_bytes), str(self.received_bytes)))
         return "\n".join(text_table(header, rows, rule=False, right=(3, 4, 5)))

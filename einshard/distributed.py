@@ -10,6 +10,7 @@ shapes, split shapes, sizes, mesh, dtype, policy, ambient split shapes).
 from __future__ import annotations
 
 import zlib
+from itertools import pairwise
 
 from . import _context, checks
 from ._cache import BoundedCache
@@ -86,7 +87,7 @@ class DistributedPlan:
                 steps = cand.chains[k]
                 assert steps[0] == layouts[i]
                 grad = cand.grad_of(k)
-                chain = [transition(a, b, mesh, grad if n == 0 else None) for n, (a, b) in enumerate(zip(steps, steps[1:]))]
+                chain = [transition(a, b, mesh, grad if n == 0 else None) for n, (a, b) in enumerate(pairwise(steps))]
                 chains.append(tuple(t for t in chain if not t.trivial))
             contraction = Contraction([t.axes for t in cand.targets], cand.result.axes,
                                       sizes=[dict(zip(t.axes, t.sizes)) for t in cand.targets])
@@ -183,7 +184,7 @@ def _frozen_shapes(key, shapes):
     try:
         return None if shapes is None else freeze_shapes(shapes)
     except EinshardError as err:
-        raise err.within(key[0])
+        raise err.within(key[0])  # noqa: B904 - the caught error itself, named
 
 
 def _agree_on_plan(plan, mesh, key, facts, always=False) -> None:
@@ -242,8 +243,8 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
             if checks.ENABLED or always:
                 agree(mesh, err, point="einshard", always=always)
             raise
-        plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol,
-                         duties)
+        plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes,
+                         pol, duties)
     if plan_out is not None:
         plan_out.append(plan)
     if plan.local_error is not None or checks.ENABLED or always:

@@ -105,7 +105,8 @@ def dtensor_layout(dt, whole: Layout, mesh, where: str = "DTensor") -> Layout:
     if order is not None:
         check = getattr(DTensorSpec, "is_default_device_order", None)
         if check is not None and not check(order):
-            raise EinshardError(f"{where}: DTensors with a non-default shard order are not supported; redistribute first")
+            raise EinshardError(f"{where}: DTensors with a non-default shard "
+                                "order are not supported; redistribute first")
     if len(whole.axes) != dt.ndim:
         raise EinshardError(f"{where}: the spec names {len(whole.axes)} dimensions but the DTensor has {dt.ndim}")
     shard: list[list[str]] = [[] for _ in whole.axes]
@@ -204,7 +205,7 @@ def to_dtensor(local: torch.Tensor, layout: Layout, mesh, where: str = "output")
     placements = layout_placements(layout, mesh)
     grad_placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
     shape = torch.Size(layout.sizes)
-    kwargs = dict(run_check=False, shape=shape, stride=_contiguous_stride(shape))
+    kwargs = {"run_check": False, "shape": shape, "stride": _contiguous_stride(shape)}
     try:
         return DTensor.from_local(local, device_mesh, placements, grad_placements=grad_placements, **kwargs)
     except TypeError:  # pragma: no cover - torch without grad_placements on from_local

@@ -64,7 +64,8 @@ class Transition:
         self._reverse = self._owning = None
         back_steps = plan_transition(dst, src, self.shape)
         # no forward steps and no reverse steps: autograd needs nothing either
-        self.trivial = not self.steps and not back_steps and self.back.essential(self.shape) == src.essential(self.shape)
+        self.trivial = (not self.steps and not back_steps
+                        and self.back.essential(self.shape) == src.essential(self.shape))
         # no forward steps and one all-reduce back (a replicated operand used as per-rank data, ``w -> w // dp``):
         # a pvary, whose sum into a leaf may wait for the end of backward (einshard.grad_sums.leaf_sum)
         self.sum_dims = None

@@ -264,7 +264,8 @@ def infer_group_sizes(index: int, group: Group, dim_size: int, known: dict) -> N
         known[unknown[0]] = dim_size // product
     elif product != dim_size:
         sizes = " * ".join(f"{a.name}={known[a.name]}" for a in group.axes)
-        raise SizeMismatchError(f"group '{group}' of {operand_name(index)} has size {dim_size}, but {sizes} = {product}")
+        raise SizeMismatchError(f"group '{group}' of {operand_name(index)} has "
+                                f"size {dim_size}, but {sizes} = {product}")
 
 
 def check_size(index: int, axis: str, size: int, known: dict) -> None:

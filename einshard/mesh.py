@@ -534,7 +534,8 @@ def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
         wrapped = Mesh.from_device_mesh(mesh, names=names)
         _WRAPPED[mesh] = wrapped
     elif wrapped.names != names:
-        raise EinshardError(f"mesh_dim_names={names!r} contradicts the names this mesh was wrapped with {wrapped.names!r}")
+        raise EinshardError(f"mesh_dim_names={names!r} contradicts the names "
+                            f"this mesh was wrapped with {wrapped.names!r}")
     return wrapped
 
 
@@ -587,7 +588,7 @@ def mesh_required(what: str | None = None, why: str = "") -> EinshardError:
 
     >>> print(mesh_required("'a/tp -> a'", "'a' is sharded over 'tp' in the input only"))
     'a/tp -> a': Distributed einshard operations require mesh=...: 'a' is sharded over 'tp' in the input only; pass mesh=mesh, or make the call inside `with es.use_mesh(mesh):`
-    """
+    """  # noqa: E501 - a doctest's output line
     text = MESH_REQUIRED + (f": {why}" if why else "")
     text += "; pass mesh=mesh, or make the call inside `with es.use_mesh(mesh):`" + _in_backward()
     err = EinshardError(text if what is None else f"{what}: {text}")

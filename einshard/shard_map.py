@@ -318,8 +318,8 @@ class ShardMap:
     # -- planning (once per argument structure and local shapes) ---------------------
     def _opts(self, parsed_formula, sizes=_UNSET):
         sizes = self.sizes if sizes is _UNSET else sizes
-        return dict(shapes=shapes_subset(parsed_formula, self.shapes),
-                    sizes=sizes_subset(parsed_formula, sizes, self.families), families=self.families)
+        return {"shapes": shapes_subset(parsed_formula, self.shapes),
+                "sizes": sizes_subset(parsed_formula, sizes, self.families), "families": self.families}
 
     def _plan_inputs(self, key, args, leaves, mesh, duty_errors=()) -> _InPlan:
         per_leaf = _matched(mesh, self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)

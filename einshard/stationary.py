@@ -54,7 +54,7 @@ def why_mesh(parsed: Formula) -> str:
     >>> from einshard.notation import expand
     >>> why_mesh(expand("b/dp c, c -> c"))
     "the sum over 'b' (sharded over 'dp') adds the ranks' blocks; to keep it per rank, make it an output partial: 'b/dp c, c -> c // dp'"
-    """
+    """  # noqa: E501 - a doctest's output line
     out = {a.name for a in parsed.output.axes} if parsed.output is not None else set()
     dropped: dict[str, str] = {}
     for t in parsed.inputs:

@@ -865,7 +865,7 @@ class TracedTracker(_Rules):
         self.inplace = False
         self.memo: list = []  # (tensor, missing mask, grad mode, pvaried): no id(), which dynamo guards on
         if _compiling():
-            serial, trivial = self.serial, self.info.trivial  # (read by _open_body)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _open_body reads them from this frame
             _trace.at_trace_time(_open_body)
 
     def mask_of(self, t) -> int:
@@ -874,14 +874,14 @@ class TracedTracker(_Rules):
             return m
         if not _compiling():  # the eager call at a graph break
             return _real_mask(self.serial, t)
-        serial, trivial, name = self.serial, self.info.trivial, _trace.fresh_name()  # (read by _node_lookup)
+        serial, trivial, name = self.serial, self.info.trivial, _trace.fresh_name()  # noqa: F841 - _node_lookup reads them from this frame
         _trace.at_trace_time(_node_lookup)
         return _trace.lookup(name)
 
     def tag(self, t, mask: int) -> None:
         setattr(t, ATTR, self.serial | mask)
         if _compiling():
-            serial, trivial = self.serial, self.info.trivial  # (read by _node_tag)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _node_tag reads them from this frame
             _trace.at_trace_time(_node_tag)
 
     def untag(self, t) -> None:
@@ -940,13 +940,13 @@ class TracedTracker(_Rules):
     def region(self) -> None:
         """The graph nodes made since the last check belong to a library op (its internals): not checked."""
         if _compiling():
-            serial, trivial = self.serial, self.info.trivial  # (read by _skip_region)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _skip_region reads them from this frame
             _trace.at_trace_time(_skip_region)
 
     def check_graph(self) -> None:
         """Decide and check the variance of every graph node made since the last check (at the body's end)."""
         if _compiling():
-            serial, trivial = self.serial, self.info.trivial  # (read by _sweep_here)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _sweep_here reads them from this frame
             _trace.at_trace_time(_sweep_here)
 
     def dispatch(self, func, args, kwargs):
@@ -1081,8 +1081,8 @@ def _int(ctx, name: str) -> int:
 
 
 def _body_of(ctx) -> _GraphBody:
-    """The body of the caller's ``serial`` (and ``trivial``: its size-1 dimensions); made here when it began outside a graph
-    (dynamo split the frame that created the tracker, and ran that part eagerly)."""
+    """The body of the caller's ``serial`` (and ``trivial``: its size-1 dimensions); made here when it began outside a
+    graph (dynamo split the frame that created the tracker, and ran that part eagerly)."""
     serial, trivial = _int(ctx, "serial"), _int(ctx, "trivial")
     body = _GRAPH_BODIES.get(serial)
     if body is None:
@@ -1162,7 +1162,8 @@ def _tensor_nodes(node) -> list:
 
 
 def _holds_tensor(value) -> bool:
-    return isinstance(value, _Tensor) or (isinstance(value, (list, tuple)) and any(isinstance(v, _Tensor) for v in value))
+    return isinstance(value, _Tensor) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, _Tensor) for v in value))
 
 
 def _requires_grad(node) -> bool:

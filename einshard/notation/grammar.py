@@ -262,7 +262,7 @@ def _explain_syntax_error(text: str, index: int) -> tuple[int, str]:
         return index, "'/' must be followed by a mesh dimension name"
     depth_paren = 0
     depth_bracket = 0
-    for i, ch in enumerate(text[:index]):
+    for ch in text[:index]:
         if ch == "(":
             depth_paren += 1
         elif ch == ")":

@@ -355,7 +355,7 @@ def _plan(formula, x, weight, bias, windows, padding, stride, dilation, groups, 
         plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
                          freeze_families(families))
     except EinshardError as err:
-        raise err.within(formula, "einconv")
+        raise err.within(formula, "einconv")  # noqa: B904 - the caught error itself, named
     group = None
     if m is not None:
         shape = MeshShape.of(m)

@@ -314,7 +314,8 @@ class _RecordingPlan:
         if _SATISFIED:
             return self.plan.run(tensors)
         prepared = self.recorder.prepare(tensors, formula_names(mesh))
-        out = self.plan.run(_local_duties(self.recorder.formula, tensors, self.recorder.duties(tensors, prepared), mesh))
+        duties = self.recorder.duties(tensors, prepared)
+        out = self.plan.run(_local_duties(self.recorder.formula, tensors, duties, mesh))
         self.recorder.commit(tensors, prepared)
         return out
 
@@ -370,8 +371,8 @@ def _traced(formula, tensors, mesh, shapes, sizes, families, optimize, policy):
 
 
 @_trace.constant_result
-def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes,
-                    checks_on):
+def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh,
+                    amb_shapes, checks_on):
     with _context.at_trace_time(amb_mesh, amb_shapes) as ambient:
         return _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy,
                                    ambient)

@@ -726,7 +726,7 @@ def _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm
     bound = _PLANS.get(key)
     if bound is None:
         try:
-            bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
+            bound, _spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
                                  mesh, shapes, device)
         except ValueError as err:
             if not explain:

@@ -76,7 +76,7 @@ class HaloPlan:
     def __init__(self, layout: Layout, widths: dict[int, tuple[int, int]], boundary: str, mesh, device,
                  local_error=None, always=False):
         self.layout, self.mesh, self.local_error, self.always = layout, mesh, local_error, always
-        axes = [i for i, (l, r) in sorted(widths.items()) if l or r]
+        axes = [i for i, (left, right) in sorted(widths.items()) if left or right]
         ex_axes, dims = exchange_group(layout, axes, mesh)
         read = functools.lru_cache(None)(lambda i, iv: halo_axis(*iv, *widths[i], layout.sizes[i], boundary))
 
@@ -91,7 +91,8 @@ class HaloPlan:
         sizes = {i: h.left_fill + h.buffer_size + h.right_fill for i, h in mine.items()}
         out = [sizes.get(d, n) for d, n in enumerate(local)]
         blank = [tuple((start, n) if d == i else (0, m) for d, m in enumerate(out))  # constant-boundary cells
-                 for i, h in mine.items() for start, n in ((0, h.left_fill), (out[i] - h.right_fill, h.right_fill)) if n]
+                 for i, h in mine.items()
+                 for start, n in ((0, h.left_fill), (out[i] - h.right_fill, h.right_fill)) if n]
         self.exchange = None if local_error is not None else runs_exchange(
             layout, layout, dims if ex_axes else (), mesh, runs, axes, sizes, blank)
         self.indices = [(i, torch.tensor(h.index, dtype=torch.long, device=device))
@@ -185,7 +186,7 @@ def _plan(spec, x, halos, boundary, mesh, shapes, families) -> HaloPlan:
         m = pick_mesh(tspec, mesh)
         return halo_plan(tspec, spec, x, widths, boundary, m, shapes, "einhalo", freeze_families(families))
     except EinshardError as err:
-        raise err.within(spec, "einhalo")
+        raise err.within(spec, "einhalo")  # noqa: B904 - the caught error itself, named
 
 
 def _traced_plan(spec, shape, dtype, device, halos, boundary, mesh, shapes, families) -> HaloPlan:

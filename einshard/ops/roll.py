@@ -121,7 +121,7 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
         try:
             plan = _plan(spec, x, shifts, mesh, shapes, families)
         except EinshardError as err:
-            raise err.within(spec, "einroll")
+            raise err.within(spec, "einroll")  # noqa: B904 - the caught error itself, named
         if fast is not None:
             _FAST.put(fast, plan)
     return plan(x)
@@ -147,5 +147,5 @@ def _traced_plan(spec, shape, dtype, device, shifts, mesh, shapes, families) -> 
     try:
         plan = _plan(spec, _trace.stand_in(shape, dtype, device), shifts, mesh, shapes, families)
     except EinshardError as err:
-        raise err.within(spec, "einroll")
+        raise err.within(spec, "einroll")  # noqa: B904 - the caught error itself, named
     return plan.prepare_traced()

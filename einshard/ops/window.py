@@ -140,7 +140,7 @@ def _plan(formula, x, windows, radius, boundary, mesh, shapes, families):
         m = pick_mesh(ins, mesh)
         plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, "einwindow", freeze_families(families))
     except EinshardError as err:
-        raise err.within(formula, "einwindow")
+        raise err.within(formula, "einwindow")  # noqa: B904 - the caught error itself, named
     return plan, ins, out, wmap, rad
 
 

@@ -378,6 +378,7 @@ def _union_dims(mesh, groups: tuple) -> tuple:
             raise TypeError(f"GradBucketer: a group must be a str, got {type(g).__name__}")
         for c in g.split("-"):
             if c not in mesh.names:
-                raise EinshardError(f"GradBucketer: mesh dimension {c!r} (in {g!r}) is not in the mesh; it has {list(mesh.names)}")
+                raise EinshardError(f"GradBucketer: mesh dimension {c!r} (in {g!r}) "
+                                    f"is not in the mesh; it has {list(mesh.names)}")
         dims.update(g.split("-"))
     return tuple(d for d in mesh.names if d in dims)

@@ -43,7 +43,8 @@ def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
     """
     mesh, leaves, treedef, per_leaf, names = prepare_tree(module_or_state_dict, specs, mesh, None, "to_dtensor")
     if mesh.device_mesh is None:
-        raise EinshardError("to_dtensor: a virtual mesh cannot hold DTensors; pass the DeviceMesh (or es.wrap_mesh of it)")
+        raise EinshardError("to_dtensor: a virtual mesh cannot hold DTensors; "
+                            "pass the DeviceMesh (or es.wrap_mesh of it)")
     found = discover_splits(mesh, leaves, per_leaf)
 
     def as_dtensor(k, x, spec):

@@ -115,7 +115,8 @@ def param_local_slices(p_or_state, global_shape, mesh, factors=None) -> tuple[sl
         raise EinshardError(f"layout {state.layout!r} has '...': its shard metadata is unknown")
     global_shape = tuple(int(s) for s in global_shape)
     if len(items) != len(global_shape):
-        raise EinshardError(f"layout {state.layout!r} has rank {len(items)} but global_shape {global_shape} has rank {len(global_shape)}")
+        raise EinshardError(f"layout {state.layout!r} has rank {len(items)} but "
+                            f"global_shape {global_shape} has rank {len(global_shape)}")
     factors = {} if factors is None else factors
     if not isinstance(factors, Mapping):
         raise TypeError(f"factors must be a Mapping from axis names to ints, got {type(factors).__name__}")
@@ -158,7 +159,8 @@ def param_shard_metadata(p_or_state, global_shape, mesh, factors=None) -> ParamS
     slices = param_local_slices(p_or_state, global_shape, mesh, factors)
     global_shape = tuple(int(s) for s in global_shape)
     return ParamShardMetadata(
-        global_shape, slices, tuple(_length(s, n) for s, n in zip(slices, global_shape)), _state_of(p_or_state).layout_shard_dims
+        global_shape, slices, tuple(_length(s, n) for s, n in zip(slices, global_shape)),
+        _state_of(p_or_state).layout_shard_dims
     )
 
 

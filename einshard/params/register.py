@@ -287,7 +287,8 @@ def register_linear_parameters_(
         if bias is not None and bias.dim() != 1:
             raise EinshardError(f"linear: the bias must have rank 1, got shape {tuple(bias.shape)}")
         if bias is not None and bias.shape[0] != weight.shape[0]:
-            raise EinshardError(f"linear: bias shape {tuple(bias.shape)} does not match weight.shape[0]={weight.shape[0]}")
+            raise EinshardError(f"linear: bias shape {tuple(bias.shape)} does "
+                                f"not match weight.shape[0]={weight.shape[0]}")
 
     return _register_pair(
         module, "linear", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),

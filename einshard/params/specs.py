@@ -65,7 +65,8 @@ def param_specs(module_or_tree):
     through unchanged by ``shard_map``, ``tree_shard`` and ``tree_gather``.
 
     >>> import torch, einshard as es
-    >>> lin = es.register_linear_parameters_(torch.nn.Linear(4, 6), weight_layout="out/tp in", mesh_dim_names=("dp", "tp"))
+    >>> lin = es.register_linear_parameters_(torch.nn.Linear(4, 6), weight_layout="out/tp in",
+    ...                                      mesh_dim_names=("dp", "tp"))
     >>> es.param_specs(lin)
     {'weight': 'out/tp in', 'bias': 'out/tp'}
     """

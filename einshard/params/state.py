@@ -90,7 +90,8 @@ def _parse_value(value, key: str) -> tuple[str, str | None]:
         raise TypeError(f"{key}= must be a string annotation value like 'dp', got {type(value).__name__}")
     match = _VALUE.fullmatch(value)
     if match is None:
-        raise EinshardError(f"Invalid {key}= value {value!r}: expected GROUP or GROUP:SUFFIX with names like 'dp' or 'dp-sp'")
+        raise EinshardError(f"Invalid {key}= value {value!r}: expected GROUP "
+                            "or GROUP:SUFFIX with names like 'dp' or 'dp-sp'")
     return match.group(1), match.group(2)
 
 
@@ -118,7 +119,8 @@ class ParameterInitSync:
             return derive_init_sync(layout_shard_dims, mesh_dim_names)
         group, suffix = _parse_value(ann, "init_sync")
         if suffix is not None:
-            raise EinshardError(f"Invalid init_sync= value {ann!r}: init_sync takes no ':' suffix (values: G, none, external)")
+            raise EinshardError(f"Invalid init_sync= value {ann!r}: init_sync "
+                                "takes no ':' suffix (values: G, none, external)")
         if group in ("none", "external"):
             return cls(group)
         return cls("explicit", (group,))
@@ -514,7 +516,8 @@ def _check_store(state) -> None:
     if state.spec is None or state.tensor_state is None:
         raise EinshardError("a stored parameter (store=) needs a layout of plain axes")
     if sum(1 for a in state.spec.axes if a.mesh == store) != 1:
-        raise EinshardError(f"ParameterState.store {store!r}: exactly one axis of {state.layout!r} must be split over it")
+        raise EinshardError(f"ParameterState.store {store!r}: exactly one "
+                            f"axis of {state.layout!r} must be split over it")
     others = _shard_components([a.mesh for a in state.spec.axes if a.mesh and a.mesh != store])
     if others & set(components(store)):
         raise EinshardError(f"store={store!r}: the compute layout {state.compute_layout!r} splits over it already")

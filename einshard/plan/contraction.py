@@ -215,7 +215,7 @@ def _candidate(problem: Problem, roles, metric: str) -> Candidate | None:
         chain = (op, target, marked) if varying & op.partial else (op, marked)
         grad = _grad_layout(op, problem.duty(k), varying)
         grads.append(grad)
-        for n, (src, dst) in enumerate(zip(chain, chain[1:])):
+        for n, (src, dst) in enumerate(itertools.pairwise(chain)):
             back = grad if n == 0 and grad is not None else src
             move, c = _move(f"operand {k}" + (" (pvary)" if n else ""), src, dst, mesh, problem.itemsize, metric, back)
             if move.forward or move.backward:
@@ -358,7 +358,8 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
         if n > _EXHAUSTIVE:
             sharing = [(i, j) for i, j in pairs if _shares_axis(problem, i, j)] or pairs
             best_pair = min(
-                sharing, key=lambda ij: (plan_contraction(_pair_problem(problem, *ij)[0], policy)[0].cost.key(policy), ij)
+                sharing,
+                key=lambda ij: (plan_contraction(_pair_problem(problem, *ij)[0], policy)[0].cost.key(policy), ij),
             )
             pairs, beam = [best_pair], 1
         for i, j in pairs:

@@ -93,7 +93,7 @@ class FFTProblem:
             return self.dst.splits[i]
         return tuple(compute_split_shapes(size, self.mesh.size(dims)))
 
-    @lru_cache(maxsize=65536)
+    @lru_cache(maxsize=65536)  # noqa: B019 - bounded; a problem is a frozen value shared by its search
     def layout(self, assign: tuple, done: frozenset) -> Layout:
         """The layout where mesh dimension ``k`` shards axis ``assign[k]`` (``-1``: none)."""
         names = self.mesh.names
@@ -433,7 +433,8 @@ def _search(p: FFTProblem, level: int):
                 target = p.layout(new, done)
                 c = move_cost(layout, target, p.mesh, p.itemsize(done))
                 new_done, acts = _closure(p, new, done)
-                edges.append(((new, new_done), c, (Move(layout, target),) + acts, (gathered,) if gathered is not None else ()))
+                kept = (gathered,) if gathered is not None else ()
+                edges.append(((new, new_done), c, (Move(layout, target),) + acts, kept))
             for i in p.transform:
                 if i in done or not _may_transform(p, i, done) or i not in assign:
                     continue

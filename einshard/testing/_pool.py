@@ -317,7 +317,9 @@ class RankPool:
             raise EinshardError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.grace = _env_float("EINSHARD_TESTING_GRACE", 3.0) if grace is None else float(grace)
-        self.gloo_timeout = _env_float("EINSHARD_TESTING_GLOO_TIMEOUT", 120.0) if gloo_timeout is None else float(gloo_timeout)
+        self.gloo_timeout = (
+            _env_float("EINSHARD_TESTING_GLOO_TIMEOUT", 120.0) if gloo_timeout is None else float(gloo_timeout)
+        )
         self.startup_timeout = (
             _env_float("EINSHARD_TESTING_STARTUP_TIMEOUT", 120.0) if startup_timeout is None else float(startup_timeout)
         )
@@ -782,7 +784,7 @@ def _close_pools(pools):
 
 def _close_everything():
     close_all_pools()
-    _close_pools([p for p in list(_LIVE_POOLS)])
+    _close_pools(list(_LIVE_POOLS))
     if _CTX is None:
         return
     # Stop multiprocessing's helper processes now (and reap them) rather than

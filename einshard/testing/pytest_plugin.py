@@ -50,7 +50,8 @@ def pytest_addoption(parser):
         default=None,
         dest="ranks_timeout",
         metavar="SECONDS",
-        help="default timeout of @pytest.mark.ranks tests (a marker's timeout= wins; default 120, or ini ranks_timeout)",
+        help="default timeout of @pytest.mark.ranks tests (a marker's "
+             "timeout= wins; default 120, or ini ranks_timeout)",
     )
     parser.addini(
         "ranks_timeout",
