@@ -22,7 +22,7 @@ from .metadata import global_shape_from_sizes, group_size, storage_slice
 from .names import mesh_names
 from .state import ParameterState
 from .storage import StoredParameter
-from .store import Registration, per_name, set_parameter_state
+from .store import Registration, get_parameter_state, per_name, set_parameter_state  # noqa: F401 - the examples use it
 
 __all__ = [
     "register_parameter_layout",
