@@ -27,6 +27,7 @@ import itertools
 import operator
 import sys
 import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -233,7 +234,7 @@ def trace_error(message: str) -> EinshardError:
     is, so the error is both.
     """
     if not _TRACE_ERROR:
-        exc = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
+        exc: Any = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
 
         class EinshardCompileError(EinshardError, exc.UserError):
             """An einshard error found while ``torch.compile`` traces."""

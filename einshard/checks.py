@@ -30,6 +30,7 @@ import os
 import threading
 import weakref
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -133,7 +134,7 @@ def was_agreed(exc: BaseException, body: bool = False) -> bool:
 
 def _mark_agreed(exc: BaseException, mark=True) -> BaseException:
     try:
-        exc._einshard_agreed = mark
+        exc._einshard_agreed = mark  # type: ignore[attr-defined]  # a mark on any exception
     except AttributeError:  # an exception type without a __dict__: treated as not agreed
         pass
     return exc
@@ -346,6 +347,8 @@ def _agree(group, outer, error, fingerprint, what, facts, point, sent, received,
 
 class _Fingerprint(int):
     """A fingerprint; rendered by ``describe`` (or as a number) on the error path."""
+
+    describe: Callable[[], object] | None
 
     def __new__(cls, value, describe=None):
         self = super().__new__(cls, value)

@@ -45,8 +45,8 @@ class DistributedPlan:
 
     def _grad_partials(self) -> tuple:
         n = len(self.problem.operands)
-        out = [frozenset()] * n
-        origin = list(range(n))  # the original operand at each position of the running operand list
+        out: list[frozenset] = [frozenset()] * n
+        origin: list[int | None] = list(range(n))  # the original operand at each position of the running operand list
         for indices, _axes, cand in self.chosen.steps:
             for k, i in enumerate(indices):
                 grad = cand.grad_of(k)
@@ -63,7 +63,7 @@ class DistributedPlan:
         self.mesh = mesh
         self.local_error = resolved.local_error
         self.run = None
-        self._compiled = None
+        self._compiled: tuple | None = None  # (stages, final transition), built by compile
         self._traced_run = None
         # equal on every rank when they agree on global sizes and split shapes (checked with checks on)
         self.fingerprint = zlib.crc32(repr((problem.operands, problem.output)).encode())
@@ -104,6 +104,7 @@ class DistributedPlan:
 
     def _runner(self, traced: bool):
         """The replay: eager (autograd mappings on raw collectives) or traced (functional collectives)."""
+        assert self._compiled is not None  # compile ran
         compiled, finish = self._compiled
         stages = []
         for indices, chains, contraction, embedding in compiled:

@@ -81,11 +81,12 @@ def _device_mesh(mesh, layout: np.ndarray):
     """A ``DeviceMesh`` over ``layout`` (ascending along every dimension) with ``mesh``'s names."""
     me = dist.get_rank()
     coordinate = tuple(int(c) for c in np.argwhere(layout == me)[0])
-    groups = []
+    groups: list[dist.ProcessGroup] = []
     for d in range(layout.ndim):
         index = tuple(slice(None) if i == d else c for i, c in enumerate(coordinate))
         ranks = layout[index].reshape(-1).tolist()
         if ranks == list(range(dist.get_world_size())):
+            assert dist.group.WORLD is not None  # initialized: this rank has a rank
             groups.append(dist.group.WORLD)
         else:
             groups.append(dist.new_group(ranks, use_local_synchronization=True))

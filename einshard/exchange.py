@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -196,7 +198,7 @@ def _forward(x, ex, fill):
 
 
 # each direction's backward is the other one
-_exchange = make_mapping("Exchange", _forward, lambda g, ex, fill: _exchange(g, ex.adjoint(), 0))
+_exchange: Callable = make_mapping("Exchange", _forward, lambda g, ex, fill: _exchange(g, ex.adjoint(), 0))
 
 
 class _TracedExchange(torch.autograd.Function):
@@ -238,10 +240,11 @@ def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes
     data moves once, from the receiver's own copy, else one whose holder
     reads from the receiver too (pairs), else the one at its coordinates.
     """
-    shape = MeshShape.of(mesh) if mesh is not None else None
-    coord = tuple(mesh.coordinate) if mesh is not None else None
+    # no mesh: one process, whole tensors and no dims (nothing below reads the mesh's shape then)
+    shape: Any = MeshShape.of(mesh) if mesh is not None else None
+    coord: Any = tuple(mesh.coordinate) if mesh is not None else None
     in_shape = src.local_shape(coord, shape) if shape is not None else tuple(src.sizes)
-    out_shape = dst.local_shape(coord, shape) if shape is not None else tuple(dst.sizes)
+    out_shape: Sequence[int] = dst.local_shape(coord, shape) if shape is not None else tuple(dst.sizes)
     axes = range(len(in_shape)) if axes is None else axes
     free = [shape.names.index(d) for d in dims if src.owner(d) is None]
 

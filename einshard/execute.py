@@ -37,7 +37,9 @@ def compile_step(step, mesh, C=C):
     ``C``: the collectives to call, :mod:`einshard.collectives` (eager) or
     :mod:`einshard._traced_collectives` (under ``torch.compile``).
     """
-    return PRIMITIVES[step.kind].run(step, Site(mesh, C, _exchange))
+    run = PRIMITIVES[step.kind].run
+    assert run is not None, step.kind  # every step kind the planner makes runs
+    return run(step, Site(mesh, C, _exchange))
 
 
 def _exchange(src: Layout, dst: Layout, dims, mesh, C):
@@ -60,8 +62,9 @@ class Transition:
         planned = plan_transition(src, dst, self.shape) if steps is None else steps
         self.planned = tuple(planned)
         self.steps = [compile_step(s, mesh) for s in planned]
-        self.traced_steps = None  # built by prepare_traced (when a plan is first traced)
-        self._reverse = self._owning = None
+        self.traced_steps: tuple | None = None  # built by prepare_traced (when a plan is first traced)
+        self._reverse: Transition | None = None
+        self._owning: Transition | None = None
         back_steps = plan_transition(dst, src, self.shape)
         # no forward steps and no reverse steps: autograd needs nothing either
         self.trivial = (not self.steps and not back_steps
@@ -119,6 +122,7 @@ class Transition:
         return self
 
     def run_traced(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.traced_steps is not None  # prepare_traced ran
         for step in self.traced_steps:
             x = step(x)
         return x
@@ -195,6 +199,6 @@ def Embedding(result: Layout, embedded: Layout, root_dims: tuple, mesh) -> Trans
     """
     dims = tuple(d for d in mesh.names if d in embedded.partial and d not in result.partial)
     fwd = Transition(result, embedded, mesh, (Step("embed", result, embedded, dims),))
-    fwd._reverse = Transition(embedded, result, mesh, (Step("embed_adjoint", embedded, result, root_dims),))
-    fwd._reverse._reverse = fwd
+    rev = Transition(embedded, result, mesh, (Step("embed_adjoint", embedded, result, root_dims),))
+    rev._reverse, fwd._reverse = fwd, rev
     return fwd.prepare_traced()

@@ -194,6 +194,7 @@ def _stored_gathers(parsed, tensors, local_shapes, mesh, pol) -> tuple:
         if " ".join(map(str, parsed.inputs[k].items)) == state.layout:  # the storage itself (its gather formula)
             continue
         dim = state.store_axis
+        assert dim is not None and state.spec is not None  # a stored parameter's state
         n = mesh.size(tuple(d for d in mesh.names if d in state.store.split("-")))
         whole = state.global_shape[dim] if state.global_shape is not None else t.shape[dim] * n
         sizes = {} if state.global_shape is None else {

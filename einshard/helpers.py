@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ def init_process_group(backend: str | None = None, use_cuda: bool = False) -> tu
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if use_cuda:
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)

@@ -120,6 +120,7 @@ class Layout:
         if not dims:
             return (0, self.sizes[i])
         splits = self.splits[i]
+        assert splits is not None  # a sharded axis has its split
         b = mesh.index(dims, coord)
         start = sum(splits[:b])
         return (start, start + splits[b])
@@ -183,8 +184,8 @@ class Layout:
             parts.append(f"{axis}/{'-'.join(dims)}" if dims else axis)
         text = " ".join(parts)
         if self.partial:
-            dims = sorted(self.partial)
-            text += " // " + (dims[0] if len(dims) == 1 else "(" + ", ".join(dims) + ")")
+            names = sorted(self.partial)
+            text += " // " + (names[0] if len(names) == 1 else "(" + ", ".join(names) + ")")
         return text
 
 

@@ -75,7 +75,7 @@ class Mesh:
         *,
         names: Sequence[str],
         shape: Sequence[int],
-        coordinate: Sequence[int],
+        coordinate: Sequence[int] | None,
         allow_compound: bool = True,
         rank_grid=None,
     ):
@@ -381,7 +381,7 @@ class SubMesh(Mesh):
         super().__init__(None, names=names, shape=shape, coordinate=coordinate, rank_grid=grid)
         self.parent = parent
         self.parts = parts
-        self._device_mesh = None
+        self._device_mesh: DeviceMesh | None = None
 
     @property
     def device_mesh(self):

@@ -30,7 +30,7 @@ __all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_s
 
 def in_vma_scope() -> bool:
     """Inside ``shard_map(check_vma=True)``: the op runs through :func:`einshard.vma.formula_op`."""
-    return _vma.ACTIVE and _vma.current() is not None
+    return _vma.ACTIVE > 0 and _vma.current() is not None
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -115,6 +115,8 @@ def per_axis(mapping, names: Sequence[str], families, arg: str) -> dict:
     table = family_table(families)
     out: dict = {}
     for key, value in mapping.items():
+        targets: tuple
+        values: tuple
         if key in names:
             targets, values = (key,), (value,)
         elif key in table:
@@ -214,6 +216,7 @@ def agree_before_communicating(mesh, local_error, x: torch.Tensor, always: bool 
     if local_error is not None or (mesh is not None and (always or checks.ENABLED)):
         error = None if local_error is None else EinshardError(local_error)
         if mesh is None:
+            assert error is not None  # the condition above
             raise error
         agree(mesh, error, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange", always=always)
 

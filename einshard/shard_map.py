@@ -111,7 +111,7 @@ def _leaf_key(x):
         return x.shape
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
-            return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
+            return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)  # type: ignore[attr-defined]
         state = getattr(x, PARAM_STATE_ATTR, None)  # a Parameter's recorded global shape is checked when planning
         return x.shape if state is None or state.global_shape is None else (x.shape, state.global_shape)
     return None
@@ -154,7 +154,7 @@ class ShardMap:
 
     def __reduce__(self):
         # pickled by reference, like the function it wraps (e.g. to run it with einshard.testing)
-        return (_by_name, (self.__module__, self.__qualname__))
+        return (_by_name, (self.__module__, self.__qualname__))  # type: ignore[attr-defined]  # update_wrapper's
 
     def __repr__(self) -> str:
         name = getattr(self.f, "__qualname__", repr(self.f))
@@ -721,7 +721,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
 
 def _trace_leaves(leaves) -> tuple:
     """What planning needs of each leaf, as constants: ``(shape, dtype)`` for a tensor, else ``None``."""
-    out = []
+    out: list[tuple | None] = []
     for x in leaves:
         if isinstance(x, _Tensor):
             if maybe_dtensor(x):

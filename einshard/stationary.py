@@ -84,6 +84,7 @@ def needs_mesh_for_grad(parsed: Formula, tensors) -> str | None:
     """
     if not torch.is_grad_enabled():
         return None
+    assert parsed.output is not None  # a formula with an output
     sharded = {d for a in parsed.output.axes for d in a.mesh_components}
     for i, (spec, t) in enumerate(zip(parsed.inputs, tensors)):
         missing = sharded - {d for a in spec.axes for d in a.mesh_components}
@@ -105,6 +106,7 @@ def _strip(spec: TensorSpec) -> TensorSpec:
 
 def local_formula(parsed: Formula) -> Formula:
     """``parsed`` without its mesh annotations (same text, for error messages)."""
+    assert parsed.output is not None  # a formula with an output
     return Formula(parsed.text, tuple(map(_strip, parsed.inputs)), _strip(parsed.output))
 
 

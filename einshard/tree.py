@@ -111,7 +111,7 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
 def _whole_shapes(leaves, per_leaf, names) -> list:
     """``(parameter, whole shape)`` to record: the parameters the specs come from (``es.param_specs``) and
     the Parameter leaves with a layout; a whole value whose shape differs from a recorded one is an error."""
-    records = []
+    records: list = []
     for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
         if spec is None or not isinstance(x, torch.Tensor):
             continue
@@ -192,7 +192,8 @@ def discover_splits(mesh, leaves, per_leaf, sizes=None, families=None):
                     rest = [known.get(a.name) for a in item.axes if not a.mesh]
                     if None not in rest:  # decided from the spec and sizes=: the same columns on every rank
                         a = sharded[0]
-                        wanted.append((k, a.name, mesh.dims(a.mesh), x.shape[dim] // max(math.prod(rest), 1)))
+                        block = x.shape[dim] // max(math.prod(r for r in rest if r is not None), 1)
+                        wanted.append((k, a.name, mesh.dims(a.mesh), block))
             elif getattr(item, "mesh", None):
                 wanted.append((k, item.name, mesh.dims(item.mesh), x.shape[dim]))
             dim += 1

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -211,6 +213,12 @@ class _Rules:
     """What the eager and the traced trackers share: widening an op's operands."""
 
     __slots__ = ()
+    # what each tracker class defines
+    info: _MeshInfo
+    is_inplace: Callable[[Any], bool]
+    mask_of: Callable[[Any], int]
+    pvary: Callable[[torch.Tensor, int, int], torch.Tensor]
+    pvary_inplace: Callable[[torch.Tensor, int], None]
 
     def pvary_operand(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
         """:meth:`pvary` for an operand that only feeds an op (whose output is tagged anyway):
@@ -330,8 +338,8 @@ class Tracker(_Rules, TorchFunctionMode):
                 if t.is_leaf and t.requires_grad and _grad_enabled():  # its sum can wait for the end of backward
                     y = leaf_sum(t, group)
                     self.deferred = True
-                elif _grad_enabled() and getattr(t, "einshard_pvary", None) is not None:
-                    y = t.einshard_pvary(self.info.dims(missing))  # its producer sums it (a ZeRO gather)
+                elif _grad_enabled() and (own_pvary := getattr(t, "einshard_pvary", None)) is not None:
+                    y = own_pvary(self.info.dims(missing))  # its producer sums it (a ZeRO gather)
                 else:
                     y = pvary_tensor(t, group)
                 if isinstance(t, torch.nn.Parameter):
@@ -561,7 +569,7 @@ class suspended:
 
     __slots__ = ("tracker", "_disable")
 
-    def __init__(self, tracker: Tracker):
+    def __init__(self, tracker: Tracker | TracedTracker):
         self.tracker = tracker
 
     def __enter__(self):
@@ -599,16 +607,16 @@ def get_vma(x) -> frozenset | None:
 # -- library operations ------------------------------------------------------------------
 
 
-def library_call(tracker: Tracker, fn, args, kwargs, out_mask: int):
+def library_call(tracker: Tracker | TracedTracker, fn, args, kwargs, out_mask: int):
     """Run ``fn(*args, **kwargs)`` untracked and tag its tensor outputs with ``out_mask``.
 
     Traced, the graph nodes it makes are the op's internals (not checked as plain torch ops).
     """
-    if tracker.traced:
+    if isinstance(tracker, TracedTracker):
         tracker.check_graph()
     with suspended(tracker):
         out = fn(*args, **kwargs)
-    if tracker.traced:
+    if isinstance(tracker, TracedTracker):
         tracker.region()
     return tracker.tag_tree(out, out_mask)
 
@@ -635,13 +643,11 @@ def spec_mask(info: _MeshInfo, spec) -> int:
 
 
 def _formula_rule(info: _MeshInfo, formula: str, families) -> _FormulaRule:
-    if families is None:
-        key = formula
-    else:
-        key = (formula, families if isinstance(families, tuple) else freeze_families(families))
+    frozen = None if families is None else families if isinstance(families, tuple) else freeze_families(families)
+    key = formula if frozen is None else (formula, frozen)
     rule = info.formulas.get(key)
     if rule is None:
-        parsed = expand_specs(formula, None if families is None else key[1])
+        parsed = expand_specs(formula, frozen)
         declared = tuple(spec_mask(info, s) for s in parsed.inputs)
         out_spec = parsed.output if parsed.output is not None else parsed.inputs[0]
         out = spec_mask(info, out_spec)
@@ -737,7 +743,7 @@ def _operand_masks(info, formula, rule, tags):
     """``(masks, pass-through dimensions, whether an operand may need a pvary)`` of a formula op's operands
     (``tags``: their tags xor the call's serial); ``ValueError`` for an operand that varies where its spec
     replicates."""
-    masks = []
+    masks: list[int] = []
     varies = lack = 0
     for m, forbidden, needed in zip(tags, rule.forbidden, rule.declared_nontrivial):
         if m > MASK:  # a tag left by an earlier call: invariant

@@ -22,6 +22,8 @@ token was missing; :func:`_explain_syntax_error` turns it into a reason.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from ..errors import EinshardError
 from .objects import Annotation, Axis, EllipsisItem, Family, Group, TensorSpec, Zip
 
@@ -40,7 +42,7 @@ class _Parser:
         self.n = len(text)
         self.far = 0
 
-    def fail(self, pos: int):
+    def fail(self, pos: int) -> NoReturn:
         if pos > self.far:
             self.far = pos
         raise _Fail

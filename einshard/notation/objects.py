@@ -88,6 +88,8 @@ class Axes(tuple):
     """``TensorSpec.axes``: a tuple of :class:`Axis` whose ``repr`` is the layout, items joined by ``" × "``
     (``'out / tp × in'``; a group as ``(a / dp b)``, an ellipsis as ``...``)."""
 
+    _items: tuple
+
     def __new__(cls, axes, items=None):
         self = super().__new__(cls, axes)
         self._items = tuple(self) if items is None else items

@@ -270,7 +270,8 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
     after = _after_sizes(spec, before, real, inverse, signal)
     lookup = Splits(shapes, ambient, mesh, labels)
     back = {b: a for a, b in spec.pairs}
-    shard, splits = {}, {}
+    shard: dict = {}
+    splits: dict[str, tuple | None] = {}
     for ax in spec.out.axes:
         name = back.get(ax.name, ax.name)
         dims = mesh.dims(ax.mesh) if ax.mesh else ()
@@ -378,8 +379,9 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
     i = fs.axis
     cdtype, rdtype = dtypes
     fft1 = torch.fft.ifft if inverse else torch.fft.fft
-    steps = []
+    steps: list = []  # transitions and local steps, each called with the local tensor
     if fs.real == "c2r":
+        assert fs.padded is not None  # a c2r four-step pads
         lo, hi = fs.pre.interval(i, coord, shape)
         k = torch.arange(lo, hi, dtype=torch.float64, device="cpu")
         weight = torch.where((k == 0) | (2 * k == fs.n), 1.0, 2.0).to(device=device, dtype=rdtype)
@@ -425,7 +427,9 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
     steps.append(transition(fs.c, fs.d, mesh))
     flat_shape = fs.flat_d.local_shape(coord, shape)
     steps.append(lambda x: x.transpose(i, i + 1).reshape(flat_shape))
+    end: Layout | None
     if fs.real == "r2c":
+        assert fs.cropped is not None  # an r2c four-step crops
         keep = fs.cropped.local_shape(coord, shape)[i]
         steps.append(lambda x: x.narrow(i, 0, keep))
         end = fs.cropped
@@ -442,7 +446,7 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
             x = s(x)
         return x
 
-    run.steps = steps  # (for _Bound.prepare_traced)
+    run.steps = steps  # type: ignore[attr-defined]  # a function attribute, for _Bound.prepare_traced
     return run
 
 
@@ -460,7 +464,7 @@ class _Bound:
         self.fingerprint = zlib.crc32(repr((plan.problem.src, plan.problem.dst)).encode())
         p = plan.problem
         dtypes = (_complex_dtype(dtype), _real_dtype(dtype))
-        steps = []
+        steps: list = []
         for act in plan.actions:
             if isinstance(act, Move):
                 t = transition(act.src, act.dst, mesh)
@@ -583,7 +587,7 @@ def _transition_step(src, dst, p: FFTProblem, itemsize, done, prefix="") -> FFTS
 def _explain(plan: FFTPlan, text: str, mode: str, out_spec: TensorSpec) -> FFTExplanation:
     p = plan.problem
     rows = []
-    done = frozenset()
+    done: frozenset = frozenset()
     names = {True: "ifft", False: "fft"}[p.inverse]
     for act in plan.actions:
         if isinstance(act, Move):
@@ -601,12 +605,14 @@ def _explain(plan: FFTPlan, text: str, mode: str, out_spec: TensorSpec) -> FFTEx
             prefix = f"four-step {name} ({fs.n} = {fs.n1}x{fs.n2}): "
             isz = (p.itemsize(done), p.itemsize_complex, p.itemsize_out if fs.real == "c2r" else p.itemsize_complex)
             moves = fs.moves()
-            labels = [None, None, f"local {names} over {name}.hi, twiddle", f"local {names} over {name}.lo", None]
+            labels: list[str | None] = [None, None, f"local {names} over {name}.hi, twiddle",
+                                        f"local {names} over {name}.lo", None]
             if fs.real == "c2r":
                 rows.append(FFTStep("four-step", prefix + "weight and zero-pad the half spectrum", "", "", 0.0, 0.0))
             for k, (src, dst, stage) in enumerate(moves):
-                if labels[k] is not None:
-                    rows.append(FFTStep("four-step", prefix + labels[k], "", "", 0.0, 0.0))
+                label = labels[k]
+                if label is not None:
+                    rows.append(FFTStep("four-step", prefix + label, "", "", 0.0, 0.0))
                 row = _transition_step(src, dst, p, isz[stage], done if k < 4 else done | {fs.axis}, prefix)
                 if row is not None:
                     rows.append(FFTStep("four-step", row.what, row.layout, row.mesh_dims, row.forward_bytes,

@@ -78,15 +78,16 @@ class HaloPlan:
         self.layout, self.mesh, self.local_error, self.always = layout, mesh, local_error, always
         axes = [i for i, (left, right) in sorted(widths.items()) if left or right]
         ex_axes, dims = exchange_group(layout, axes, mesh)
-        read = functools.lru_cache(None)(lambda i, iv: halo_axis(*iv, *widths[i], layout.sizes[i], boundary))
+        read = functools.lru_cache(None)(
+            lambda i, iv: halo_axis(iv[0], iv[1], widths[i][0], widths[i][1], layout.sizes[i], boundary))
 
         def runs(i, owner, dest):
             h = read(i, dest)
             return tuple((s, d + h.left_fill, n) for s, d, n in halo_runs(owner, h.needed))
 
         shape = MeshShape.of(mesh) if mesh is not None else None
-        local = layout.local_shape(mesh.coordinate, shape) if mesh is not None else layout.sizes
-        mine = {i: read(i, layout.interval(i, mesh.coordinate, shape) if mesh is not None else (0, local[i]))
+        local = layout.local_shape(mesh.coordinate, shape) if shape is not None else layout.sizes
+        mine = {i: read(i, layout.interval(i, mesh.coordinate, shape) if shape is not None else (0, local[i]))
                 for i in axes}
         sizes = {i: h.left_fill + h.buffer_size + h.right_fill for i, h in mine.items()}
         out = [sizes.get(d, n) for d, n in enumerate(local)]
@@ -106,6 +107,7 @@ class HaloPlan:
 
     def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         agree_before_communicating(self.mesh, self.local_error, x, self.always)
+        assert self.exchange is not None  # none only with a local error, raised above
         t = self.exchange(x, fill)
         for dim, index in self.indices:
             t = t.index_select(dim, index)

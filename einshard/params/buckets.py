@@ -174,7 +174,9 @@ class GradBucketer:
 
     def _add_buckets(self, dims, params) -> list:
         group = self.mesh.group(dims)
-        chunks, current, size = [], [], 0
+        chunks: list = []
+        current: list = []
+        size = 0
         for p in reversed(params):  # backward produces the last-registered gradients first
             nbytes = p.numel() * p.element_size()
             if current and (self.synchronous or size + nbytes > self.bucket_bytes):
@@ -275,7 +277,8 @@ class GradBucketer:
     def _launch(self, bucket: _Bucket, now: _Pass | None = None) -> None:
         """Start the sum of the bucket's contributions, of finished backwards and of the running one
         (``now``, which keeps the sum started; synchronous: add it to ``.grad`` now)."""
-        parts, modes = [], []
+        parts: list[torch.Tensor] = []
+        modes: list[str | None] = []
         for i, p in enumerate(bucket.params):
             key = (bucket, i)
             _forget_if_dropped(bucket, i, p)

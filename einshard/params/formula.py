@@ -62,7 +62,7 @@ def duty_of(state) -> object:
 
 def state_duties(tensors) -> tuple:
     """Per operand, the duty of the state attached to it; ``()`` when none has one (the fast path)."""
-    found = None
+    found: list | None = None
     for k, t in enumerate(tensors):
         if type(t) is _TENSOR:
             continue
@@ -93,7 +93,7 @@ def check_not_stored(tensors, formula: str) -> None:
 
 def recorded_shapes(tensors) -> tuple:
     """Per operand, the global shape recorded on its state (``None``: unknown); ``()`` when none has one."""
-    found = None
+    found: list | None = None
     for k, t in enumerate(tensors):
         if type(t) is _TENSOR:
             continue

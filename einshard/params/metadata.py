@@ -199,6 +199,7 @@ def global_shape_from_sizes(state: ParameterState, local_shape, sizes) -> tuple[
         return None
     out = []
     for axis, local in zip(state.spec.items, local_shape):
+        assert isinstance(axis, Axis)  # checked above
         size = sizes.get(axis.name)
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise EinshardError(f"sizes[{axis.name!r}] must be a non-negative int, got {size!r}")
@@ -256,6 +257,7 @@ def storage_slice(state: ParameterState, block_shape, mesh) -> tuple[int, slice,
     (1, slice(3, 5, None), False)
     """
     dim = state.store_axis
+    assert dim is not None and state.store is not None  # a stored parameter's state
     n, r = _Coordinates(mesh).size_and_index(state.store)
     splits = compute_split_shapes_for_factors(int(block_shape[dim]), n, 1)
     start = sum(splits[:r])

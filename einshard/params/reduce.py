@@ -248,7 +248,7 @@ def _check_ddp_state(name, state, rt, ddp_parts) -> None:
 
 
 def _completed(tensor):
-    fut = torch.futures.Future()
+    fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(tensor)
     return fut
 

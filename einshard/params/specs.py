@@ -32,6 +32,9 @@ class ParamSpec(str):
     (True, (6, 3))
     """
 
+    global_shape: tuple | None
+    _param: weakref.ref | None
+
     def __new__(cls, layout: str, global_shape=None, param=None):
         self = super().__new__(cls, layout)
         self.global_shape = None if global_shape is None else tuple(global_shape)

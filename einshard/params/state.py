@@ -494,9 +494,9 @@ def _check_fields(state) -> None:
                 f"ParameterState.layout_shard_dims {state.layout_shard_dims!r} is stale: the spec "
                 f"{str(state.spec)!r} shards over {_spec_shard_dims(state.spec)!r}"
             )
-        derived = derive_tensor_state(state.spec, ())
-        if (derived is None) != (state.tensor_state is None) or (
-            derived is not None and derived.placements != state.tensor_state.placements
+        derived, given = derive_tensor_state(state.spec, ()), state.tensor_state
+        if (derived is None) != (given is None) or (
+            derived is not None and given is not None and derived.placements != given.placements
         ):
             raise EinshardError(f"ParameterState.tensor_state does not match the spec {str(state.spec)!r}")
     _check_global_shape(state)

@@ -141,7 +141,7 @@ def _axis_roles(problem: Problem, dim: str) -> list:
         if i is not None and layout.axes[i] not in mentioned:
             mentioned.append(layout.axes[i])
     partial_ops = [("P", k) for k, op in enumerate(problem.operands) if dim in op.partial]
-    roles = [("R",)] + [("S", x) for x in mentioned if x not in problem.fixed] + partial_ops
+    roles: list[tuple] = [("R",)] + [("S", x) for x in mentioned if x not in problem.fixed] + partial_ops
     if dim in problem.summed:
         summed_axes = []
         for op in problem.operands:
@@ -244,8 +244,8 @@ def _candidate(problem: Problem, roles, metric: str) -> Candidate | None:
         cost += c
     live_bytes += max(result.mean_numel(mesh), embedded.mean_numel(mesh)) * problem.itemsize
     cost = Cost(cost.fwd_bytes, cost.bwd_bytes, cost.fwd_calls, cost.bwd_calls, max(cost.peak_bytes, live_bytes))
-    grads = tuple(grads) if any(g is not None for g in grads) else ()
-    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost, embedded, grads)
+    kept = tuple(grads) if any(g is not None for g in grads) else ()
+    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost, embedded, kept)
 
 
 def _grad_layout(op: Layout, duty, varying) -> Layout | None:
@@ -310,7 +310,7 @@ def _needed_axes(operands, keep_out, i, j) -> tuple[str, ...]:
 
 
 def _sizes_of(operands, axes):
-    table = {}
+    table: dict = {}
     for op in operands:
         for a, s in zip(op.axes, op.sizes):
             table[a] = broadcast_size(table.get(a, 1), s)

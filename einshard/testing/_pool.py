@@ -248,7 +248,8 @@ _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 
 def _clean_stack(text):
     """Tidy a faulthandler dump: drop the harness's watchdog thread and frames."""
-    blocks, block = [], []
+    blocks: list = []
+    block: list = []
     for line in text.splitlines():
         if _THREAD_HEADER.match(line):
             if block:
@@ -405,10 +406,12 @@ class RankPool:
         if self._inc is None:
             self._launch()
         inc = self._inc
+        assert inc is not None  # launched above
         if all(inc.ready):
             return
         deadline = inc.started + timeout
-        failures, grace_deadline = {}, None
+        failures: dict = {}
+        grace_deadline = None
         try:
             while not all(inc.ready):
                 waiting = [r for r in range(self.world_size) if not inc.ready[r] and r not in failures]
@@ -494,6 +497,7 @@ class RankPool:
 
     def _run_ready(self, context, payload, timeout):
         inc = self._inc
+        assert inc is not None  # _ensure_ready launched it
         n = self.world_size
         self._task_id += 1
         task_id = self._task_id
@@ -801,9 +805,9 @@ def _close_everything():
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            server._stop()  # closes its pipe and reaps it
+            server._stop()  # type: ignore[attr-defined]  # closes its pipe and reaps it
         from multiprocessing import resource_tracker
 
-        resource_tracker._resource_tracker._stop()
+        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
     except Exception:
         pass
