@@ -52,9 +52,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 import einshard as es
 from bench_gpt import peak_memory  # (the same measure as the GPT benchmark's)
+from einshard import attention_kernels
 from einshard.attention import zigzag_indices
 from einshard.testing import MeshSpec, spawn
 
@@ -145,6 +147,10 @@ def on_rank(ranks, seqs, batch, heads, dim, repeats, warmup, device, dtype):
     rank = dist.get_rank()
     tol = dict(atol=2e-4, rtol=1e-3) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     rows = []
+    probe = torch.zeros(1, heads, 16, dim, dtype=dtype, device=device)
+    # the block kernel the ring runs, and the backend F.scaled_dot_product_attention runs
+    kernels = {"ring_blocks": attention_kernels.kernel(str(probe.device.type), dtype, dim, dim).name,
+               "sdpa": SDPBackend(torch.ops.aten._fused_sdp_choice(probe, probe, probe)).name}
     for n in seqs:
         g = torch.Generator().manual_seed(n)
         whole = [torch.randn(batch, heads, n, dim, generator=g).to(device=device, dtype=dtype)
@@ -203,7 +209,7 @@ def on_rank(ranks, seqs, batch, heads, dim, repeats, warmup, device, dtype):
             row["ratio"] = round(row["ms"] / base["ms"], 3)
             row["mem_ratio"] = round(row["peak_mem_bytes"] / max(base["peak_mem_bytes"], 1), 3)
         row.update(batch=batch, heads=heads, head_dim=dim, repeats=repeats, dtype=str(dtype).split(".")[-1],
-                   device=device, torch_version=torch.__version__)
+                   device=device, torch_version=torch.__version__, kernels=kernels)
     return rows if rank == 0 else None
 
 

@@ -390,21 +390,25 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _merge(acc, o, lse):
     """Two partial attention results over disjoint keys combined (log-sum-exp weights), in ``lse``'s dtype
-    (float32, or float64 for float64)."""
-    o = o.to(lse.dtype)
+    (float32, or float64 for float64). A first result stays as the kernel made it: rows with one block of keys
+    (one rank, a causal first chunk) are never converted."""
     if acc is None:
         return o, lse
     o0, lse0 = acc
     new = torch.logaddexp(lse0, lse)
-    return o0 * (lse0 - new).exp().unsqueeze(-1) + o * (lse - new).exp().unsqueeze(-1), new
+    return (o0.to(lse.dtype) * (lse0 - new).exp().unsqueeze(-1) + o.to(lse.dtype) * (lse - new).exp().unsqueeze(-1),
+            new)
 
 
-def _add(total, part, offset: int, n: int):
-    """``total`` (``None``: nothing yet) plus ``part`` at rows ``offset ...`` of an ``n``-row sum along ``-2``."""
+def _add(total, part, offset: int, n: int, dtype: torch.dtype):
+    """``total`` (``None``: nothing yet) plus ``part`` at rows ``offset ...`` of an ``n``-row sum along ``-2``,
+    summed in ``dtype``; a first part covering every row is kept as it is (a sum of one term)."""
     if total is None and offset == 0 and part.shape[-2] == n:
         return part
     if total is None:
-        total = part.new_zeros(part.shape[:-2] + (n, part.shape[-1]))
+        total = part.new_zeros(part.shape[:-2] + (n, part.shape[-1]), dtype=dtype)
+    elif total.dtype != dtype:
+        total = total.to(dtype)
     total[..., offset:offset + part.shape[-2], :] += part
     return total
 
@@ -458,13 +462,14 @@ def _ring_backward(ring: _Ring, kernel, q, k, v, out, lse, dout, scale: float):
             rows = slice(qo, qo + ql)
             gq, gk, gv = kernel.backward(dout[..., rows, :], q[..., rows, :], k[..., ko:ko + kl, :],
                                          v[..., ko:ko + kl, :], out[..., rows, :], lse[..., rows], diagonal, scale)
-            dq = _add(dq, gq.to(acc), qo, n)
-            dk, dv = _add(dk, gk.to(acc), ko, held), _add(dv, gv.to(acc), ko, held)
+            dq = _add(dq, gq, qo, n, acc)
+            dk, dv = _add(dk, gk, ko, held, acc), _add(dv, gv, ko, held, acc)
         if ring.size == 1:
             break
         assert kv is not None  # a ring of two ranks or more
-        grads = (torch.cat([dk, dv], -1) if dk is not None and dv is not None
-                 else kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]), dtype=acc))
+        # what travels is summed on every rank it visits: in the summing dtype on every rank alike
+        grads = (torch.cat([dk.to(acc), dv.to(acc)], -1) if dk is not None and dv is not None else
+                 kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]), dtype=acc))
         if travelling is not None:
             grads = grads + _wait(travelling)
         # on to the next rank; after the last step every block's gradient arrives at its owner

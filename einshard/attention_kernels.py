@@ -12,7 +12,7 @@ the merged output and log-sum-exp. A *kernel* does one pair:
 ``causal`` masks a square pair as a chunk against itself (position ``i`` sees
 ``<= i``). :func:`kernel` picks one for a device, dtype and head sizes: the
 fused SDPA op that ``F.scaled_dot_product_attention`` would run there (CPU:
-its flash kernel; CUDA: flash or memory-efficient), or :data:`EXACT`, plain
+its flash kernel; CUDA: cuDNN, flash or memory-efficient), or :data:`EXACT`, plain
 matmuls with a materialised block of scores, where none applies — always for
 float64, whose exactness is the point of choosing it.
 """
@@ -45,6 +45,12 @@ FUSED_OPS = {
     "_scaled_dot_product_efficient_attention_backward": (
         "grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
         "dropout_p", "grad_input_mask", "is_causal", "scale"),
+    "_scaled_dot_product_cudnn_attention": (
+        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask",
+        "scale"),
+    "_scaled_dot_product_cudnn_attention_backward": (
+        "grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+        "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"),
 }
 
 
@@ -169,6 +175,27 @@ class _CudaEfficient:
         return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
 
 
+class _CudaCudnn:
+    """``aten._scaled_dot_product_cudnn_attention`` and its backward (its log-sum-exp ``(..., n, 1)``; no dropout,
+    so the random state and the nested-tensor offsets are unused)."""
+
+    name, native_gqa = "cuda_cudnn", False
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        o, lse = _aten._scaled_dot_product_cudnn_attention(_4d(q), _4d(k), _4d(v), None, True, 0.0, causal, False,
+                                                           scale=scale)[:2]
+        return o.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        grads = _aten._scaled_dot_product_cudnn_attention_backward(
+            _4d(dout), _4d(q), _4d(k), _4d(v), _4d(out), _rows(lse).unsqueeze(-1).contiguous(), unused, unused,
+            None, None, None, q.shape[-2], k.shape[-2], 0.0, causal, scale=scale)
+        return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
+
+
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
     """``(..., h, n, d)`` with every head repeated ``groups`` times in place (``repeat_interleave`` on ``-3``)."""
     shape = x.shape
@@ -207,6 +234,8 @@ _FUSED = {  # device type, backend: the kernel, needing these ops
                                                           "_scaled_dot_product_flash_attention_backward")),
     ("cuda", SDPBackend.EFFICIENT_ATTENTION): (_CudaEfficient(), ("_scaled_dot_product_efficient_attention",
                                                                   "_scaled_dot_product_efficient_attention_backward")),
+    ("cuda", SDPBackend.CUDNN_ATTENTION): (_CudaCudnn(), ("_scaled_dot_product_cudnn_attention",
+                                                          "_scaled_dot_product_cudnn_attention_backward")),
 }
 
 
@@ -225,9 +254,11 @@ def kernel(device: str, dtype: torch.dtype, d: int, e: int, enabled: str = "", g
 
     The backend ``F.scaled_dot_product_attention`` chooses for such tensors
     (``aten._fused_sdp_choice`` on a probe of that device, dtype and head
-    sizes, under the backends enabled now); cuDNN, whose backward wants the
-    memory layouts of its own forward, is replaced by flash or the
-    memory-efficient kernel where those can run. :data:`EXACT` for float64,
+    sizes, under the backends enabled now: on CUDA cuDNN, flash or the
+    memory-efficient kernel; blocks are contiguous ``(..., n, d)``, the
+    layout cuDNN's backward expects of its forward's output). Grouped heads
+    choosing cuDNN take flash or the memory-efficient kernel, whose grouped
+    heads need no repeated keys. :data:`EXACT` for float64,
     for the math backend, for CUDA head sizes that are not a multiple of 8
     (``F.scaled_dot_product_attention`` pads those itself), and where this
     torch lacks the op or its arguments differ (:data:`FUSED_OPS`).
@@ -250,7 +281,7 @@ def _fused(dev: torch.device, dtype: torch.dtype, d: int, e: int, groups: int):
     q, k, v = (torch.zeros(1, h, 16, w, dtype=dtype, device=dev) for h, w in ((groups, d), (1, d), (1, e)))
     gqa = groups > 1
     choice = SDPBackend(_aten._fused_sdp_choice(q, k, v, enable_gqa=gqa))
-    if dev.type == "cuda" and choice == SDPBackend.CUDNN_ATTENTION:
+    if dev.type == "cuda" and choice == SDPBackend.CUDNN_ATTENTION and gqa:  # its GQA repeats keys and values
         params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, gqa)
         choice = (SDPBackend.FLASH_ATTENTION if torch.backends.cuda.can_use_flash_attention(params) else
                   SDPBackend.EFFICIENT_ATTENTION if torch.backends.cuda.can_use_efficient_attention(params) else

@@ -181,8 +181,8 @@ def fused_kernel_case(device, dtype, n: int = 256, heads: int = 4, width: int = 
     from einshard import attention_kernels
 
     q, k, v, dout = (gen(2, heads, n, width, seed=s, device=device) for s in (21, 22, 23, 24))
-    backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if torch.device(device).type == "cuda"
-                else [SDPBackend.FLASH_ATTENTION])
+    backends = ([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+                if torch.device(device).type == "cuda" else [SDPBackend.FLASH_ATTENTION])
     ratios = {}
     for causal in (False, True):
         ref = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
@@ -196,6 +196,7 @@ def fused_kernel_case(device, dtype, n: int = 256, heads: int = 4, width: int = 
             with sdpa_kernel([backend]):
                 kern = attention_kernels.kernel(str(torch.device(device).type), dtype, width, width)
             assert kern is not attention_kernels.EXACT, (device, dtype, backend)
+            ratios[kern.name] = 0.0  # (which kernels ran: the test names them)
             for blocks in (1, 3):
                 got = _blockwise(kern, *(t.detach() for t in low), dout.to(dtype), causal, blocks)
                 for name, g, w, f in zip(("out", "dq", "dk", "dv"), got, want, floor):
@@ -318,6 +319,7 @@ def test_fused_kernel_blocks_merge_to_whole_attention_on_cpu():
 def test_fused_kernel_blocks_merge_to_whole_attention_on_a_gpu(dtype):
     """The CUDA flash and memory-efficient kernels ring attention runs per block pair, merged over key blocks."""
     ratios = fused_kernel_case("cuda", dtype)
+    assert {"cuda_cudnn", "cuda_flash", "cuda_efficient"} <= set(ratios), sorted(ratios)
     assert max(ratios.values()) <= FUSED_ERROR_RATIO, ratios
 
 
