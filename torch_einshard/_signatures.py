@@ -33,7 +33,7 @@ def legacy_names(fn, **renames):
                 kwargs[name] = kwargs.pop(legacy)
         return fn(*args, **kwargs)
 
-    call.__signature__ = signature.replace(
+    call.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[p.replace(name=renames.get(p.name, p.name)) for p in signature.parameters.values()]
     )
     return call

@@ -26,7 +26,8 @@ def expand_family_sizes(sizes, families):
             continue
         values = value if isinstance(value, tuple) else (value,) * len(members)
         if len(values) != len(members):
-            raise EinshardError(f"sizes[{key!r}] has {len(values)} values for the {len(members)} axes of family {key!r}")
+            raise EinshardError(
+                f"sizes[{key!r}] has {len(values)} values for the {len(members)} axes of family {key!r}")
         for member, v in zip(members, values):
             name = member.split("/")[0].strip()
             if out.get(name, v) != v:

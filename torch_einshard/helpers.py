@@ -76,7 +76,8 @@ def reduce_scatter(input, group, dim, shapes):
 
 
 def all_to_all_repartition(input, group, source_dim, dest_dim, source_shapes, dest_shapes):
-    """Sharded along ``source_dim`` and whole along ``dest_dim`` -> whole along ``source_dim``, sharded along ``dest_dim``.
+    """Sharded along ``source_dim`` and whole along ``dest_dim`` -> whole along ``source_dim``, sharded along
+    ``dest_dim``.
 
     ``None`` (as in 1.0) when ``source_shapes`` or ``dest_shapes`` is ``None``; one rank's
     group returns ``input`` unchanged.
@@ -132,7 +133,8 @@ def owner_swap_pairs(mesh, source_shard_dims, dest_shard_dims) -> tuple:
 
 
 def owner_swap(input, mesh, source_shard_dims, dest_shard_dims, output_shape):
-    """Give this rank's block to the rank that owns it once each axis moves from ``source_shard_dims`` to ``dest_shard_dims``.
+    """Give this rank's block to the rank that owns it once each axis moves from ``source_shard_dims`` to
+    ``dest_shard_dims``.
 
     ``output_shape`` is the shape of the block this rank receives.
     """
@@ -206,7 +208,8 @@ def roll_sharded(input, group, dim, shift, shapes):
 
 
 def resolve_split_shapes(shapes, shard_dim, axis_name, group=None):
-    """The split shapes of ``axis_name`` over ``shard_dim`` from ``shapes=`` (a list, or ``{dim: list or {axis: list}}``)."""
+    """The split shapes of ``axis_name`` over ``shard_dim`` from ``shapes=`` (a list, or
+    ``{dim: list or {axis: list}}``)."""
     return H.resolve_split_shapes(shapes, shard_dim, axis_name, group)
 
 

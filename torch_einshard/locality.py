@@ -32,6 +32,8 @@ def local_operation(shard):
                             f"{len(formula.inputs)}")
     if any(spec.partial for spec in formula.tensors):
         return False
+    if formula.output is None:
+        raise EinshardError(f"local_operation: {str(formula)!r} names no output ('->')")
     out = set(formula.output.axes)
     if len(formula.inputs) == 1:
         return all(axis.mesh is None for axis in set(formula.inputs[0].axes) ^ out)

@@ -14,6 +14,8 @@ einshard's mappings (the communication guide), with one difference kept from 1.0
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from einshard.comm import collectives as C
@@ -52,8 +54,10 @@ def _sum_to_src(x, group, src):
     return total if C.group_rank(group) == src else torch.zeros_like(total)
 
 
-_broadcast = M.make_mapping("Broadcast", C.broadcast, lambda d, g, src: _reduce(d, g, src))
-_reduce = M.make_mapping("SumToSource", _sum_to_src, lambda d, g, src: _broadcast(d, g, src))
+_broadcast: Callable[..., torch.Tensor] = M.make_mapping(
+    "Broadcast", C.broadcast, lambda d, g, src: _reduce(d, g, src))
+_reduce: Callable[..., torch.Tensor] = M.make_mapping(
+    "SumToSource", _sum_to_src, lambda d, g, src: _broadcast(d, g, src))
 
 
 def broadcast_forward_allreduce_backward(input, comm, src=0):
@@ -108,7 +112,7 @@ def _roll(x, group, dim, shift, shapes):
     return x.view_as(x) if y is x else y  # a Function's output is a new tensor
 
 
-_roll_sharded = M.make_mapping(
+_roll_sharded: Callable[..., torch.Tensor] = M.make_mapping(
     "RollSharded",
     _roll,
     lambda d, g, dim, shift, shapes: _roll_sharded(d, g, dim, -shift, shapes),

@@ -42,6 +42,8 @@ __all__ = ["Axes", "Axis", "AxisGroup", "EllipsisAxis", "LegacyName", "TensorSpe
 class LegacyName(type):
     """The metaclass of a 1.0 class name: ``isinstance`` and ``issubclass`` answer for ``cls.target``."""
 
+    target: type
+
     def __instancecheck__(cls, obj):
         return isinstance(obj, cls.target)
 
@@ -90,7 +92,8 @@ class AxisGroup(metaclass=LegacyName):
 
 
 class Axes(metaclass=LegacyName):
-    """1.0's ``Axes(items)``: einshard's ``Axes``, the named axes (groups flattened) printing the items with ``' × '``."""
+    """1.0's ``Axes(items)``: einshard's ``Axes``, the named axes (groups flattened) printing the items with
+    ``' × '``."""
 
     target = objects.Axes
 
@@ -139,7 +142,8 @@ def as_formula(shard) -> notation.Formula:
             text = ", ".join(map(str, inputs)) + " -> " + str(output)
             return notation.Formula(text, tuple(inputs), output)
     raise EinshardError(
-        f"expected a formula: its text, parse_sharding's result or (input 0, input 1 or None, output) specs; got {shard!r}"
+        "expected a formula: its text, parse_sharding's result or (input 0, input 1 or None, output) specs; "
+        f"got {shard!r}"
     )
 
 

@@ -167,7 +167,7 @@ class ExecutionPlan:
         return tuple(self.steps)
 
 
-_LAST = {"plan": (), "candidates": (), "alternatives": ()}
+_LAST: dict[str, tuple] = {"plan": (), "candidates": (), "alternatives": ()}
 
 
 def set_last_plan(plan):

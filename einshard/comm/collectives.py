@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from ..core import _trace
+from ..core._split import compute_split_shapes
+from ..errors import EinshardError
 from . import _traced_collectives as _TC
 from . import checks as _checks
 from . import comm_stats as _stats
-from ..core._split import compute_split_shapes
-from ..errors import EinshardError
 from .primitives import PRIMITIVES
 
 __all__ = [
@@ -112,7 +112,7 @@ def _agree(group, err, point: str = "", x: torch.Tensor | None = None, shape=Non
     Call it when ``err is not None or _checks.agreement_needed()`` only, so that nothing is built with
     checks off.
     """
-    facts = ()
+    facts: tuple = ()
     if x is not None:
         facts = (("shape", tuple(x.shape) if shape is None else shape), ("dtype", x.dtype), ("device", x.device))
     _checks.agree(group, err, facts=facts + tuple(extra), point=point, **kw)
@@ -145,7 +145,7 @@ def _sizes(shapes, what: str, size: int) -> list[int]:
             raise EinshardError(f"{what} must be a list of per-rank sizes, got {shapes!r}") from None
     out = []
     for s in shapes:
-        if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)) and int(s) != s:
+        if isinstance(s, bool) or (not isinstance(s, (int, torch.SymInt)) and int(s) != s):
             raise EinshardError(f"{what} must hold integers, got {list(shapes)!r}")
         out.append(int(s))
     if len(out) != size:
@@ -208,7 +208,9 @@ def _offsets(shapes: Sequence[int]) -> list[int]:
 
 def _record(kind: str, group, size: int, n: int, root=None) -> None:
     """Account one call: its primitive's traffic over ``size`` ranks, ``n`` the bytes of its defining buffer."""
-    _stats.record(kind, group, *PRIMITIVES[kind].traffic(size, n, root))
+    traffic = PRIMITIVES[kind].traffic
+    assert traffic is not None, kind  # a collective's primitive has a traffic
+    _stats.record(kind, group, *traffic(size, n, root))
 
 
 def _contiguous_clone(x: torch.Tensor) -> torch.Tensor:
@@ -260,14 +262,17 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
     size = _size(group)
     x = x.detach()
     if _trace.traced():
-        y = _TC.all_reduce(x / size if name in ("avg", "mean") else x, group, "sum" if name in ("avg", "mean") else name)
+        mean = name in ("avg", "mean")
+        y = _TC.all_reduce(x / size if mean else x, group, "sum" if mean else name)
         return (y, _CompletedWork()) if async_op else y
     if name in ("avg", "mean"):
         y = (x / size).contiguous() if size > 1 else _contiguous_clone(x)
         reduce_op = dist.ReduceOp.SUM
     else:
         y = _contiguous_clone(x)
-        reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[name])
+        op_name = _REDUCE_OPS[name]
+        assert op_name is not None  # avg and mean are handled above
+        reduce_op = getattr(dist.ReduceOp, op_name)
     return _reduce_in_place(y, group, size, reduce_op, async_op)
 
 
@@ -600,6 +605,7 @@ def all_to_all(
     # Pack the blocks for the destination ranks one after the other, each in x's own dimension order, so
     # that the received blocks are this rank's result pieces along src_dim (no unpacking when nothing
     # precedes src_dim).
+    assert src_shapes is not None and dst_shapes is not None  # set above when there is no error
     m = max(dst_shapes)
     if all(s == m for s in dst_shapes):
         send = x.unflatten(dd, (size, m)).movedim(dd, 0)  # one copy below (a view for dd == 0)

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from ..core import _torch_compat, _trace
-from . import collectives as C
 from ..core._split import compute_split_shapes
+from . import collectives as C
 
 __all__ = [
     "allreduce_forward_identity_backward",

@@ -62,7 +62,9 @@ class Primitive:
         if not self.communicates(step):
             return 0.0
         carrier = PRIMITIVES[self.transport] if self.transport else self
-        return carrier.traffic(mesh.size(step.dims), self.basis(step, mesh) * itemsize, None)[0]
+        traffic, basis = carrier.traffic, self.basis
+        assert traffic is not None and basis is not None, self.name  # a communicating step kind has both
+        return traffic(mesh.size(step.dims), basis(step, mesh) * itemsize, None)[0]
 
 
 PRIMITIVES: dict[str, Primitive] = {}

@@ -38,14 +38,16 @@ import torch.distributed.distributed_c10d as _c10d
 import torch.utils.checkpoint as _checkpoint
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY", "CheckpointFrame",
-           "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
+__all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY",
+           "CheckpointFrame", "install_checkpoint", "original_reentrant_forward", "checkpoint_installed",
+           "current_graph_task_id", "autograd_engine",
            "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
-           "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass", "EnableTorchFunction", "push_torch_function_mode",
+           "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass",
+           "EnableTorchFunction", "push_torch_function_mode",
            "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group"]
 
 #: the installed torch release as ``(major, minor)``
-TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+TORCH_VERSION: tuple[int, ...] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 _torch_is_compiling = torch.compiler.is_compiling
 _TRACE_TIME = [0]  # how many trace-time Python calls are running
@@ -118,9 +120,9 @@ class CheckpointFrame(_Frame):
 
 
 if not _SAVES_INPUTS:
-    _NoopSaveInputs = _checkpoint._NoopSaveInputs
+    _NoopSaveInputs = _checkpoint._NoopSaveInputs  # type: ignore[attr-defined]  # torch 2.11 only
 
-    class _SaveInputs(_NoopSaveInputs):
+    class _SaveInputs(_NoopSaveInputs):  # type: ignore[valid-type,misc]
         """torch 2.11's ``_NoopSaveInputs``, applied to ``(dummy, kwargs, *args)`` right after the frame is made."""
 
         @staticmethod
@@ -141,10 +143,10 @@ def install_checkpoint(frame: type, reentrant_forward) -> None:
         return
     forward = vars(_Reentrant)["forward"]
     _ORIGINAL[:] = [forward.__func__, _Frame, getattr(_checkpoint, "_NoopSaveInputs", None)]
-    _Reentrant.forward = staticmethod(reentrant_forward)
-    _checkpoint._CheckpointFrame = frame
+    _Reentrant.forward = staticmethod(reentrant_forward)  # type: ignore[method-assign]
+    _checkpoint._CheckpointFrame = frame  # type: ignore[misc,assignment]
     if not _SAVES_INPUTS:
-        _checkpoint._NoopSaveInputs = _SaveInputs
+        _checkpoint._NoopSaveInputs = _SaveInputs  # type: ignore[attr-defined]
 
 
 def original_reentrant_forward(ctx, run_function, preserve_rng_state, *args):
@@ -181,6 +183,6 @@ push_torch_function_mode = torch._C._push_on_torch_function_stack
 pop_torch_function_mode = torch._C._pop_torch_function_stack
 torch_function_stack_len = torch._C._len_torch_function_stack
 #: ``torch.einsum`` without its Python-level argument handling
-einsum_entry = torch._C._VariableFunctions.einsum
+einsum_entry = torch._C._VariableFunctions.einsum  # type: ignore[attr-defined]  # not in torch's stubs
 #: the process group of a ``group.group_name``
 resolve_process_group = _c10d._resolve_process_group

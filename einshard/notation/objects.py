@@ -88,6 +88,8 @@ class Axes(tuple):
     """``TensorSpec.axes``: a tuple of :class:`Axis` whose ``repr`` is the layout, items joined by ``" × "``
     (``'out / tp × in'``; a group as ``(a / dp b)``, an ellipsis as ``...``)."""
 
+    _items: tuple
+
     def __new__(cls, axes, items=None):
         self = super().__new__(cls, axes)
         self._items = tuple(self) if items is None else items
@@ -123,7 +125,7 @@ class TensorSpec:
     pos: int = field(default=-1, compare=False, repr=False)
 
     @property
-    def axes(self) -> "Axes":
+    def axes(self) -> Axes:
         """Every named axis, group members flattened, in order (no ellipsis).
 
         A tuple of :class:`Axis`; its ``repr`` shows the spec's items joined by ``" × "``:

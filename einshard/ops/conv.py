@@ -40,13 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ..core import _trace
 from ..comm import mappings
-from ..runtime import vma as _vma
+from ..core import _trace
 from ..core._cache import BoundedCache
-from ..errors import EinshardError
 from ..core.layout import MeshShape
+from ..errors import EinshardError
 from ..notation import expand, freeze_families
+from ..runtime import vma as _vma
 from ..runtime.pipeline import (
     check_boundary,
     check_kept_sharding,
@@ -251,7 +251,7 @@ def _per_spatial(value, spatial, families, arg) -> dict:
         return {}
     if isinstance(value, dict):
         return per_axis(value, spatial, families, arg)
-    return {a: value for a in spatial}
+    return dict.fromkeys(spatial, value)
 
 
 def _check_stride(stride) -> None:
@@ -356,7 +356,7 @@ def _plan(formula, x, weight, bias, windows, padding, stride, dilation, groups, 
         plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
                          freeze_families(families))
     except EinshardError as err:
-        raise err.within(formula, "einconv")
+        raise err.within(formula, "einconv")  # noqa: B904 - the caught error itself, named
     group = None
     if m is not None:
         shape = MeshShape.of(m)

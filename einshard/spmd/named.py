@@ -23,20 +23,21 @@ guide tabulates each one's forward and backward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import optree
 import torch
 
-from ..core import _context, _trace
 from ..comm import checks as _checks
 from ..comm import collectives as C
 from ..comm import mappings as M
-from ..runtime import vma as _vma
-from ..core._cache import BoundedCache
-from ..errors import EinshardError
 from ..comm.grad_sums import leaf_sum
 from ..comm.mesh import SubMesh, resolve_mesh
 from ..comm.primitives import PRIMITIVES
+from ..core import _context, _trace
+from ..core._cache import BoundedCache
+from ..errors import EinshardError
+from ..runtime import vma as _vma
 
 __all__ = [
     "psum",
@@ -173,6 +174,7 @@ def _check_tensor(x, what):
 def _widen(ax: _Axes, x: _Tensor) -> tuple[_Tensor, int]:
     """``x`` pvary-ed over the collective's dimensions it does not vary over; its new mask."""
     tr = ax.tracker
+    assert tr is not None  # called when tracking
     m = tr.mask_of(x)
     missing = ax.mask & ~m
     if missing:
@@ -188,7 +190,9 @@ def _run(ax: _Axes, kind: str, fn, x, *args):
     if ax.tracker is None:
         return fn(x, *args)
     x, m = _widen(ax, x)
-    return _vma.library_call(ax.tracker, fn, (x, *args), {}, PRIMITIVES[kind].vary(m, ax.mask))
+    vary = PRIMITIVES[kind].vary
+    assert vary is not None, kind  # every named collective's primitive has a variance rule
+    return _vma.library_call(ax.tracker, fn, (x, *args), {}, vary(m, ax.mask))
 
 
 def _reduce(x, ax: _Axes, what: str, number, fn, *args, numbers=(int, float, complex)):
@@ -309,6 +313,8 @@ def all_gather(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, m
     """
     _check_tensor(x, "all_gather")
     ax = _Axes(dim_name, mesh, "all_gather")
+    fn: Callable
+    args: tuple
     if tiled:
         a = _norm_axis(axis, x.dim(), "all_gather")
         fn, args = M.allgather_forward_split_backward, (x, ax.group, a, _shapes(shapes, ax, "all_gather"), ax.order)
@@ -344,6 +350,8 @@ def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None,
     _check_tensor(x, "psum_scatter")
     ax = _Axes(dim_name, mesh, "psum_scatter")
     a = _norm_axis(axis, x.dim(), "psum_scatter")
+    fn: Callable
+    args: tuple
     if tiled:
         shapes = _shapes(shapes, ax, "psum_scatter")
         fn, args = M.reducescatter_forward_allgather_backward, (x, ax.group, a, shapes, ax.order)
@@ -379,6 +387,8 @@ def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = 
     ax = _Axes(dim_name, mesh, "all_to_all")
     s = _norm_axis(split_axis, x.dim(), "all_to_all")
     c = _norm_axis(concat_axis, x.dim(), "all_to_all")
+    fn: Callable
+    args: tuple
     if tiled:
         if s == c:
             fn, args = _same_axis_a2a, (x, ax.group, s, ax.order)
