@@ -30,7 +30,8 @@ installed torch, so a release that changes what a shim assumes fails there.
 - torch internals with no public equivalent (the last section): the
   autograd engine's current graph task, functorch's transform state, the
   torch-function mode stack, fake tensors, a process group by name, the
-  C entry points of ``einsum`` and ``autograd.Function.apply``. Each is a
+  C entry points of ``einsum`` and ``autograd.Function.apply``, whether
+  dynamo is compiling a frame (:func:`dynamo_compiling_frame`). Each is a
   name here and nowhere else in einshard.
 """
 
@@ -41,6 +42,7 @@ import contextlib
 import torch
 import torch.distributed.distributed_c10d as _c10d
 import torch.utils.checkpoint as _checkpoint
+from torch._guards import CompileContext as _CompileContext
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY", "CheckpointFrame",
@@ -48,7 +50,8 @@ __all__ = ["TORCH_VERSION", "is_compiling", "trace_time", "traced_function_resul
            "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
            "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
            "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass", "EnableTorchFunction", "push_torch_function_mode",
-           "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group"]
+           "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group",
+           "dynamo_compiling_frame"]
 
 #: the installed torch release as ``(major, minor)``
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -207,3 +210,10 @@ torch_function_stack_len = torch._C._len_torch_function_stack
 einsum_entry = torch._C._VariableFunctions.einsum
 #: the process group of a ``group.group_name``
 resolve_process_group = _c10d._resolve_process_group
+
+
+def dynamo_compiling_frame() -> bool:
+    """Whether dynamo is compiling a frame on this thread: true in the code it traces and in the Python it runs
+    meanwhile (building guards, which on torch 2.11 evaluates a guarded attribute such as ``w.T`` through the
+    torch-function modes of the frame), false in the eager code of a graph break."""
+    return _CompileContext.try_get() is not None

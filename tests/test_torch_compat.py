@@ -282,6 +282,29 @@ def test_torch_function_internals():
         assert type(torch.ones(2).as_subclass(Wrapped) + 1) is torch.Tensor
 
 
+def test_dynamo_compiling_frame_is_true_while_dynamo_compiles_only():
+    """True in the Python dynamo runs while it compiles a frame (a planner here; guards are built there too),
+    false eagerly and in the eager code a compiled function runs (a disabled function, a graph break's)."""
+    seen = []
+
+    @_trace.constant_result
+    def planner(n):
+        seen.append(("planner", _torch_compat.dynamo_compiling_frame()))
+        return n
+
+    @torch._dynamo.disable
+    def eager_part(x):
+        seen.append(("eager part", _torch_compat.dynamo_compiling_frame()))
+        return x + 1
+
+    assert not _torch_compat.dynamo_compiling_frame()
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: eager_part(x * planner(2)), backend="eager")(torch.ones(2))
+    assert out.tolist() == [3.0, 3.0]
+    assert seen == [("planner", True), ("eager part", False)]
+    assert not _torch_compat.dynamo_compiling_frame()
+
+
 def test_fake_tensors_einsum_and_groups(tmp_path):
     with torch._subclasses.fake_tensor.FakeTensorMode():
         assert isinstance(torch.ones(2), _torch_compat.FakeTensor)
