@@ -301,7 +301,7 @@ def test_dynamo_compiling_frame_is_true_while_dynamo_compiles_only():
     torch._dynamo.reset()
     out = torch.compile(lambda x: eager_part(x * planner(2)), backend="eager")(torch.ones(2))
     assert out.tolist() == [3.0, 3.0]
-    assert seen == [("planner", True), ("eager part", False)]
+    assert set(seen) == {("planner", True), ("eager part", False)}  # (the planner may run again: a restart)
     assert not _torch_compat.dynamo_compiling_frame()
 
 
