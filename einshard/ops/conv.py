@@ -38,10 +38,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..comm import mappings
-from ..core import _trace
+from ..core import _torch_compat, _trace
 from ..core._cache import BoundedCache
 from ..core.layout import MeshShape
 from ..errors import EinshardError
@@ -335,10 +334,10 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     tensors = [x, weight, bias]
     grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if checkpoint == "full" and grad_needed:
-        return _checkpoint(full, x, weight, bias, use_reentrant=use_reentrant)
+        return _torch_compat.checkpoint(full, x, weight, bias, use_reentrant=use_reentrant)
     xh = plan(x, fill)
     if checkpoint == "conv" and grad_needed:
-        return _checkpoint(conv, xh, weight, bias, use_reentrant=use_reentrant)
+        return _torch_compat.checkpoint(conv, xh, weight, bias, use_reentrant=use_reentrant)
     return conv(xh, weight, bias)
 
 

@@ -956,8 +956,9 @@ class TracedTracker(_Rules):
             _trace.at_trace_time(_sweep_here)
 
     def dispatch(self, func, args, kwargs):
-        if self.suspended or (not _compiling() and _fake(args)):
-            # (fake tensors outside traced code: dynamo's own work while it compiles a frame of the body)
+        if self.suspended or (not _compiling() and (_fake(args) or _torch_compat.dynamo_compiling_frame())):
+            # (outside traced code, fake tensors or dynamo compiling a frame of the body: its own work, untracked;
+            # a tag it put on a real tensor, w.T built for a guard, would be guarded on and missing on the next w.T)
             return func(*args, **kwargs)
         special = _SPECIAL.get(func)
         if special is not None:

@@ -7,7 +7,9 @@ release that changes it fails here, not somewhere deep in a compiled step.
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from einshard.core import _torch_compat, _trace
 from einshard.runtime import recompute
@@ -166,6 +168,41 @@ def test_checkpoint_frames_learn_their_inputs():
     assert torch_checkpoint.CheckpointFunction.forward is recompute._reentrant_forward
 
 
+class _Devices(TorchDispatchMode):
+    """The device types of every tensor the aten ops run while active make."""
+
+    def __init__(self):
+        super().__init__()
+        self.types = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.types |= {t.device.type for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+        return out
+
+
+def _checkpointed_devices(checkpoint, use_reentrant):
+    x = torch.ones(3, device="meta", requires_grad=True)  # (meta stands for CUDA on a CPU machine)
+    with _Devices() as seen:
+        checkpoint(lambda a, b: (a * b).sin(), x, 2.0, use_reentrant=use_reentrant).sum().backward()
+    assert x.grad is not None and x.grad.device.type == "meta"
+    return seen.types
+
+
+def test_checkpoint_makes_nothing_off_the_operands_device():
+    """torch 2.11's non-reentrant checkpoint makes its anchor tensors on the CPU whatever the region's device
+    (CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE; a release that changes that fails here); the shim makes none off the
+    operands' device, in both modes, and its gradient is torch's."""
+    anchors_on_cpu = _checkpointed_devices(torch_checkpoint.checkpoint, False) == {"meta", "cpu"}
+    assert anchors_on_cpu == _torch_compat.CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE == (_torch_compat.TORCH_VERSION < (2, 12))
+    for use_reentrant in (False, True):
+        assert _checkpointed_devices(_torch_compat.checkpoint, use_reentrant) == {"meta"}
+        x = torch.linspace(-1, 1, 5, dtype=torch.float64, requires_grad=True)
+        y = _torch_compat.checkpoint(lambda a, b: (a * b).sin(), x, 3.0, use_reentrant=use_reentrant)
+        y.sum().backward()
+        assert torch.allclose(y, torch.sin(3.0 * x.detach())) and torch.allclose(x.grad, 3.0 * torch.cos(3.0 * x.detach()))
+
+
 # -- torch internals with no public equivalent ----------------------------------------------------
 
 
@@ -244,6 +281,29 @@ def test_torch_function_internals():
     assert type(torch.ones(2).as_subclass(Wrapped) + 1) is Wrapped
     with _torch_compat.DisableTorchFunctionSubclass():
         assert type(torch.ones(2).as_subclass(Wrapped) + 1) is torch.Tensor
+
+
+def test_dynamo_compiling_frame_is_true_while_dynamo_compiles_only():
+    """True in the Python dynamo runs while it compiles a frame (a planner here; guards are built there too),
+    false eagerly and in the eager code a compiled function runs (a disabled function, a graph break's)."""
+    seen = []
+
+    @_trace.constant_result
+    def planner(n):
+        seen.append(("planner", _torch_compat.dynamo_compiling_frame()))
+        return n
+
+    @torch._dynamo.disable
+    def eager_part(x):
+        seen.append(("eager part", _torch_compat.dynamo_compiling_frame()))
+        return x + 1
+
+    assert not _torch_compat.dynamo_compiling_frame()
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: eager_part(x * planner(2)), backend="eager")(torch.ones(2))
+    assert out.tolist() == [3.0, 3.0]
+    assert set(seen) == {("planner", True), ("eager part", False)}  # (the planner may run again: a restart)
+    assert not _torch_compat.dynamo_compiling_frame()
 
 
 def test_fake_tensors_einsum_and_groups(tmp_path):

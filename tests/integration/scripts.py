@@ -42,8 +42,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script, nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node nproc script args...`` (the ``torch.distributed.run`` module of this Python)."""
+def torchrun(script, nproc: int, *args: str, timeout: float = 300, log_dir=None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc script args...`` (the ``torch.distributed.run`` module of this Python).
+
+    With ``log_dir``, torchrun also keeps every rank's stderr there (``--tee 2``; the captured
+    stderr gets it too, each line prefixed with its rank): :func:`rank_stderr` reads it back.
+    """
+    logs = [] if log_dir is None else ["--log-dir", str(log_dir), "--tee", "2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(script), *args]
+           "--master-port", str(free_port()), *logs, str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def rank_stderr(log_dir, tail: int = 2000) -> str:
+    """The last ``tail`` characters of each rank's stderr in a :func:`torchrun` ``log_dir``, rank by rank (for a
+    failure message: torchrun's own report of a failed rank says no more than its exit code)."""
+    parts = []
+    paths = Path(log_dir).glob("*/attempt_*/*/stderr.log")  # (one folder per local rank)
+    for path in sorted(paths, key=lambda p: (str(p.parent.parent), int(p.parent.name))):
+        text = path.read_text(errors="replace")
+        parts.append(f"---- {path.parent.parent.name} rank {path.parent.name} stderr ({len(text)} chars, last {tail}):\n"
+                     f"{text[-tail:]}")
+    return "\n".join(parts) or f"(no rank logs under {log_dir})"

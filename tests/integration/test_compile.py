@@ -206,6 +206,28 @@ def test_failed_compile_leaves_no_context_behind():
     torch.testing.assert_close(step(p, x), torch.einsum("bnc,fc->bnf", x, p["w1"]))  # eager still works
 
 
+def _attribute_body(x, w):
+    y = F.gelu(x @ w.T)  # an attribute of the body frame's input: dynamo names it ``w.T`` and guards on it
+    torch._dynamo.graph_break()
+    return y * 2
+
+
+@pytest.mark.ranks(2, timeout=600)
+def test_an_attribute_of_a_body_input_before_a_graph_break():
+    """torch 2.11's dynamo builds a guard of the body's frame by evaluating ``w.T`` through the body's
+    torch-function modes; the variance tracker must tag nothing then (dynamo's own work), or the guard fails on
+    the frame that made it ("Guard failed on the same frame it was created"). Compared with whole tensors."""
+    mesh = _tp_mesh()
+    rows = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    x, w_whole = _randn(3, 6, seed=1), _randn(8, 6, seed=2)
+    step = es.shard_map(_attribute_body, in_specs=("b c", "f/tp c"), out_specs="b f/tp", mesh=mesh)
+    torch._dynamo.reset()
+    got, (gw,) = _grads(lambda w: torch.compile(step, backend="aot_eager")(x, w), [w_whole[rows]])
+    want, (ww,) = _grads(lambda w: _attribute_body(x, w), [w_whole])
+    torch.testing.assert_close(got, want[:, rows])
+    torch.testing.assert_close(gw, ww[rows])
+
+
 @pytest.mark.ranks(2, timeout=600)
 def test_compiled_formula_refuses_gradient_duties():
     """Traced formulas reduce every gradient themselves: a duty (annotated or registered) would sum twice."""

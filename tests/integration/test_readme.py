@@ -11,7 +11,7 @@ import torch
 
 import einshard as es
 from einshard.testing import local_block
-from scripts import kept_process_group, torchrun
+from scripts import kept_process_group, rank_stderr, torchrun
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -39,12 +39,15 @@ def test_readme_example():
 @pytest.mark.matrix  # 3 x 8 fresh processes; by default the block runs on the pool (above) and test_doc_snippets
 def test_readme_example_ends_cleanly_under_torchrun(tmp_path):  # checks that it ends with destroy_process_group
     """As a new user runs it, three times: a rank aborting at teardown ("terminate called without an active
-    exception", exit 1) failed 2 of 5 such runs on 8 ranks before the block ended with destroy_process_group."""
+    exception", exit 1) failed 2 of 5 such runs on 8 ranks before the block ended with destroy_process_group.
+    A failure shows every rank's stderr (torchrun's summary names only the first failed rank's exit code)."""
     code = _first_python_block()
     assert code.rstrip().endswith("the script ends cleanly")
     script = tmp_path / "readme.py"
     script.write_text(code)
     for run in range(3):
-        proc = torchrun(script, 8)
-        assert proc.returncode == 0, f"run {run + 1}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+        logs = tmp_path / f"run{run + 1}"
+        proc = torchrun(script, 8, log_dir=logs)
+        assert proc.returncode == 0, (f"run {run + 1}: exit {proc.returncode}\n{rank_stderr(logs)}\n"
+                                      f"---- torchrun's stderr (last 3000 chars):\n{proc.stderr[-3000:]}")
         assert proc.stdout.count("einshard plan for") == 1, proc.stdout
