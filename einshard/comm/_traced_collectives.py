@@ -13,9 +13,17 @@ block ``j`` on group rank ``j``) is as in the eager functions.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .entries import COLLECTIVES
 
 _TRACED = {name: entry.traced for name, entry in COLLECTIVES.items() if not entry.transport}
 globals().update(_TRACED)
+
+
+def __getattr__(name: str) -> Any:
+    """(Only for type checkers: the forms above are made from the entries, so a checker cannot list them;
+    a name that is not one of them is missing, as for any module.)"""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = list(_TRACED)

@@ -91,7 +91,7 @@ def agree(group, err, point: str = "", x: torch.Tensor | None = None, shape=None
     Call it when ``err is not None or checks.agreement_needed()`` only, so that nothing is built with
     checks off.
     """
-    facts = ()
+    facts: tuple = ()
     if x is not None:
         facts = (("shape", tuple(x.shape) if shape is None else shape), ("dtype", x.dtype), ("device", x.device))
     _checks.agree(group, err, facts=facts + tuple(extra), point=point, **kw)
@@ -157,7 +157,7 @@ def sizes(shapes, what: str, size: int) -> list[int]:
             raise EinshardError(f"{what} must be a list of per-rank sizes, got {shapes!r}") from None
     out = []
     for s in shapes:
-        if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)) and int(s) != s:
+        if isinstance(s, bool) or (not isinstance(s, (int, torch.SymInt)) and int(s) != s):
             raise EinshardError(f"{what} must hold integers, got {list(shapes)!r}")
         out.append(int(s))
     if len(out) != size:
@@ -222,7 +222,9 @@ def offsets(shapes: Sequence[int]) -> list[int]:
 
 def record(kind: str, group, size: int, n: int, root=None) -> None:
     """Account one call: its primitive's traffic over ``size`` ranks, ``n`` the bytes of its defining buffer."""
-    _stats.record(kind, group, *PRIMITIVES[kind].traffic(size, n, root))
+    traffic = PRIMITIVES[kind].traffic
+    assert traffic is not None, kind  # a collective's primitive has a traffic
+    _stats.record(kind, group, *traffic(size, n, root))
 
 
 def contiguous_clone(x: torch.Tensor) -> torch.Tensor:
@@ -256,7 +258,8 @@ def named_shapes(shapes, axes, what):
         return None
     shapes = [int(s) for s in shapes]
     if len(shapes) != axes.size:
-        raise EinshardError(f"{what}: shapes has {len(shapes)} entries but {'-'.join(axes.dims)!r} has {axes.size} ranks")
+        raise EinshardError(
+            f"{what}: shapes has {len(shapes)} entries but {'-'.join(axes.dims)!r} has {axes.size} ranks")
     return shapes
 
 

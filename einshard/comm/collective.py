@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
@@ -55,6 +56,8 @@ class Collective(Primitive):
     forward: Callable | None = None  # the autograd form's forward (default: the raw form)
     named: str = ""  # the named form's public name ("": none)
     bind: Callable | None = None  # (x, axes, *args, **kw) -> (autograd callable, its arguments)
+    raw: Callable[..., Any] = field(init=False, repr=False, compare=False)  # made in __post_init__
+    autograd: Callable[..., Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # the forms, made once (attributes, not cached properties: dynamo cannot enter their lock)
@@ -66,6 +69,7 @@ class Collective(Primitive):
         check, eager, traced, now_traced = self.check, self.eager, self.traced, _trace.traced
         if check is None:
             return None
+        eager, traced = cast(Callable, eager), cast(Callable, traced)  # an entry with a check has both
 
         @functools.wraps(check)
         def raw(*args, **kwargs):
@@ -80,7 +84,7 @@ class Collective(Primitive):
         adjoint, transpose = self.adjoint, self.transpose
 
         def backward(grad, *args):
-            form = PRIMITIVES[adjoint].autograd
+            form = cast(Collective, PRIMITIVES[adjoint]).autograd
             return form(grad, *transpose(*args)) if transpose is not None else form(grad, *args)
 
         return make_mapping(_camel(self.name) + _camel(adjoint), self.forward or self.raw, backward)

@@ -34,6 +34,8 @@ its entry's traced transport (:mod:`einshard.comm._traced_collectives`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from .arguments import group_rank, group_size
 from .arguments import sizes as _sizes  # noqa: F401 (the name tests/test_collectives.py checks it by)
 from .entries import COLLECTIVES
@@ -44,6 +46,12 @@ from .entries.reduce_scatter import reduce_scatter_rows
 
 _RAW = {name: entry.raw for name, entry in COLLECTIVES.items() if not entry.transport}
 globals().update(_RAW)
+
+
+def __getattr__(name: str) -> Any:
+    """(Only for type checkers: the forms above are made from the entries, so a checker cannot list them;
+    a name that is not one of them is missing, as for any module.)"""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "group_size",

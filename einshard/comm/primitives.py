@@ -78,7 +78,9 @@ class Primitive:
         if not self.communicates(step):
             return 0.0
         carrier = PRIMITIVES[self.transport] if self.transport else self
-        return carrier.traffic(mesh.size(step.dims), self.basis(step, mesh) * itemsize, None)[0]
+        traffic, basis = carrier.traffic, self.basis
+        assert traffic is not None and basis is not None, self.name  # a communicating step kind has both
+        return traffic(mesh.size(step.dims), basis(step, mesh) * itemsize, None)[0]
 
 
 PRIMITIVES: dict[str, Primitive] = {}
@@ -179,12 +181,12 @@ def padded_step(name: str, text: str, side: str) -> dict:
             return lambda x: fn(x, group, i, sizes)
         return lambda x: fn(x, group, i, sizes, order)
 
-    return dict(
-        what=lambda s: f"{text} along {s.src.axes[s.axis]}" if s.axis >= 0 else text,
-        run=run,
-        basis=lambda s, mesh: padded_block(getattr(s, side), s.dims, mesh),  # n: the own (padded) block
-        traffic=lambda p, n, root: ((p - 1) * n,) * 2,
-    )
+    return {
+        "what": lambda s: f"{text} along {s.src.axes[s.axis]}" if s.axis >= 0 else text,
+        "run": run,
+        "basis": lambda s, mesh: padded_block(getattr(s, side), s.dims, mesh),  # n: the own (padded) block
+        "traffic": lambda p, n, root: ((p - 1) * n,) * 2,
+    }
 
 
 # -- local steps --------------------------------------------------------------------------

@@ -27,16 +27,18 @@ import itertools
 import operator
 import sys
 import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _torch_compat
 from ..errors import EinshardError
+from . import _torch_compat
 
 __all__ = ["register", "lookup", "static_shape", "constant_result", "traced", "group_name", "resolve_group",
-           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "refuse", "keep_collectives_apart", "static_value"]
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "refuse", "keep_collectives_apart",
+           "static_value"]
 
 #: whether dynamo is tracing this code (a constant ``True`` in the graph; ``False`` when Python runs it)
 traced = torch.compiler.is_dynamo_compiling
@@ -232,7 +234,7 @@ def trace_error(message: str) -> EinshardError:
     is, so the error is both.
     """
     if not _TRACE_ERROR:
-        exc = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
+        exc: Any = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
 
         class EinshardCompileError(EinshardError, exc.UserError):
             """An einshard error found while ``torch.compile`` traces."""

@@ -38,15 +38,14 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ..core import _trace
 from ..comm import mappings
-from ..runtime import vma as _vma
+from ..core import _torch_compat, _trace
 from ..core._cache import BoundedCache
-from ..errors import EinshardError
 from ..core.layout import MeshShape
+from ..errors import EinshardError
 from ..notation import expand, freeze_families
+from ..runtime import vma as _vma
 from ..runtime.pipeline import (
     check_boundary,
     check_kept_sharding,
@@ -251,7 +250,7 @@ def _per_spatial(value, spatial, families, arg) -> dict:
         return {}
     if isinstance(value, dict):
         return per_axis(value, spatial, families, arg)
-    return {a: value for a in spatial}
+    return dict.fromkeys(spatial, value)
 
 
 def _check_stride(stride) -> None:
@@ -335,10 +334,10 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     tensors = [x, weight, bias]
     grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if checkpoint == "full" and grad_needed:
-        return _checkpoint(full, x, weight, bias, use_reentrant=use_reentrant)
+        return _torch_compat.checkpoint(full, x, weight, bias, use_reentrant=use_reentrant)
     xh = plan(x, fill)
     if checkpoint == "conv" and grad_needed:
-        return _checkpoint(conv, xh, weight, bias, use_reentrant=use_reentrant)
+        return _torch_compat.checkpoint(conv, xh, weight, bias, use_reentrant=use_reentrant)
     return conv(xh, weight, bias)
 
 
@@ -356,7 +355,7 @@ def _plan(formula, x, weight, bias, windows, padding, stride, dilation, groups, 
         plan = halo_plan(spec.x_spec, spec.x_text, x, spec.widths, boundary, m, shapes, "einconv",
                          freeze_families(families))
     except EinshardError as err:
-        raise err.within(formula, "einconv")
+        raise err.within(formula, "einconv")  # noqa: B904 - the caught error itself, named
     group = None
     if m is not None:
         shape = MeshShape.of(m)

@@ -18,13 +18,15 @@ import operator
 
 import torch
 
-from ..core import _context, _trace
-from ..runtime import vma as _vma
-from ..core._cache import BoundedCache
-from ..errors import EinshardError
 from ..comm.exchange import exchange_group, runs_exchange
+from ..core import _context, _trace
+from ..core._cache import BoundedCache
 from ..core.layout import Layout
+from ..errors import EinshardError
 from ..notation import freeze_families
+from ..plan.halo import roll_runs
+from ..plan.resolve import freeze_shapes
+from ..runtime import vma as _vma
 from ..runtime.pipeline import (
     agree_before_communicating,
     agrees_always,
@@ -38,8 +40,6 @@ from ..runtime.pipeline import (
     spec_layout,
     traced_plan,
 )
-from ..plan.halo import roll_runs
-from ..plan.resolve import freeze_shapes
 
 __all__ = ["einroll", "RollPlan"]
 
@@ -61,7 +61,7 @@ class RollPlan:
                                           lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
                                           self.dims)
 
-    def prepare_traced(self) -> "RollPlan":
+    def prepare_traced(self) -> RollPlan:
         """This plan ready for traced code (its exchange's adjoint built)."""
         if self.exchange is not None:
             self.exchange.prepare_traced()
@@ -121,7 +121,7 @@ def einroll(spec, x, shifts, *, mesh=None, shapes=None, families=None):
         try:
             plan = _plan(spec, x, shifts, mesh, shapes, families)
         except EinshardError as err:
-            raise err.within(spec, "einroll")
+            raise err.within(spec, "einroll")  # noqa: B904 - the caught error itself, named
         if fast is not None:
             _FAST.put(fast, plan)
     return plan(x)
@@ -147,5 +147,5 @@ def _traced_plan(spec, shape, dtype, device, shifts, mesh, shapes, families) -> 
     try:
         plan = _plan(spec, _trace.stand_in(shape, dtype, device), shifts, mesh, shapes, families)
     except EinshardError as err:
-        raise err.within(spec, "einroll")
+        raise err.within(spec, "einroll")  # noqa: B904 - the caught error itself, named
     return plan.prepare_traced()

@@ -11,9 +11,9 @@ a permutation to the output order.
 from __future__ import annotations
 
 from ..core import _trace
-from ..runtime import vma as _vma
 from ..errors import EinshardError
 from ..notation import expand, freeze_families
+from ..runtime import vma as _vma
 from ..runtime.pipeline import (
     check_boundary,
     check_kept_sharding,
@@ -140,7 +140,7 @@ def _plan(formula, x, windows, radius, boundary, mesh, shapes, families):
         m = pick_mesh(ins, mesh)
         plan = halo_plan(ins, in_text, x, rad, boundary, m, shapes, "einwindow", freeze_families(families))
     except EinshardError as err:
-        raise err.within(formula, "einwindow")
+        raise err.within(formula, "einwindow")  # noqa: B904 - the caught error itself, named
     return plan, ins, out, wmap, rad
 
 

@@ -21,9 +21,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..comm.primitives import PRIMITIVES, moved_numel
 from ..core.layout import MeshShape
 from ..core.policy import PlanPolicy
-from ..comm.primitives import PRIMITIVES, moved_numel
 
 __all__ = ["Cost", "price"]
 
@@ -38,7 +38,7 @@ class Cost:
     bwd_calls: int = 0
     peak_bytes: float = 0.0
 
-    def __add__(self, other: "Cost") -> "Cost":
+    def __add__(self, other: Cost) -> Cost:
         return Cost(
             self.fwd_bytes + other.fwd_bytes,
             self.bwd_bytes + other.bwd_bytes,

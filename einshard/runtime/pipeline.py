@@ -12,17 +12,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..core import _context, _trace
 from ..comm import checks
-from . import vma as _vma
+from ..comm.mesh import resolve_mesh
+from ..core import _context, _trace
 from ..core._cache import BoundedCache
 from ..core._split import is_size
-from ..errors import EinshardError, naming
 from ..core.layout import Layout
-from ..comm.mesh import resolve_mesh
+from ..errors import EinshardError, naming
 from ..notation import Axis, Formula, Group, TensorSpec, expand, family_member, freeze_families
 from ..plan.halo import BOUNDARIES
 from ..plan.resolve import resolve
+from . import vma as _vma
 
 __all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_sharding", "parse_spec", "per_axis",
            "width_pair", "check_boundary", "check_tensors", "check_dtypes", "pick_mesh", "ambient_key", "spec_layout",
@@ -31,7 +31,7 @@ __all__ = ["in_vma_scope", "freeze", "family_table", "check_spec", "check_kept_s
 
 def in_vma_scope() -> bool:
     """Inside ``shard_map(check_vma=True)``: the op runs through :func:`einshard.runtime.vma.formula_op`."""
-    return _vma.ACTIVE and _vma.current() is not None
+    return bool(_vma.ACTIVE) and _vma.current() is not None
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -116,6 +116,8 @@ def per_axis(mapping, names: Sequence[str], families, arg: str) -> dict:
     table = family_table(families)
     out: dict = {}
     for key, value in mapping.items():
+        targets: tuple
+        values: tuple
         if key in names:
             targets, values = (key,), (value,)
         elif key in table:
@@ -215,6 +217,7 @@ def agree_before_communicating(mesh, local_error, x: torch.Tensor, always: bool 
     if local_error is not None or (mesh is not None and (always or checks.ENABLED)):
         error = None if local_error is None else EinshardError(local_error)
         if mesh is None:
+            assert error is not None  # the condition above
             raise error
         agree(mesh, error, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange", always=always)
 

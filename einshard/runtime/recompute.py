@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from ..core import _context, _torch_compat
 from ..core import policy as _policy
-from . import vma as _vma
 from ..errors import EinshardError
+from . import vma as _vma
 
 __all__ = ["Forward", "capture", "replay", "install", "installed"]
 

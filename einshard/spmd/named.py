@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import optree
 import torch
 
-from ..core import _context, _trace
 from ..comm import checks as _checks
 from ..comm import collectives as C
-from ..runtime import vma as _vma
-from ..core._cache import BoundedCache
-from ..errors import EinshardError
+from ..comm.entries import COLLECTIVES
 from ..comm.grad_sums import leaf_sum
 from ..comm.mesh import SubMesh, resolve_mesh
-from ..comm.entries import COLLECTIVES
 from ..comm.primitives import PRIMITIVES
+from ..core import _context, _trace
+from ..core._cache import BoundedCache
+from ..errors import EinshardError
+from ..runtime import vma as _vma
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "axis_index", "axis_size"]  # and the entries' named forms
 
@@ -156,6 +157,7 @@ def _check_tensor(x, what):
 def _widen(ax: _Axes, x: _Tensor) -> tuple[_Tensor, int]:
     """``x`` pvary-ed over the collective's dimensions it does not vary over; its new mask."""
     tr = ax.tracker
+    assert tr is not None  # called when tracking
     m = tr.mask_of(x)
     missing = ax.mask & ~m
     if missing:
@@ -171,7 +173,9 @@ def _run(ax: _Axes, kind: str, fn, x, *args):
     if ax.tracker is None:
         return fn(x, *args)
     x, m = _widen(ax, x)
-    return _vma.library_call(ax.tracker, fn, (x, *args), {}, PRIMITIVES[kind].vary(m, ax.mask))
+    vary = PRIMITIVES[kind].vary
+    assert vary is not None, kind  # every named collective's primitive has a variance rule
+    return _vma.library_call(ax.tracker, fn, (x, *args), {}, vary(m, ax.mask))
 
 
 def _reduce(x, ax: _Axes, what: str, number, fn, *args, numbers=(int, float, complex)):
@@ -294,12 +298,18 @@ def _named_form(entry):
     params = list(inspect.signature(bind).parameters.values())
     dim_name = inspect.Parameter("dim_name", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     mesh = inspect.Parameter("mesh", inspect.Parameter.KEYWORD_ONLY, default=None)
-    named.__signature__ = inspect.Signature([params[0], dim_name, *params[2:], mesh])
+    named.__signature__ = inspect.Signature([params[0], dim_name, *params[2:], mesh])  # type: ignore[attr-defined]
     return _agreeing(named)
 
 
 _NAMED = {entry.named: _named_form(entry) for entry in COLLECTIVES.values() if entry.named}
 globals().update(_NAMED)
+
+
+def __getattr__(name: str) -> Any:
+    """(Only for type checkers: the forms above are made from the entries, so a checker cannot list them;
+    a name that is not one of them is missing, as for any module.)"""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pvary(x, dims, *, mesh=None):

@@ -25,7 +25,6 @@ from ..arguments import (
     back,
     contiguous_clone,
     default_shapes,
-    dim as check_dim,
     flat,
     group_rank,
     group_size,
@@ -33,10 +32,15 @@ from ..arguments import (
     masked,
     named_shapes,
     norm_axis,
-    order as check_order,
     pad,
     real,
     record,
+)
+from ..arguments import (
+    dim as check_dim,
+)
+from ..arguments import (
+    order as check_order,
 )
 from ..collective import Collective, register
 from ..primitives import invariant, padded_step, varying

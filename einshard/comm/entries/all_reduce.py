@@ -54,7 +54,9 @@ def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool =
         name = "sum"
     else:
         y = contiguous_clone(x)
-    return _reduce_in_place(y, group, size, getattr(dist.ReduceOp, _REDUCE_OPS[name]), async_op)
+    op_name = _REDUCE_OPS[name]
+    assert op_name is not None  # avg and mean are handled above
+    return _reduce_in_place(y, group, size, getattr(dist.ReduceOp, op_name), async_op)
 
 
 def _sum_copy(x: torch.Tensor, group) -> torch.Tensor:

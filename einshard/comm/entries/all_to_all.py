@@ -17,17 +17,21 @@ from ..arguments import (
     all_to_all_single,
     contiguous_clone,
     default_shapes,
-    dim as check_dim,
     group_rank,
     group_size,
     holder,
     masked,
     norm_axis,
     offsets,
-    order as check_order,
     real,
     sizes,
     whole_split,
+)
+from ..arguments import (
+    dim as check_dim,
+)
+from ..arguments import (
+    order as check_order,
 )
 from ..collective import Collective, register
 from ..primitives import moved, same, varying

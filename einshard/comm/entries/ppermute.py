@@ -117,7 +117,9 @@ def _traced(x: torch.Tensor, group, pairs, recv_shape) -> torch.Tensor:
         recv = [0] * size
         if src is not None and src != rank:
             recv[src] = math.prod(recv_shape)
-        got = ALL_TO_ALL_V.traced(chunks, recv, group)
+        traced = ALL_TO_ALL_V.traced
+        assert traced is not None  # every entry has its traced transport
+        got = traced(chunks, recv, group)
         if src is not None and src != rank:
             return got[src].view(recv_shape)
     if src is None:
@@ -144,7 +146,8 @@ def _named(x, axes, perm):
     >>> right = es.ppermute(x, "sp", [(i, (i + 1) % n) for i in range(n)])  # doctest: +SKIP
     """
     order = axes.order
-    return permute if order is None else functools.partial(permute, order=order), (x, axes.group, [tuple(p) for p in perm])
+    pairs = [tuple(p) for p in perm]
+    return permute if order is None else functools.partial(permute, order=order), (x, axes.group, pairs)
 
 
 def _transpose(group, perm, recv_shape, in_shape):
@@ -170,7 +173,7 @@ def isend_irecv(sends, recvs, group, kind: str = "all_to_all_v") -> list:
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-PPERMUTE = register(Collective(
+PPERMUTE: Collective = register(Collective(
     name="ppermute",
     vary=varying,
     check=ppermute,

@@ -17,6 +17,7 @@ from ..arguments import (
     agree,
     along,
     back,
+    contiguous_clone,
     default_shapes,
     flat,
     group_rank,
@@ -24,13 +25,14 @@ from ..arguments import (
     named_shapes,
     norm_axis,
     offsets,
-    order as check_order,
     pad,
     real,
     record,
     reduce_scatter_tensor,
     whole_split,
-    contiguous_clone,
+)
+from ..arguments import (
+    order as check_order,
 )
 from ..collective import Collective, register
 from ..primitives import padded_step, varying

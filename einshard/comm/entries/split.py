@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from .. import checks as _checks
-from ..arguments import agree, along, group_rank, order as check_order, whole_split
+from ..arguments import agree, along, group_rank, whole_split
+from ..arguments import order as check_order
 from ..collective import Collective, register
 
 __all__ = ["SPLIT"]
@@ -41,7 +42,7 @@ def _block(x: torch.Tensor, group, dim: int, shapes, order=None) -> torch.Tensor
     return x.narrow(dim, sum(shapes[:me]), shapes[me])
 
 
-SPLIT = register(Collective(
+SPLIT: Collective = register(Collective(
     name="split",
     check=split,
     eager=_block,
