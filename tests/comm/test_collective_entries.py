@@ -37,7 +37,7 @@ from einshard.core._split import compute_split_shapes
 from einshard.spmd import named
 from dist_reference import mesh_groups
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENTRIES = ROOT / "einshard" / "comm" / "entries"
 
 
