@@ -441,7 +441,7 @@ def test_local_example_runs(capsys, monkeypatch):
     import pathlib
     import runpy
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "local_einshard.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "local_einshard.py"
     monkeypatch.setattr("sys.argv", [str(path)])  # the script reads its options (--device), not pytest's
     runpy.run_path(str(path), run_name="__main__")
     assert "local einshard example: ok" in capsys.readouterr().out
