@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from .arguments import group_rank, group_size
-from .arguments import sizes as _sizes  # noqa: F401 (the name tests/test_collectives.py checks it by)
+from .arguments import sizes as _sizes  # noqa: F401 (the name tests/comm/test_collectives.py checks it by)
 from .entries import COLLECTIVES
 from .entries.all_gather import PendingGather, all_gather_start
 from .entries.all_reduce import all_reduce_owned

@@ -2,7 +2,7 @@
 
 Marked ``cuda``: deselected where CUDA (or, for ``devices=2``, a second GPU) is missing (tests/conftest.py).
 
-- One GPU: every public op (tests/host_work.py's cases: forward and backward, compared with the same
+- One GPU: every public op (tests/integration/host_work.py's cases: forward and backward, compared with the same
   computation on whole tensors in one process) on a 1-rank NCCL mesh, each steady-state call under
   ``torch.cuda.set_sync_debug_mode("error")`` and the host-work detector; a few training steps of
   ``examples/gpt.py`` (both styles) and ``examples/fno.py`` on a 1-rank NCCL mesh (one ``torchrun`` rank,

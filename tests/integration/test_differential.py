@@ -1,4 +1,4 @@
-"""Every scenario of the differential harness (``tests/differential.py``) in every mode it lists.
+"""Every scenario of the differential harness (``tests/integration/differential.py``) in every mode it lists.
 
 The default run (``python -m pytest``) runs every scenario eagerly (even and
 uneven blocks) and the ``shard_map`` scenarios under ``aot_eager`` with even

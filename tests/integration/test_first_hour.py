@@ -1,5 +1,5 @@
 """A first hour without surprises: a missing mesh, a one-line mistake on several ranks, a whole tensor
-returned under a sharded out-spec. (The README's and the docs' code runs in tests/test_doc_snippets.py.)"""
+returned under a sharded out-spec. (The README's and the docs' code runs in tests/integration/test_doc_snippets.py.)"""
 
 from __future__ import annotations
 

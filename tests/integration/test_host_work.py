@@ -1,7 +1,7 @@
-"""No host work in a steady-state call: every public op, forward and backward, checks off (tests/host_work.py).
+"""No host work in a steady-state call: every public op, forward and backward, checks off (tests/integration/host_work.py).
 
 On CPU ranks the detector finds host reads of values (a device-to-host wait on CUDA) and tensor factories
-without ``device=``; ``tests/test_cuda.py`` runs the same cases on a GPU under
+without ``device=``; ``tests/integration/test_cuda.py`` runs the same cases on a GPU under
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 

@@ -431,7 +431,7 @@ def test_default_policy_precedence():
 
 
 # -- torch_einshard ---------------------------------------------------------------------------
-# torch_einshard is torch-einshard 1.0's namespace, a module of its own: tests/test_torch_einshard_compat.py
+# torch_einshard is torch-einshard 1.0's namespace, a module of its own: tests/integration/test_torch_einshard_compat.py
 
 
 # -- the examples ----------------------------------------------------------------------------
