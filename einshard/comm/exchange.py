@@ -65,7 +65,7 @@ def _boxes(runs) -> tuple[list, tuple]:
 
 
 def _numel(runs) -> int:
-    return 0 if runs is None else math.prod(sum(r[2] for r in rs) for rs in runs)
+    return 0 if runs is None else math.prod([sum(r[2] for r in rs) for rs in runs])  # (dynamo: no generator)
 
 
 def _flip(runs):
