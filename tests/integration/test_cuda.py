@@ -25,9 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import einshard as es
+from einshard.attention import kernels as attention_kernels
 from einshard.testing import local_block, rank_device
 from host_work import HostWork, check_cases
 from scripts import ROOT, torchrun
@@ -173,25 +176,30 @@ def _blockwise(kern, q, k, v, dout, causal: bool, blocks: int):
     return out, dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _whole_and_floor(q, k, v, dout, dtype, **sdpa):
+    """Whole attention in float64 (output and the gradients of ``q``, ``k``, ``v`` for ``dout``), the inputs in
+    ``dtype`` (leaves needing gradients), and per part the error of ``F.scaled_dot_product_attention`` itself in
+    ``dtype`` against float64 (at least 1e-6): the floor a fused path's error is measured against."""
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out = F.scaled_dot_product_attention(*ref, **sdpa)
+    want = (want_out, *torch.autograd.grad(want_out, ref, dout))
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    low_out = F.scaled_dot_product_attention(*low, **sdpa)
+    floor = [max(err(s.double(), w), 1e-6) for s, w in zip((low_out, *torch.autograd.grad(low_out, low,
+                                                                                         dout.to(dtype))), want)]
+    return want, low, floor
+
+
 def fused_kernel_case(device, dtype, n: int = 256, heads: int = 4, width: int = 64) -> dict:
     """Every fused kernel ``attention_kernels`` can pick on ``device`` for ``dtype``, on 1 and 3 key blocks,
     causal and not: values and gradients against float64 whole attention, as a ratio to the error of
     ``F.scaled_dot_product_attention`` itself in ``dtype`` (the fused kernel's own tolerance; the largest)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from einshard.attention import kernels as attention_kernels
-
     q, k, v, dout = (gen(2, heads, n, width, seed=s, device=device) for s in (21, 22, 23, 24))
     backends = ([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
                 if torch.device(device).type == "cuda" else [SDPBackend.FLASH_ATTENTION])
     ratios = {}
     for causal in (False, True):
-        ref = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
-        want_out = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=causal)
-        want = (want_out, *torch.autograd.grad(want_out, ref, dout))
-        low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        sdpa_out = torch.nn.functional.scaled_dot_product_attention(*low, is_causal=causal)
-        sdpa = (sdpa_out, *torch.autograd.grad(sdpa_out, low, dout.to(dtype)))
-        floor = [max(err(s.double(), w), 1e-6) for s, w in zip(sdpa, want)]
+        want, low, floor = _whole_and_floor(q, k, v, dout, dtype, is_causal=causal)
         for backend in backends:
             with sdpa_kernel([backend]):
                 kern = attention_kernels.kernel(str(torch.device(device).type), dtype, width, width)
@@ -212,13 +220,7 @@ def ring_on_one_gpu_case(mesh, device, dtype) -> dict:
     q = gen(1, heads, n, width, seed=31, device=device)
     k, v = (gen(1, kv_heads, n, width, seed=s, device=device) for s in (32, 33))
     dout = gen(1, heads, n, width, seed=34, device=device)
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    want_out = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
-    want = (want_out, *torch.autograd.grad(want_out, ref, dout))
-    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    sdpa_out = torch.nn.functional.scaled_dot_product_attention(*low, is_causal=True, enable_gqa=True)
-    floor = [max(err(s.double(), w), 1e-6) for s, w in zip((sdpa_out, *torch.autograd.grad(sdpa_out, low,
-                                                                                          dout.to(dtype))), want)]
+    want, low, floor = _whole_and_floor(q, k, v, dout, dtype, is_causal=True, enable_gqa=True)
     ratios = {}
     with es.use_mesh(mesh):
         for name, fn in (("ring", es.ring_attention), ("ulysses", es.ulysses_attention)):
