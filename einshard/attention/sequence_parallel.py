@@ -737,7 +737,8 @@ def _conversion(src: _Sequence, dst: _Sequence, shape: tuple, axis: int) -> Exch
             if runs and all(other[i] for i in range(len(shape)) if i != axis):
                 box[rank] = tuple(runs if i == axis else other[i] for i in range(len(shape)))
     out_shape = shape[:axis] + (dst.lengths[b],) + shape[axis + 1:]
-    return Exchange(src.group, shape, out_shape, sends, recvs)
+    # The adjoint is built here, with the plan: a compiled backward reads it and must not build it.
+    return Exchange(src.group, shape, out_shape, sends, recvs).prepare_traced()
 
 
 class _TracedExchange(torch.autograd.Function):
