@@ -5,19 +5,21 @@
 torch.Size([2, 4])
 """
 
+from . import attention, testing
 from ._version import __version__
+from .attention import ring_attention, ulysses_attention
 from .comm import collectives, helpers, mappings
-from . import testing
 from .comm.checks import checks_enabled, set_checks
-from .errors import EinshardError, SizeMismatchError
 from .comm.comm_stats import CommStats, count_communication
 from .comm.mesh import Mesh, current_mesh, use_mesh, wrap_mesh
-from .notation import parse_sharding
-from .ops.explain import explain, Explanation
-from .ops import einconv, einfft, einhalo, einroll, einshard, einwindow
 from .core.policy import PlanPolicy, optimize, set_default_policy
+from .errors import EinshardError, SizeMismatchError
+from .notation import parse_sharding
+from .ops import einconv, einfft, einhalo, einroll, einshard, einwindow
+from .ops.explain import Explanation, explain
 from .ops.visualize import visualize
-from .spmd.shard_map import shard_map
+from .runtime.recompute import install as _install_recompute
+from .runtime.vma import get_vma
 from .spmd.named import (
     all_gather,
     all_to_all,
@@ -31,13 +33,11 @@ from .spmd.named import (
     psum_scatter,
     pvary,
 )
+from .spmd.shard_map import shard_map
 from .spmd.tree import tree_gather, tree_shard
-from .runtime.vma import get_vma
-from . import attention
-from .attention import ring_attention, ulysses_attention
-from .runtime.recompute import install as _install_recompute
 
-_install_recompute()  # torch.utils.checkpoint recomputes regions in their forward's context (einshard.runtime.recompute)
+# torch.utils.checkpoint recomputes regions in their forward's context (einshard.runtime.recompute)
+_install_recompute()
 
 __all__ = [
     "__version__",

@@ -28,13 +28,13 @@ class EinshardError(ValueError):
     expression: str | None = None  # no __init__ of its own: torch.compile traces raising it
 
     @classmethod
-    def named(cls, message: str, expression: str) -> "EinshardError":
+    def named(cls, message: str, expression: str) -> EinshardError:
         """An error whose ``message`` names ``expression`` already (:meth:`within` adds nothing)."""
         err = cls(message)
         err.expression = expression
         return err
 
-    def within(self, expression: str, op: str | None = None) -> "EinshardError":
+    def within(self, expression: str, op: str | None = None) -> EinshardError:
         """This error as ``'expression': message`` (``op: 'expression': message``) unless it names one already.
 
         >>> str(EinshardError("axis 'h' is empty").within("b h", "einhalo"))

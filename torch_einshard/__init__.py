@@ -1,96 +1,185 @@
-"""``torch_einshard``: an alias of :mod:`einshard` (the distribution's own name).
+"""``torch_einshard``: the namespace of torch-einshard 1.0, on einshard.
 
-``import torch_einshard as es`` gives the very module object ``import
-einshard as es`` gives, and ``torch_einshard.X`` is ``einshard.X`` for every
-submodule (``import torch_einshard.helpers``, ``from torch_einshard.mappings
-import ...``): each module is executed once, as ``einshard.X``, and shared.
-The module paths of torch-einshard 1.0 keep working: a module that has moved
-into a folder since (``helpers`` is ``einshard.comm.helpers``) is found under
-its old name too (``_MOVED``).
+Code written against torch-einshard 1.0 imports this module: every flat name of 1.0 is
+here (``__all__``), and so are 1.0's module paths (``torch_einshard.helpers``,
+``torch_einshard.mappings``, ``torch_einshard.params``, ...). It is its own module, built from
+einshard's modules (never from the ``einshard`` facade's names), so it does not change when
+``einshard``'s own namespace does. New code imports ``einshard``.
 
->>> import einshard, torch_einshard, torch_einshard.helpers
->>> torch_einshard is einshard, torch_einshard.helpers is einshard.comm.helpers
-(True, True)
+- The operations, parameter metadata, meshes and policies are einshard's own objects.
+- ``einsum``, ``distributed_1d``, ``all_local``, ``local_operation``,
+  ``cached_expand_axis_families``, the notation class names (``TensorSpec``, ``Axes``,
+  ``AxisGroup``, ``EllipsisAxis``), ``CompoundDeviceMesh``, ``TensorState``, ``ExecutionPlan``,
+  ``set_last_plan``, the transition plans and the policy getters are 1.0's names with
+  1.0's arguments over einshard's machinery (``docs/migrating.md`` lists what differs).
+- ``torch_einshard.helpers`` and ``torch_einshard.mappings`` are 1.0's collectives with 1.0's
+  argument names.
+
+>>> import torch, torch_einshard as te
+>>> te.einshard("i j, j k -> i k", torch.ones(2, 3), torch.ones(3, 4)).shape
+torch.Size([2, 4])
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
+from einshard._version import __version__ as __version__
+from einshard.comm.mesh import wrap_mesh
+from einshard.core.policy import PlanPolicy, optimize, set_default_policy
+from einshard.notation import parse_sharding
+from einshard.ops.conv import einconv
+from einshard.ops.einshard import einshard
+from einshard.ops.fft import einfft
+from einshard.ops.halo import einhalo
+from einshard.ops.roll import einroll
+from einshard.ops.window import einwindow
+from einshard.params import (
+    NativeGradReductionHandle,
+    ParameterGradComm,
+    ParameterInitSync,
+    ParameterState,
+    ParamShardMetadata,
+    einshard_like,
+    finalize_module_parameter_grad_comm_,
+    finalize_parameter_grad_comm_,
+    get_parameter_state,
+    init_param_,
+    init_params_,
+    iter_parameter_states,
+    param_local_shape,
+    param_local_slices,
+    param_shard_dims,
+    param_shard_metadata,
+    parameter_operand_state,
+    reduce_grad_,
+    reduce_module_grads_,
+    register_conv_parameters_,
+    register_grad_reduction_hook_,
+    register_linear_parameters_,
+    register_module_parameter_layouts_,
+    register_norm_parameters_,
+    register_parameter_layout,
+    register_parameter_operand,
+    register_parameter_state,
+    set_parameter_state,
+    sync_module_params_,
+    sync_param_,
+    validate_module_parameter_states_,
+)
+from einshard.params.zero import register_native_grad_reduction_hooks_
 
-import einshard as _einshard
+from . import _paths
+from ._signatures import legacy_names
+from .distributed import distributed_1d
+from .einsum import einsum
+from .families import cached_expand_axis_families
+from .locality import all_local, local_operation
+from .mesh import CompoundDeviceMesh
+from .sharding import Axes, AxisGroup, EllipsisAxis, TensorSpec
+from .symbolic import (
+    ExecutionPlan,
+    TensorState,
+    build_binary_transition_plan,
+    build_unary_transition_plan,
+    get_default_policy,
+    get_optimization_policy,
+    resolve_plan_policy,
+    set_last_plan,
+)
 
-_ALIAS = __name__  # "torch_einshard"
-_TARGET = _einshard.__name__  # "einshard"
+_paths.install()
 
-_MOVED = {  # module paths of torch-einshard 1.0 (and of einshard before its folders) -> where they live now
-    "attention_kernels": "attention.kernels", "backwards": "comm.backwards", "checks": "comm.checks",
-    "collectives": "comm.collectives", "comm_stats": "comm.comm_stats", "distributed": "runtime.distributed",
-    "dtensor": "spmd.dtensor", "dtensor_mesh": "spmd.dtensor_mesh", "exchange": "comm.exchange",
-    "execute": "runtime.execute", "explain": "ops.explain", "grad_sums": "comm.grad_sums",
-    "helpers": "comm.helpers", "layout": "core.layout", "local": "plan.local", "mappings": "comm.mappings",
-    "mesh": "comm.mesh", "named": "spmd.named", "pipeline": "runtime.pipeline", "policy": "core.policy",
-    "primitives": "comm.primitives", "recompute": "runtime.recompute", "resolve": "plan.resolve",
-    "shard_map": "spmd.shard_map", "stationary": "plan.stationary", "tree": "spmd.tree",
-    "visualize": "ops.visualize", "vma": "runtime.vma",
-}
+# einshard's functions under 1.0's parameter names (einshard name -> 1.0 name)
+einshard = legacy_names(einshard, formula="shard", tensors="xs")
+einshard_like = legacy_names(einshard_like, formula="shard", operands="xs")
+einconv = legacy_names(einconv, formula="shard")
+einfft = legacy_names(einfft, formula="shard")
+einhalo = legacy_names(einhalo, spec="shard")
+einwindow = legacy_names(einwindow, formula="shard")
+einroll = legacy_names(einroll, spec="shard")
+parse_sharding = legacy_names(parse_sharding, formula="expression")
+wrap_mesh = legacy_names(wrap_mesh, mesh="device_mesh")
+optimize = legacy_names(optimize, mode="policy")
+set_default_policy = legacy_names(set_default_policy, mode="policy")
+finalize_parameter_grad_comm_ = legacy_names(finalize_parameter_grad_comm_, p="param")
+get_parameter_state = legacy_names(get_parameter_state, p="param")
+init_param_ = legacy_names(init_param_, p="param")
+param_local_shape = legacy_names(param_local_shape, p_or_state="param_or_state")
+param_local_slices = legacy_names(param_local_slices, p_or_state="param_or_state")
+param_shard_dims = legacy_names(param_shard_dims, p_or_state="param_or_state")
+param_shard_metadata = legacy_names(param_shard_metadata, p_or_state="param_or_state")
+reduce_grad_ = legacy_names(reduce_grad_, p="param")
+register_parameter_layout = legacy_names(register_parameter_layout, p="param")
+register_parameter_operand = legacy_names(register_parameter_operand, p="param")
+register_parameter_state = legacy_names(register_parameter_state, p="param")
+parameter_operand_state = legacy_names(parameter_operand_state, p="param")
+set_parameter_state = legacy_names(set_parameter_state, p="param")
+sync_param_ = legacy_names(sync_param_, p="param")
 
-
-def _real_name(alias_name: str) -> str:
-    """``torch_einshard.X.Y`` -> ``einshard.X.Y``, ``X`` translated where its module moved (``_MOVED``)."""
-    head, dot, tail = alias_name[len(_ALIAS) + 1 :].partition(".")
-    return f"{_TARGET}.{_MOVED.get(head, head)}{dot}{tail}"
-
-
-class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves ``torch_einshard.X`` to the module object ``einshard.X``."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if not fullname.startswith(_ALIAS + "."):
-            return None
-        real_name = _real_name(fullname)
-        try:
-            real_spec = importlib.util.find_spec(real_name)
-        except (ImportError, ValueError):
-            return None
-        if real_spec is None:
-            return None
-        return importlib.machinery.ModuleSpec(
-            fullname,
-            self,
-            origin=real_spec.origin,
-            loader_state={"name": real_name},
-            is_package=real_spec.submodule_search_locations is not None,
-        )
-
-    def create_module(self, spec):
-        module = importlib.import_module(spec.loader_state["name"])
-        # the import system is about to stamp the alias spec onto the module
-        spec.loader_state["spec"] = module.__spec__
-        return module
-
-    def exec_module(self, module):
-        # already executed as einshard.X; only give it its own spec back
-        module.__spec__ = module.__spec__.loader_state["spec"]
-
-
-if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _AliasFinder())
-
-# The alias *is* the package: the same object, attributes and submodules.
-sys.modules[_ALIAS] = _einshard
-
-# Register the alias names of the submodules einshard has already imported. Importing a
-# name that is not in sys.modules makes the import system set it as an attribute of the
-# parent package, and the parent *is* einshard: `import torch_einshard.shard_map` would
-# replace the function `es.shard_map` by its module. Pre-registered names are found in
-# sys.modules, so nothing is rebound.
-for _name, _module in list(sys.modules.items()):
-    if _name.startswith(_TARGET + "."):
-        sys.modules.setdefault(_ALIAS + _name[len(_TARGET) :], _module)
-for _old, _new in _MOVED.items():
-    if f"{_TARGET}.{_new}" in sys.modules:
-        sys.modules.setdefault(f"{_ALIAS}.{_old}", sys.modules[f"{_TARGET}.{_new}"])
+__all__ = [
+    # operations
+    "einshard",
+    "einshard_like",
+    "einsum",
+    "einconv",
+    "einfft",
+    "einhalo",
+    "einwindow",
+    "einroll",
+    "distributed_1d",
+    # notation
+    "parse_sharding",
+    "cached_expand_axis_families",
+    "Axes",
+    "AxisGroup",
+    "EllipsisAxis",
+    "TensorSpec",
+    "all_local",
+    "local_operation",
+    # meshes
+    "CompoundDeviceMesh",
+    "wrap_mesh",
+    # plans and policies
+    "ExecutionPlan",
+    "PlanPolicy",
+    "TensorState",
+    "build_binary_transition_plan",
+    "build_unary_transition_plan",
+    "get_default_policy",
+    "get_optimization_policy",
+    "optimize",
+    "resolve_plan_policy",
+    "set_default_policy",
+    "set_last_plan",
+    # parameter metadata
+    "ParamShardMetadata",
+    "NativeGradReductionHandle",
+    "ParameterGradComm",
+    "ParameterInitSync",
+    "ParameterState",
+    "finalize_module_parameter_grad_comm_",
+    "finalize_parameter_grad_comm_",
+    "get_parameter_state",
+    "init_param_",
+    "init_params_",
+    "iter_parameter_states",
+    "param_local_shape",
+    "param_local_slices",
+    "param_shard_dims",
+    "param_shard_metadata",
+    "reduce_grad_",
+    "reduce_module_grads_",
+    "register_conv_parameters_",
+    "register_grad_reduction_hook_",
+    "register_linear_parameters_",
+    "register_module_parameter_layouts_",
+    "register_native_grad_reduction_hooks_",
+    "register_norm_parameters_",
+    "register_parameter_layout",
+    "register_parameter_operand",
+    "register_parameter_state",
+    "parameter_operand_state",
+    "set_parameter_state",
+    "sync_module_params_",
+    "sync_param_",
+    "validate_module_parameter_states_",
+]

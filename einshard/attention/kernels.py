@@ -74,6 +74,17 @@ def _rows(lse: torch.Tensor) -> torch.Tensor:
     return lse.reshape(1, -1, lse.shape[-1])
 
 
+def _block_result(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> tuple:
+    """A fused op's ``(1, heads, n, e)`` output and its log-sum-exp (``n`` values a row) in the shapes of
+    ``q``'s rows: ``(..., n, e)`` and ``(..., n)``."""
+    return o.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
+
+
+def _block_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """A fused backward op's gradients of ``q``, ``k``, ``v`` (4-D) in their shapes."""
+    return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
+
+
 # -- the exact path -------------------------------------------------------------------------------
 
 
@@ -122,14 +133,14 @@ class _CpuFlash:
     @staticmethod
     def forward(q, k, v, causal: bool, scale: float):
         o, lse = _aten._scaled_dot_product_flash_attention_for_cpu(_4d(q), _4d(k), _4d(v), 0.0, causal, scale=scale)
-        return o.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
+        return _block_result(o, lse, q, v)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _4d(dout), _4d(q), _4d(k), _4d(v), _4d(out), _rows(lse).contiguous(), 0.0,
             causal, scale=scale)
-        return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
+        return _block_grads(grads, q, k, v)
 
 
 class _CudaFlash:
@@ -141,7 +152,7 @@ class _CudaFlash:
     def forward(q, k, v, causal: bool, scale: float):
         o, lse = _aten._scaled_dot_product_flash_attention(_4d(q), _4d(k), _4d(v), 0.0, causal, False,
                                                            scale=scale)[:2]
-        return o.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
+        return _block_result(o, lse, q, v)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -149,7 +160,7 @@ class _CudaFlash:
         grads = _aten._scaled_dot_product_flash_attention_backward(
             _4d(dout), _4d(q), _4d(k), _4d(v), _4d(out), _rows(lse).contiguous(),
             None, None, q.shape[-2], k.shape[-2], 0.0, causal, unused, unused, scale=scale)
-        return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
+        return _block_grads(grads, q, k, v)
 
 
 class _CudaEfficient:
@@ -161,8 +172,7 @@ class _CudaEfficient:
     def forward(q, k, v, causal: bool, scale: float):
         o, lse = _aten._scaled_dot_product_efficient_attention(_4d(q), _4d(k), _4d(v), None, True, 0.0, causal,
                                                                scale=scale)[:2]
-        n = q.shape[-2]
-        return o.reshape(q.shape[:-1] + v.shape[-1:]), lse[..., :n].reshape(q.shape[:-1])
+        return _block_result(o, lse[..., : q.shape[-2]], q, v)  # (its log-sum-exp padded to 32 rows)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -172,7 +182,7 @@ class _CudaEfficient:
         grads = _aten._scaled_dot_product_efficient_attention_backward(
             _4d(dout), _4d(q), _4d(k), _4d(v), None, _4d(out), padded, unused, unused, 0.0,
             [True, True, True, False], causal, scale=scale)[:3]
-        return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
+        return _block_grads(grads, q, k, v)
 
 
 class _CudaCudnn:
@@ -185,7 +195,7 @@ class _CudaCudnn:
     def forward(q, k, v, causal: bool, scale: float):
         o, lse = _aten._scaled_dot_product_cudnn_attention(_4d(q), _4d(k), _4d(v), None, True, 0.0, causal, False,
                                                            scale=scale)[:2]
-        return o.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])
+        return _block_result(o, lse, q, v)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -193,7 +203,7 @@ class _CudaCudnn:
         grads = _aten._scaled_dot_product_cudnn_attention_backward(
             _4d(dout), _4d(q), _4d(k), _4d(v), _4d(out), _rows(lse).unsqueeze(-1).contiguous(), unused, unused,
             None, None, None, q.shape[-2], k.shape[-2], 0.0, causal, scale=scale)
-        return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v)))
+        return _block_grads(grads, q, k, v)
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:

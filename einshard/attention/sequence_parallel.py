@@ -37,18 +37,19 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core import _context, _torch_compat, _trace
-from ..core._torch_compat import compile_in_progress
 from ..comm import checks as _checks
 from ..comm import collectives as C
-from ..runtime import vma as _vma
-from ..core._cache import BoundedCache
-from ..core._split import compute_split_shapes, is_size
-from .kernels import enabled_backends, kernel as kernel_for
-from ..errors import EinshardError
 from ..comm.exchange import Exchange
 from ..comm.mesh import resolve_mesh
+from ..core import _context, _torch_compat, _trace
+from ..core._cache import BoundedCache
+from ..core._split import compute_split_shapes, is_size
+from ..core._torch_compat import compile_in_progress
+from ..errors import EinshardError
 from ..ops.einshard import einshard
+from ..runtime import vma as _vma
+from .kernels import enabled_backends
+from .kernels import kernel as kernel_for
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shapes", "zigzag_indices", "to_zigzag", "from_zigzag"]
 
@@ -95,7 +96,8 @@ def zigzag_indices(n: int, size: int, device=None) -> torch.Tensor:
 def _blocks(layout: str, lengths) -> tuple:
     """Per block: its chunks ``(global start, length, offset in the block)``, in storage order, empty ones left out."""
     if layout == "contiguous":
-        out, start = [], 0
+        out: list[tuple] = []
+        start = 0
         for n in lengths:
             out.append(((start, n, 0),) if n else ())
             start += n
@@ -288,7 +290,7 @@ def _pairs(qs, ks, nq: int, nk: int, causal: bool) -> tuple:
         return ((0, nq, 0, nk, False),) if nq and nk else ()
     out = []
     for qstart, qlen, qoff in qs:
-        visible = []  # runs of whole chunks before this one: merged where adjacent in the block
+        visible: list = []  # runs of whole chunks before this one: merged where adjacent in the block
         for kstart, klen, koff in ks:
             if kstart + klen <= qstart:
                 if visible and visible[-1][0] + visible[-1][1] == koff:
@@ -347,13 +349,14 @@ def _documents_arg(what: str, documents, n: int):
 # -- ring attention: the transfers ------------------------------------------------------------------
 
 
-def _start(ring: _Ring, x: torch.Tensor, n: int):
+def _start(ring: _Ring, x: torch.Tensor | None, n: int):
     """Start sending ``x`` (``(..., m, w)``) to the next block and receiving ``n`` positions from the previous one.
 
     Returns what :func:`_wait` needs: eager, a fresh buffer and the works of
     batched ``isend``/``irecv``; traced, a functional ``all_to_all_single``
     (with every other rank it exchanges nothing) and the received shape.
     """
+    assert x is not None  # a ring of two ranks or more: its block travels
     shape = x.shape[:-2] + (n, x.shape[-1])
     if compile_in_progress():
         ins, outs = [0] * ring.size, [0] * ring.size
@@ -463,8 +466,9 @@ def _ring_backward(ring: _Ring, kernel, q, k, v, out, lse, dout, scale: float):
             dk, dv = _add(dk, gk, ko, held, acc), _add(dv, gv, ko, held, acc)
         if ring.size == 1:
             break
+        assert kv is not None  # a ring of two ranks or more
         # what travels is summed on every rank it visits: in the summing dtype on every rank alike
-        grads = (torch.cat([dk.to(acc), dv.to(acc)], -1) if dk is not None else
+        grads = (torch.cat([dk.to(acc), dv.to(acc)], -1) if dk is not None and dv is not None else
                  kv.new_zeros(kv.shape[:-2] + (held, kv.shape[-1]), dtype=acc))
         if travelling is not None:
             grads = grads + _wait(travelling)
@@ -624,9 +628,10 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     if runs is not None:  # attend in the sequence's own order: its chunks sorted
         qh, kh, vh = _reorder(qh, runs), _reorder(kh, runs), _reorder(vh, runs)
     spans = [(0, sum(seq.lengths))] if documents is None else _spans(documents) or [(0, 0)]
-    o = [F.scaled_dot_product_attention(qh[..., a:b, :], kh[..., a:b, :], vh[..., a:b, :], is_causal=bool(causal),
-                                        scale=scale, enable_gqa=groups > 1) for a, b in spans]
-    o = o[0] if len(o) == 1 else torch.cat(o, -2)
+    parts = [F.scaled_dot_product_attention(qh[..., a:b, :], kh[..., a:b, :], vh[..., a:b, :],
+                                            is_causal=bool(causal), scale=scale, enable_gqa=groups > 1)
+             for a, b in spans]
+    o = parts[0] if len(parts) == 1 else torch.cat(parts, -2)
     if runs is not None:
         o = _reorder(o, sorted(((pos, n, off) for off, n, pos in runs), key=lambda r: r[2]))  # back to storage
     return back(o)
@@ -723,7 +728,8 @@ def _pieces(src, dst) -> tuple:
 def _conversion(src: _Sequence, dst: _Sequence, shape: tuple, axis: int) -> Exchange:
     """The exchange taking this rank's block of ``src`` (local ``shape``) to its block of ``dst``, along ``axis``."""
     b = src.block
-    sends, recvs = [None] * src.size, [None] * src.size
+    sends: list = [None] * src.size
+    recvs: list = [None] * src.size
     other = tuple(((0, 0, n),) if n else () for n in shape)
     for j, rank in enumerate(src.ranks):
         for box, runs in ((sends, _pieces(src.chunks[b], dst.chunks[j])),
@@ -731,7 +737,8 @@ def _conversion(src: _Sequence, dst: _Sequence, shape: tuple, axis: int) -> Exch
             if runs and all(other[i] for i in range(len(shape)) if i != axis):
                 box[rank] = tuple(runs if i == axis else other[i] for i in range(len(shape)))
     out_shape = shape[:axis] + (dst.lengths[b],) + shape[axis + 1:]
-    return Exchange(src.group, shape, out_shape, sends, recvs)
+    # The adjoint is built here, with the plan: a compiled backward reads it and must not build it.
+    return Exchange(src.group, shape, out_shape, sends, recvs).prepare_traced()
 
 
 class _TracedExchange(torch.autograd.Function):

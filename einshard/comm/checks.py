@@ -30,6 +30,7 @@ import os
 import threading
 import weakref
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,8 @@ import torch.distributed as dist
 from ..core import _context, _trace
 from ..core._cache import BoundedCache
 from ..core._torch_compat import in_traced_code
-from . import comm_stats
 from ..errors import EinshardError
+from . import comm_stats
 
 __all__ = ["set_checks", "checks_enabled", "agree", "report_failure", "RankFailedError"]
 
@@ -136,7 +137,7 @@ def was_agreed(exc: BaseException, body: bool = False) -> bool:
 
 def _mark_agreed(exc: BaseException, mark=True) -> BaseException:
     try:
-        exc._einshard_agreed = mark
+        exc._einshard_agreed = mark  # type: ignore[attr-defined]  # a mark on any exception
     except AttributeError:  # an exception type without a __dict__: treated as not agreed
         pass
     return exc
@@ -200,7 +201,7 @@ def _render(value) -> str:
 
 # -- groups ------------------------------------------------------------------------------------------
 
-_RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _group_ranks(group) -> tuple[int, ...]:
@@ -348,6 +349,8 @@ def _agree(group, outer, error, fingerprint, what, facts, point, sent, received,
 class _Fingerprint(int):
     """A fingerprint; rendered by ``describe`` (or as a number) on the error path."""
 
+    describe: Callable[[], object] | None
+
     def __new__(cls, value, describe=None):
         self = super().__new__(cls, value)
         self.describe = describe
@@ -476,7 +479,7 @@ def _decide(rows, texts, members, what) -> BaseException:
             text += f" (reported by {_ranks_text(members[k] for k in errors)})"
         return EinshardError(text)
     points: dict = {}
-    for j, r in enumerate(rows):
+    for j in range(len(rows)):
         points.setdefault(texts[j][0], []).append(members[j])
     if len({r[2] for r in rows}) > 1:
         where = "; ".join(f"{_ranks_text(rs)} at {p}" for p, rs in points.items())
@@ -485,8 +488,8 @@ def _decide(rows, texts, members, what) -> BaseException:
     if bad:
         s, d = bad[0]
         return EinshardError(
-            f"the ranks disagree on the sizes of {what or texts[s][0]}: rank {members[s]} sends {rows[s][5]} elements to "
-            f"rank {members[d]}, which expects {rows[d][6]}"
+            f"the ranks disagree on the sizes of {what or texts[s][0]}: "
+            f"rank {members[s]} sends {rows[s][5]} elements to rank {members[d]}, which expects {rows[d][6]}"
         )
     # facts: compare within each group (same key), label by label
     by_key: dict = {}
@@ -504,7 +507,8 @@ def _decide(rows, texts, members, what) -> BaseException:
                 label, _, value = line.partition(": ")
                 values.setdefault(value, []).append(members[j])
             if len(values) > 1:
-                how = "; ".join(f"{_ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {v}" for v, rs in values.items())
+                how = "; ".join(f"{_ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {v}"
+                                for v, rs in values.items())
                 return EinshardError(f"the ranks disagree on {subject}: {label or 'a value'}: {how}")
         return EinshardError(f"the ranks disagree on {subject}")
     return EinshardError(f"the ranks disagree on {what or texts[0][0]}")

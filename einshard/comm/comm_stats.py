@@ -45,7 +45,7 @@ __all__ = [
 
 # The active CommStats objects. Collectives test ``is_active()`` before doing
 # any accounting work, so the cost without a context is one call and a truthiness test.
-_ACTIVE: list["CommStats"] = []
+_ACTIVE: list[CommStats] = []
 _LOCK = threading.Lock()
 
 FORWARD = "forward"
@@ -60,7 +60,7 @@ class CommRecord:
     sent_bytes: int = 0
     received_bytes: int = 0
 
-    def _add(self, other: "CommRecord") -> None:
+    def _add(self, other: CommRecord) -> None:
         self.calls += other.calls
         self.sent_bytes += other.sent_bytes
         self.received_bytes += other.received_bytes
@@ -112,16 +112,17 @@ class CommStats:
         return sum(r.calls for r in self.records.values())
 
     # -- views -------------------------------------------------------------
-    def filter(self, kind: str | None = None, label: str | None = None, direction: str | None = None) -> "CommStats":
+    def filter(self, kind: str | None = None, label: str | None = None, direction: str | None = None) -> CommStats:
         """A new ``CommStats`` with the records that match every given key."""
         out = CommStats()
-        for (k, l, d), r in self.records.items():
-            if (kind is None or k == kind) and (label is None or l == label) and (direction is None or d == direction):
-                out.records[(k, l, d)] = CommRecord(r.calls, r.sent_bytes, r.received_bytes)
+        for (k, lab, d), r in self.records.items():
+            if ((kind is None or k == kind) and (label is None or lab == label)
+                    and (direction is None or d == direction)):
+                out.records[(k, lab, d)] = CommRecord(r.calls, r.sent_bytes, r.received_bytes)
         return out
 
     @property
-    def data(self) -> "CommStats":
+    def data(self) -> CommStats:
         """The records of the data's collectives: every kind but ``check`` (the cross-ranks agreements of
         checks, and of calls given an explicit ``shapes=``)."""
         out = CommStats()
@@ -130,12 +131,12 @@ class CommStats:
         return out
 
     @property
-    def forward(self) -> "CommStats":
+    def forward(self) -> CommStats:
         """The forward records only."""
         return self.filter(direction=FORWARD)
 
     @property
-    def backward(self) -> "CommStats":
+    def backward(self) -> CommStats:
         """The records made inside autograd's backward pass only."""
         return self.filter(direction=BACKWARD)
 
@@ -162,8 +163,8 @@ class CommStats:
         header = ("kind", "group", "direction", "calls", "sent B", "received B")
         order = {FORWARD: 0, BACKWARD: 1}
         rows = [
-            (k, l, d, str(r.calls), str(r.sent_bytes), str(r.received_bytes))
-            for (k, l, d), r in sorted(self.records.items(), key=lambda kv: (order.get(kv[0][2], 2), kv[0]))
+            (k, lab, d, str(r.calls), str(r.sent_bytes), str(r.received_bytes))
+            for (k, lab, d), r in sorted(self.records.items(), key=lambda kv: (order.get(kv[0][2], 2), kv[0]))
         ]
         rows.append(("total", "", "", str(self.calls), str(self.sent_bytes), str(self.received_bytes)))
         return "\n".join(text_table(header, rows, rule=False, right=(3, 4, 5)))
@@ -204,7 +205,7 @@ def is_active() -> bool:
 
 # Labels are kept weakly (ProcessGroup objects are weak-referenceable); the
 # strong fallback covers group objects that are not.
-_LABELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _STRONG_LABELS: dict[int, tuple[object, str]] = {}
 
 

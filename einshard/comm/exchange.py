@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..core import _torch_compat
 from ..core._torch_compat import in_traced_code
+from ..core.layout import Layout, MeshShape
 from . import _traced_collectives as TC
 from . import checks as _checks
 from . import collectives as C
-from ..core.layout import Layout, MeshShape
-from .mappings import make_mapping
+from .collective import make_mapping
 
 _transforms_active = _torch_compat.functorch_transforms_active
 
@@ -64,7 +66,7 @@ def _boxes(runs) -> tuple[list, tuple]:
 
 
 def _numel(runs) -> int:
-    return 0 if runs is None else math.prod(sum(r[2] for r in rs) for rs in runs)
+    return 0 if runs is None else math.prod([sum(r[2] for r in rs) for rs in runs])  # (dynamo: no generator)
 
 
 def _flip(runs):
@@ -107,12 +109,12 @@ class Exchange:
                 self.recv_from.append((j, direct, [(_cuts(outs, d), _cuts(shape, p)) for _, d, p in boxes], shape))
         self.keep = not add and not blank and ins == outs and self.local == [((), ())]
 
-    def prepare_traced(self) -> "Exchange":
+    def prepare_traced(self) -> Exchange:
         """This exchange with its adjoint built (traced code reads it, and must not build it)."""
         self.adjoint()
         return self
 
-    def adjoint(self) -> "Exchange":
+    def adjoint(self) -> Exchange:
         """The same pieces moved back, summed into the sources (the exact adjoint)."""
         if self._adjoint is None:
             back = Exchange(self.group, self.out_shape, self.in_shape, [_flip(r) for r in self.recvs],
@@ -197,7 +199,7 @@ def _forward(x, ex, fill):
 
 
 # each direction's backward is the other one
-_exchange = make_mapping("Exchange", _forward, lambda g, ex, fill: _exchange(g, ex.adjoint(), 0))
+_exchange: Callable = make_mapping("Exchange", _forward, lambda g, ex, fill: _exchange(g, ex.adjoint(), 0))
 
 
 class _TracedExchange(torch.autograd.Function):
@@ -239,10 +241,11 @@ def runs_exchange(src: Layout, dst: Layout, dims, mesh, runs_fn=_intersect, axes
     data moves once, from the receiver's own copy, else one whose holder
     reads from the receiver too (pairs), else the one at its coordinates.
     """
-    shape = MeshShape.of(mesh) if mesh is not None else None
-    coord = tuple(mesh.coordinate) if mesh is not None else None
+    # no mesh: one process, whole tensors and no dims (nothing below reads the mesh's shape then)
+    shape: Any = MeshShape.of(mesh) if mesh is not None else None
+    coord: Any = tuple(mesh.coordinate) if mesh is not None else None
     in_shape = src.local_shape(coord, shape) if shape is not None else tuple(src.sizes)
-    out_shape = dst.local_shape(coord, shape) if shape is not None else tuple(dst.sizes)
+    out_shape: Sequence[int] = dst.local_shape(coord, shape) if shape is not None else tuple(dst.sizes)
     axes = range(len(in_shape)) if axes is None else axes
     free = [shape.names.index(d) for d in dims if src.owner(d) is None]
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..core._split import compute_split_shapes, compute_split_shapes_for_factors, resolve_split_shapes
-from .collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, ppermute, reduce_scatter, split
 from ..errors import EinshardError
+from .collectives import all_gather, all_reduce, all_to_all, all_to_all_v, broadcast, ppermute, reduce_scatter, split
 
 __all__ = [
     "compute_split_shapes",
@@ -70,7 +71,7 @@ def init_process_group(backend: str | None = None, use_cuda: bool = False) -> tu
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if use_cuda:
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)

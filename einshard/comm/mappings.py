@@ -1,9 +1,11 @@
 """Autograd mappings: collectives whose backward is the exact adjoint.
 
-Each mapping is a ``torch.autograd.Function`` in the ``setup_context`` style,
-so it composes with ``torch.func.grad`` and ``torch.func.vjp``; its backward
-calls the adjoint *mapping* (not the raw collective), so double backward
-works. Use the plain functions below.
+Each mapping is the autograd form of an entry of :mod:`einshard.comm.entries`
+(:attr:`einshard.comm.collective.Collective.autograd`), a ``torch.autograd.Function``
+in the ``setup_context`` style, so it composes with ``torch.func.grad`` and
+``torch.func.vjp``; its backward calls the adjoint entry's autograd form (not
+the raw collective), so double backward works. The functions below are
+torch-einshard 1.0's names for them, with its default shapes.
 
 Layouts, with the inner product that makes each pair adjoint
 (``Σ_r`` sums over the ranks of the group):
@@ -26,10 +28,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core import _torch_compat
-from ..core._torch_compat import in_traced_code
-from . import collectives as C
-from ..core._split import compute_split_shapes
+from .arguments import default_shapes as _shapes
+from .collective import make_mapping  # noqa: F401 (the executor makes its mappings with it)
+from .entries import COLLECTIVES
+from .entries.all_to_all import repartition
+from .entries.ppermute import permute
 
 __all__ = [
     "allreduce_forward_identity_backward",
@@ -43,75 +46,9 @@ __all__ = [
     "ppermute",
 ]
 
-
-def _shapes(x: torch.Tensor, group, dim: int, shapes, even: bool) -> tuple[int, ...] | None:
-    """``shapes`` as a tuple; ``None``: ``x.shape[dim]`` on every rank (``even``) or ``compute_split_shapes``.
-
-    ``None`` for an out-of-range ``dim``: the collective itself reports it.
-    """
-    if shapes is not None:
-        return tuple(shapes)
-    if not -x.dim() <= dim < x.dim():
-        return None
-    n, size = x.shape[dim], C.group_size(group)
-    return (n,) * size if even else tuple(compute_split_shapes(n, size))
-
-
-_C_APPLY = _torch_compat.function_base_apply
-_transforms_active = _torch_compat.functorch_transforms_active
-
-
-def make_mapping(name: str, forward, adjoint):
-    """An autograd Function: ``forward(x, *args)`` (raw collectives); backward ``adjoint(grad, *args)``.
-
-    ``adjoint`` is itself a mapping, so double backward works. Returned as a
-    fast ``apply`` (every argument positional): ``Function.apply`` binds
-    default arguments with ``inspect.signature`` on every call when
-    ``setup_context`` is defined (about 15 µs); outside ``torch.func``
-    transforms and code that dynamo traces, which need that path, the C
-    implementation is called directly (and in traced code that needs no
-    gradient, the forward alone).
-    """
-
-    class Mapping(torch.autograd.Function):
-        @staticmethod
-        def forward(x, *args):
-            return forward(x, *args)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.args = inputs[1:]
-
-        @staticmethod
-        def backward(ctx, grad):
-            return (adjoint(grad, *ctx.args),) + (None,) * len(ctx.args)
-
-    Mapping.__name__ = Mapping.__qualname__ = name
-    raw, slow = _C_APPLY.__get__(None, Mapping), Mapping.apply
-
-    def apply(*args):
-        if in_traced_code():  # Function.apply; without a gradient to track, the forward (dynamo would pass it a ctx)
-            return slow(*args) if args[0].requires_grad and torch.is_grad_enabled() else forward(*args)
-        return slow(*args) if _transforms_active() else raw(*args)
-
-    return apply
-
-
-def _identity(x, *args):
-    return x.view_as(x)
-
-
-# -- all-reduce / identity / broadcast -----------------------------------------------
-
-_allreduce_identity = make_mapping(
-    "AllReduceIdentity", lambda x, g: C.all_reduce(x, g), lambda d, g: identity_forward_allreduce_backward(d, g)
-)
-_identity_allreduce = make_mapping(
-    "IdentityAllReduce", _identity, lambda d, g: allreduce_forward_identity_backward(d, g)
-)
-_broadcast_allreduce = make_mapping(
-    "BroadcastAllReduce", C.broadcast, lambda d, g, src: allreduce_forward_identity_backward(d, g)
-)
+_allreduce_identity = COLLECTIVES["all_reduce"].autograd
+_identity_allreduce = COLLECTIVES["pvary"].autograd
+_broadcast_allreduce = COLLECTIVES["broadcast"].autograd
 
 
 def allreduce_forward_identity_backward(x: torch.Tensor, group) -> torch.Tensor:
@@ -151,16 +88,10 @@ def broadcast_forward_allreduce_backward(x: torch.Tensor, group, src: int = 0) -
 # -- all-gather / split / reduce-scatter ------------------------------------------------
 
 # ``*a`` is ``(group, dim, shapes, order)``.
-_allgather_split = make_mapping("AllGatherSplit", C.all_gather, lambda d, *a: split_forward_allgather_backward(d, *a))
-_split_allgather = make_mapping(
-    "SplitAllGather", lambda x, *a: C.split(x, *a).contiguous(), lambda d, *a: allgather_forward_split_backward(d, *a)
-)
-_reducescatter_allgather = make_mapping(
-    "ReduceScatterAllGather", C.reduce_scatter, lambda d, *a: allgather_forward_reducescatter_backward(d, *a)
-)
-_allgather_reducescatter = make_mapping(
-    "AllGatherReduceScatter", C.all_gather, lambda d, *a: reducescatter_forward_allgather_backward(d, *a)
-)
+_allgather_split = COLLECTIVES["all_gather"].autograd
+_split_allgather = COLLECTIVES["split"].autograd
+_reducescatter_allgather = COLLECTIVES["reduce_scatter"].autograd
+_allgather_reducescatter = COLLECTIVES["all_gather_varying"].autograd
 
 
 def allgather_forward_split_backward(
@@ -216,15 +147,6 @@ def allgather_forward_reducescatter_backward(
 # -- all-to-all / ppermute -----------------------------------------------------------------
 
 
-_alltoall = make_mapping(
-    "AllToAll",
-    C.all_to_all,
-    lambda d, g, src_dim, dst_dim, src_shapes, dst_shapes, order: alltoall_repartition(
-        d, g, dst_dim, src_dim, dst_shapes, src_shapes, order
-    ),
-)
-
-
 def alltoall_repartition(
     x: torch.Tensor,
     group,
@@ -242,16 +164,7 @@ def alltoall_repartition(
 
     >>> y = alltoall_repartition(x, sp_group, 1, 2, [3, 3, 2], None)  # doctest: +SKIP
     """
-    src_shapes = _shapes(x, group, src_dim, src_shapes, True)
-    dst_shapes = _shapes(x, group, dst_dim, dst_shapes, False)
-    return _alltoall(x, group, src_dim, dst_dim, src_shapes, dst_shapes, order)
-
-
-_ppermute = make_mapping(
-    "PPermute",
-    lambda x, g, perm, recv_shape, in_shape: C.ppermute(x, g, perm, recv_shape),
-    lambda d, g, perm, recv_shape, in_shape: ppermute(d, g, [(dst, src) for src, dst in perm], recv_shape=in_shape),
-)
+    return repartition(x, group, src_dim, dst_dim, src_shapes, dst_shapes, order)
 
 
 def ppermute(x: torch.Tensor, group, perm, *, recv_shape=None, order=None) -> torch.Tensor:
@@ -263,8 +176,4 @@ def ppermute(x: torch.Tensor, group, perm, *, recv_shape=None, order=None) -> to
 
     >>> y = ppermute(x, sp_group, [(i, (i + 1) % P) for i in range(P)])  # doctest: +SKIP
     """
-    perm = tuple((int(s), int(d)) for s, d in C.check_perm(perm, C.group_size(group)))
-    if order is not None:
-        perm = tuple((order[s], order[d]) for s, d in perm)
-    recv_shape = tuple(recv_shape) if recv_shape is not None else None
-    return _ppermute(x, group, perm, recv_shape, tuple(x.shape))
+    return permute(x, group, perm, recv_shape=recv_shape, order=order)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core import _context, _torch_compat
-from . import comm_stats
 from ..errors import EinshardError
+from . import comm_stats
 
 __all__ = ["Mesh", "SubMesh", "wrap_mesh", "use_mesh", "current_mesh", "resolve_mesh", "mesh_required"]
 
@@ -76,7 +76,7 @@ class Mesh:
         *,
         names: Sequence[str],
         shape: Sequence[int],
-        coordinate: Sequence[int],
+        coordinate: Sequence[int] | None,
         allow_compound: bool = True,
         rank_grid=None,
     ):
@@ -94,7 +94,7 @@ class Mesh:
 
     # -- construction -----------------------------------------------------
     @classmethod
-    def from_device_mesh(cls, device_mesh, *, allow_compound: bool = True, names=None) -> "Mesh":
+    def from_device_mesh(cls, device_mesh, *, allow_compound: bool = True, names=None) -> Mesh:
         """Wrap a ``DeviceMesh``, or any object with ``mesh`` (the rank tensor) and ``mesh_dim_names``.
 
         Such an object needs neither ``get_coordinate`` nor process groups when it is wrapped: this
@@ -130,7 +130,7 @@ class Mesh:
         return self.coordinate
 
     @classmethod
-    def virtual(cls, shape: Sequence[int], names: Sequence[str], coordinate: Sequence[int] | None = None) -> "Mesh":
+    def virtual(cls, shape: Sequence[int], names: Sequence[str], coordinate: Sequence[int] | None = None) -> Mesh:
         """A mesh without process groups: enough to plan and explain."""
         shape = tuple(shape)
         if coordinate is None:
@@ -324,7 +324,7 @@ class Mesh:
     def get_rank(self) -> int:
         return int(self.mesh[tuple(self.coordinate)])
 
-    def __getitem__(self, names) -> "Mesh":
+    def __getitem__(self, names) -> Mesh:
         """A sub-mesh over one, several or compound names (``mesh["dp"]``, ``mesh["dp", "tp"]``, ``mesh["dp-sp"]``).
 
         Cached: the same names (in any component order) give the same object;
@@ -382,7 +382,7 @@ class SubMesh(Mesh):
         super().__init__(None, names=names, shape=shape, coordinate=coordinate, rank_grid=grid)
         self.parent = parent
         self.parts = parts
-        self._device_mesh = None
+        self._device_mesh: DeviceMesh | None = None
 
     @property
     def device_mesh(self):
@@ -438,7 +438,7 @@ def _name_tuple(names) -> tuple:
         return ()
     if isinstance(names, str):
         return (names,)
-    if hasattr(names, "shape") and hasattr(names, "dtype") or not hasattr(names, "__iter__"):
+    if (hasattr(names, "shape") and hasattr(names, "dtype")) or not hasattr(names, "__iter__"):
         raise TypeError(f"mesh_dim_names must be an iterable of strings, got {type(names).__name__} {names!r}")
     return tuple(names)
 
@@ -497,8 +497,25 @@ def check_names(device_mesh, names=None) -> tuple[str, ...]:
     return _check_name_list(own, ndim)
 
 
-_WRAPPED: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
-_PLAIN: "weakref.WeakKeyDictionary[object, Mesh]" = weakref.WeakKeyDictionary()
+class _ByIdentity:
+    """Meshes wrapped per ``DeviceMesh`` *object*: ``DeviceMesh`` compares by value (ranks, shape, names,
+    device type), so two meshes with their own process groups can be equal; a wrapper must keep its own
+    groups. An entry lives while its ``DeviceMesh`` does (the wrapper holds it)."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, Mesh]] = {}
+
+    def get(self, mesh) -> Mesh | None:
+        entry = self._entries.get(id(mesh))
+        return entry[1] if entry is not None and entry[0]() is mesh else None
+
+    def put(self, mesh, wrapped: Mesh) -> None:
+        key, entries = id(mesh), self._entries
+        entries[key] = (weakref.ref(mesh, lambda _ref: entries.pop(key, None)), wrapped)
+
+
+_WRAPPED = _ByIdentity()
+_PLAIN = _ByIdentity()
 
 
 def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
@@ -527,15 +544,16 @@ def wrap_mesh(mesh, mesh_dim_names: Sequence[str] | None = None) -> Mesh:
     if not (hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh")):
         raise EinshardError(f"wrap_mesh needs a DeviceMesh, got {type(mesh).__name__}")
     names = check_names(mesh, mesh_dim_names)
-    try:
-        wrapped = _WRAPPED.get(mesh)
-    except TypeError:  # an object that cannot be weakly referenced: wrapped anew each time
-        return Mesh.from_device_mesh(mesh, names=names)
+    wrapped = _WRAPPED.get(mesh)
     if wrapped is None:
         wrapped = Mesh.from_device_mesh(mesh, names=names)
-        _WRAPPED[mesh] = wrapped
+        try:
+            _WRAPPED.put(mesh, wrapped)
+        except TypeError:  # an object that cannot be weakly referenced: wrapped anew each time
+            pass
     elif wrapped.names != names:
-        raise EinshardError(f"mesh_dim_names={names!r} contradicts the names this mesh was wrapped with {wrapped.names!r}")
+        raise EinshardError(f"mesh_dim_names={names!r} contradicts the names "
+                            f"this mesh was wrapped with {wrapped.names!r}")
     return wrapped
 
 
@@ -548,7 +566,10 @@ def as_mesh(mesh) -> Mesh:
     wrapped = _PLAIN.get(mesh)
     if wrapped is None:
         wrapped = Mesh.from_device_mesh(mesh, allow_compound=False)
-        _PLAIN[mesh] = wrapped
+        try:
+            _PLAIN.put(mesh, wrapped)
+        except TypeError:  # (as in wrap_mesh)
+            pass
     return wrapped
 
 
@@ -588,7 +609,7 @@ def mesh_required(what: str | None = None, why: str = "") -> EinshardError:
 
     >>> print(mesh_required("'a/tp -> a'", "'a' is sharded over 'tp' in the input only"))
     'a/tp -> a': Distributed einshard operations require mesh=...: 'a' is sharded over 'tp' in the input only; pass mesh=mesh, or make the call inside `with es.use_mesh(mesh):`
-    """
+    """  # noqa: E501 - a doctest's output line
     text = MESH_REQUIRED + (f": {why}" if why else "")
     text += "; pass mesh=mesh, or make the call inside `with es.use_mesh(mesh):`" + _in_backward()
     err = EinshardError(text if what is None else f"{what}: {text}")

@@ -19,11 +19,14 @@ A :class:`Primitive` declares everything the library knows about one kind:
 
 :func:`price` in :mod:`einshard.plan.cost` and ``Step`` in
 :mod:`einshard.plan.transition` read the registry; so do the executor, the
-named collectives and the raw collectives' accounting. Adding a kind means
-adding one definition here.
+named collectives and the raw collectives' accounting. The local step kinds
+and those that run on another's transport are defined here; every
+collective is a :class:`einshard.comm.collective.Collective`, a primitive
+defined in its own module of :mod:`einshard.comm.entries`, which registers
+it here.
 
->>> PRIMITIVES["all_gather"].traffic(4, 32, None)
-(96, 96)
+>>> Primitive("copy").communicates(None)
+False
 """
 
 from __future__ import annotations
@@ -36,7 +39,20 @@ import torch
 
 from ..core.layout import Layout, MeshShape, grouped, interval_grid
 
-__all__ = ["Primitive", "PRIMITIVES", "Site", "rel_slices", "narrow", "moved_numel"]
+__all__ = [
+    "Primitive",
+    "PRIMITIVES",
+    "Site",
+    "rel_slices",
+    "narrow",
+    "moved_numel",
+    "moved",
+    "padded_block",
+    "padded_step",
+    "invariant",
+    "varying",
+    "same",
+]
 
 
 @dataclass(frozen=True)
@@ -62,7 +78,9 @@ class Primitive:
         if not self.communicates(step):
             return 0.0
         carrier = PRIMITIVES[self.transport] if self.transport else self
-        return carrier.traffic(mesh.size(step.dims), self.basis(step, mesh) * itemsize, None)[0]
+        traffic, basis = carrier.traffic, self.basis
+        assert traffic is not None and basis is not None, self.name  # a communicating step kind has both
+        return traffic(mesh.size(step.dims), basis(step, mesh) * itemsize, None)[0]
 
 
 PRIMITIVES: dict[str, Primitive] = {}
@@ -121,7 +139,7 @@ def _block_numel(layout: Layout, mesh: MeshShape) -> np.ndarray:
     return np.prod(hi - lo, axis=0)
 
 
-def _padded_block(layout: Layout, dims, mesh: MeshShape) -> float:
+def padded_block(layout: Layout, dims, mesh: MeshShape) -> float:
     """The largest block of each group over ``dims`` (what padded collectives send), averaged."""
     return float(np.mean(grouped(_block_numel(layout, mesh), mesh, dims).max(axis=1)))
 
@@ -137,16 +155,38 @@ def moved_numel(src: Layout, dst: Layout, mesh: MeshShape) -> np.ndarray:
 
 # -- variance rules (shard_map) and traffic rules ------------------------------------------
 
-def _invariant(mask: int, dims: int) -> int:  # the output is the same across the group
+def invariant(mask: int, dims: int) -> int:
+    """The output is the same across the group."""
     return mask & ~dims
 
 
-def _varying(mask: int, dims: int) -> int:  # the output differs across the group
+def varying(mask: int, dims: int) -> int:
+    """The output differs across the group."""
     return mask | dims
 
 
-def _same(p: int, n: float, root) -> tuple:  # n: the bytes for (from) the other ranks
+def same(p: int, n: float, root) -> tuple:
+    """Traffic ``n`` sent and ``n`` received (``n``: the bytes for, and from, the other ranks)."""
     return n, n
+
+
+def padded_step(name: str, text: str, side: str) -> dict:
+    """The planner fields of a collective of blocks padded to the group's largest: ``side``'s blocks along
+    ``step.axis`` (``run`` calls ``site.C.<name>(x, group, axis, sizes[, order])``)."""
+
+    def run(step, site):
+        group, fn, i, order = site.group(step.dims), getattr(site.C, name), step.axis, site.order(step.dims)
+        sizes = site.sizes(getattr(step, side), i, step.dims)
+        if order is None:
+            return lambda x: fn(x, group, i, sizes)
+        return lambda x: fn(x, group, i, sizes, order)
+
+    return {
+        "what": lambda s: f"{text} along {s.src.axes[s.axis]}" if s.axis >= 0 else text,
+        "run": run,
+        "basis": lambda s, mesh: padded_block(getattr(s, side), s.dims, mesh),  # n: the own (padded) block
+        "traffic": lambda p, n, root: ((p - 1) * n,) * 2,
+    }
 
 
 # -- local steps --------------------------------------------------------------------------
@@ -200,81 +240,22 @@ _define(
 )
 
 
-# -- collectives ------------------------------------------------------------------------------
-
-
-def _run_all_reduce(step, site):
-    group, C = site.group(step.dims), site.C
-    return lambda x: C.all_reduce(x, group)
-
-
-def _padded(name: str, text: str, side: str, vary) -> None:
-    """A collective of blocks padded to the group's largest: ``side``'s blocks along ``step.axis``."""
-
-    def run(step, site):
-        group, fn, i, order = site.group(step.dims), getattr(site.C, name), step.axis, site.order(step.dims)
-        sizes = site.sizes(getattr(step, side), i, step.dims)
-        if order is None:
-            return lambda x: fn(x, group, i, sizes)
-        return lambda x: fn(x, group, i, sizes, order)
-
-    _define(
-        name=name,
-        what=lambda s: f"{text} along {s.src.axes[s.axis]}" if s.axis >= 0 else text,
-        run=run,
-        basis=lambda s, mesh: _padded_block(getattr(s, side), s.dims, mesh),  # n: the own (padded) block
-        traffic=lambda p, n, root: ((p - 1) * n,) * 2,
-        vary=vary,
-    )
-
-
-def _run_all_to_all(step, site):
-    group, C, i, j = site.group(step.dims), site.C, step.axis, step.to_axis
-    src_sizes, dst_sizes = site.sizes(step.src, i, step.dims), site.sizes(step.dst, j, step.dims)
-    order = site.order(step.dims)
-    if order is None:
-        return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes)
-    return lambda x: C.all_to_all(x, group, i, j, src_sizes, dst_sizes, order)
+# -- step kinds that run on a collective's transport ------------------------------------------
 
 
 def _run_exchange(step, site):  # the executor supplies the exchange (it builds on all_to_all_v)
     return site.exchange(step.src, step.dst, step.dims, site.mesh, site.C)
 
 
-def _moved(step, mesh: MeshShape) -> float:
+def moved(step, mesh: MeshShape) -> float:
+    """The elements a rank receives for ``step``, averaged over the ranks."""
     return float(np.mean(moved_numel(step.src, step.dst, mesh)))
 
 
 _define(
-    name="all_reduce",
-    what=lambda s: "all-reduce",
-    run=_run_all_reduce,
-    basis=lambda s, mesh: s.src.mean_numel(mesh),
-    traffic=lambda p, n, root: (2 * (p - 1) * n / p,) * 2,  # ring
-    vary=_invariant,
-)
-_padded("reduce_scatter", "reduce-scatter", "dst", _varying)
-_padded("all_gather", "all-gather", "src", _invariant)
-_define(
-    name="all_to_all",
-    what=lambda s: f"all-to-all {s.src.axes[s.axis]} -> {s.src.axes[s.to_axis]}" if s.axis >= 0 else "all-to-all",
-    run=_run_all_to_all,
-    basis=_moved,
-    traffic=_same,
-    vary=_varying,
-)
-_define(
     name="exchange",
     what=lambda s: "exchange (all-to-all, per-rank sizes)",
     run=_run_exchange,
-    basis=_moved,
+    basis=moved,
     transport="all_to_all_v",
 )
-_define(name="all_to_all_v", traffic=_same, vary=_varying)
-_define(
-    name="broadcast",
-    traffic=lambda p, n, root: (n / p, n * (p - 1) / p) if root is None else (n, 0) if root else (0, n),
-    vary=_invariant,
-)
-_define(name="ppermute", vary=_varying)
-_define(name="pvary", vary=_varying)  # identity forward

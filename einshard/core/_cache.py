@@ -5,16 +5,17 @@ Every module-level cache of the package is a named :class:`BoundedCache` or a fu
 :func:`cached` (a ``functools.lru_cache`` with a name); both are registered here as they are made, so
 :func:`caches` lists them all with their sizes and :func:`clear_caches` empties them (plans are rebuilt on the
 next call). Per-object caches (a ``shard_map``'s plans, a mesh's formula rules) are unnamed and go with their
-object. ``tests/test_cache.py`` checks that no module keeps a cache outside the registry.
+object. ``tests/core/test_cache.py`` checks that no module keeps a cache outside the registry.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 __all__ = ["BoundedCache", "cached", "caches", "clear_caches", "registered"]
 
-_REGISTRY: dict[str, object] = {}  # name -> a BoundedCache or an lru_cache wrapper
+_REGISTRY: dict[str, Any] = {}  # name -> a BoundedCache or an lru_cache wrapper
 
 
 def _register(name: str, cache):
@@ -86,6 +87,6 @@ def clear_caches() -> None:
             c.cache_clear()
 
 
-def registered() -> dict[str, object]:
+def registered() -> dict[str, Any]:
     """``{name: cache}`` of every registered cache (for the tests that check the registry)."""
     return dict(_REGISTRY)

@@ -33,7 +33,7 @@ class Ambient:
         # a hashable form of ``shapes`` for plan-cache keys
         self.shapes_key = shapes_key
 
-    def changed(self, mesh=None, shapes=None, shard_map=None) -> "Ambient":
+    def changed(self, mesh=None, shapes=None, shard_map=None) -> Ambient:
         """A copy with the given fields replaced (``None``: kept)."""
         key = self.shapes_key
         if shapes is not None:

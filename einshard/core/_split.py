@@ -5,9 +5,9 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..errors import EinshardError
-
 import torch.distributed as dist
+
+from ..errors import EinshardError
 
 __all__ = [
     "compute_split_shapes",
@@ -77,7 +77,7 @@ def canonical_mesh_dim(name: str, order: Sequence[str] | None = None) -> str:
     return "-".join(sorted(parts, key=lambda d: rank.get(d, len(rank))))
 
 
-def _group_size(group) -> int:
+def _group_size(group) -> int | None:
     if group is None:
         return None
     if isinstance(group, int):

@@ -2,7 +2,7 @@
 
 einshard supports torch 2.11 through 2.15. Where releases differ in something
 einshard needs, the difference is settled here, once, and every other module
-uses the shim; ``tests/test_torch_compat.py`` checks each shim against the
+uses the shim; ``tests/core/test_torch_compat.py`` checks each shim against the
 installed torch, so a release that changes what a shim assumes fails there.
 
 - the two meanings of "compiling", each one predicate used everywhere
@@ -27,11 +27,15 @@ installed torch, so a release that changes what a shim assumes fails there.
   the caller passes it), so einshard subclasses the frame of the
   non-reentrant implementation and wraps the reentrant ``forward``. The
   frame learns the region's inputs through ``save_inputs`` from torch 2.12
-  on; torch 2.11 saves them with ``_NoopSaveInputs``.
+  on; torch 2.11 saves them with ``_NoopSaveInputs``. :func:`checkpoint`:
+  torch 2.11's non-reentrant checkpoint makes two zero-element anchor
+  tensors with ``torch.empty`` and no ``device=`` (on the CPU, whatever the
+  region's device); the shim makes them on the operands' device.
 - torch internals with no public equivalent (the last section): the
   autograd engine's current graph task, functorch's transform state, the
   torch-function mode stack, fake tensors, a process group by name, the
-  C entry points of ``einsum`` and ``autograd.Function.apply``. Each is a
+  C entry points of ``einsum`` and ``autograd.Function.apply``, whether
+  dynamo is compiling a frame (:func:`dynamo_compiling_frame`). Each is a
   name here and nowhere else in einshard.
 """
 
@@ -40,16 +44,21 @@ from __future__ import annotations
 import torch
 import torch.distributed.distributed_c10d as _c10d
 import torch.utils.checkpoint as _checkpoint
+from torch._guards import CompileContext as _CompileContext
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["TORCH_VERSION", "in_traced_code", "compile_in_progress", "trace_time", "traced_function_result", "DYNAMO_MARKS_DIRTY", "CheckpointFrame",
-           "install_checkpoint", "original_reentrant_forward", "checkpoint_installed", "current_graph_task_id", "autograd_engine",
+__all__ = ["TORCH_VERSION", "in_traced_code", "compile_in_progress", "trace_time", "traced_function_result",
+           "DYNAMO_MARKS_DIRTY", "CheckpointFrame", "CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE", "checkpoint",
+           "install_checkpoint", "original_reentrant_forward", "checkpoint_installed",
+           "current_graph_task_id", "autograd_engine",
            "will_engine_execute_node", "functorch_transforms_active", "function_base_apply",
-           "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass", "EnableTorchFunction", "push_torch_function_mode",
-           "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group"]
+           "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass",
+           "EnableTorchFunction", "push_torch_function_mode",
+           "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group",
+           "dynamo_compiling_frame"]
 
 #: the installed torch release as ``(major, minor)``
-TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+TORCH_VERSION: tuple[int, ...] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 #: whether dynamo is tracing the calling code: its Python runs once, to build a graph (which holds a constant
 #: ``True`` for this call); false in the plain Python dynamo runs while it traces (a planner) and in eager code.
@@ -69,7 +78,7 @@ def compile_in_progress() -> bool:
 
 
 if TORCH_VERSION >= (2, 13):  # torch says so in trace-time Python itself: its own predicate (one call less)
-    compile_in_progress = _torch_is_compiling  # noqa: F811
+    compile_in_progress = _torch_is_compiling
 
 
 class trace_time:
@@ -110,6 +119,24 @@ _Reentrant = _checkpoint.CheckpointFunction
 _SAVES_INPUTS = hasattr(_Frame, "save_inputs")  # torch >= 2.12
 _NEW_FRAME: list = []  # torch 2.11: the frame whose inputs are saved next
 
+#: whether torch's non-reentrant checkpoint makes its anchor tensors (a ``requires_grad`` dummy and
+#: ``_NoopSaveInputs``'s output, both of zero elements) with ``torch.empty`` and no ``device=``: on the
+#: default device, the CPU, whatever the region's device (torch 2.11; from 2.12 the frame saves the inputs
+#: itself and makes no tensor)
+CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE = not _SAVES_INPUTS
+
+
+def checkpoint(function, *args, use_reentrant: bool):
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant)`` that makes no tensor
+    off the device of ``args``' first tensor: on torch 2.11 (:data:`CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE`) the
+    call runs with that device as the default device (``torch.device`` as a context), so the anchors land there.
+    (Traced by ``torch.compile``, the region is a graph of its own and no anchor is made at run time.)"""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE and device is not None and not compile_in_progress():
+        with torch.device(device):
+            return _checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant)
+    return _checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant)
+
 
 class CheckpointFrame(_Frame):
     """The frame of a non-reentrant checkpoint (``use_reentrant=False``), told its region's inputs.
@@ -134,9 +161,9 @@ class CheckpointFrame(_Frame):
 
 
 if not _SAVES_INPUTS:
-    _NoopSaveInputs = _checkpoint._NoopSaveInputs
+    _NoopSaveInputs = _checkpoint._NoopSaveInputs  # type: ignore[attr-defined]  # torch 2.11 only
 
-    class _SaveInputs(_NoopSaveInputs):
+    class _SaveInputs(_NoopSaveInputs):  # type: ignore[valid-type,misc]
         """torch 2.11's ``_NoopSaveInputs``, applied to ``(dummy, kwargs, *args)`` right after the frame is made."""
 
         @staticmethod
@@ -157,10 +184,10 @@ def install_checkpoint(frame: type, reentrant_forward) -> None:
         return
     forward = vars(_Reentrant)["forward"]
     _ORIGINAL[:] = [forward.__func__, _Frame, getattr(_checkpoint, "_NoopSaveInputs", None)]
-    _Reentrant.forward = staticmethod(reentrant_forward)
-    _checkpoint._CheckpointFrame = frame
+    _Reentrant.forward = staticmethod(reentrant_forward)  # type: ignore[method-assign]
+    _checkpoint._CheckpointFrame = frame  # type: ignore[misc,assignment]
     if not _SAVES_INPUTS:
-        _checkpoint._NoopSaveInputs = _SaveInputs
+        _checkpoint._NoopSaveInputs = _SaveInputs  # type: ignore[attr-defined]
 
 
 def original_reentrant_forward(ctx, run_function, preserve_rng_state, *args):
@@ -197,6 +224,13 @@ push_torch_function_mode = torch._C._push_on_torch_function_stack
 pop_torch_function_mode = torch._C._pop_torch_function_stack
 torch_function_stack_len = torch._C._len_torch_function_stack
 #: ``torch.einsum`` without its Python-level argument handling
-einsum_entry = torch._C._VariableFunctions.einsum
+einsum_entry = torch._C._VariableFunctions.einsum  # type: ignore[attr-defined]  # not in torch's stubs
 #: the process group of a ``group.group_name``
 resolve_process_group = _c10d._resolve_process_group
+
+
+def dynamo_compiling_frame() -> bool:
+    """Whether dynamo is compiling a frame on this thread: true in the code it traces and in the Python it runs
+    meanwhile (building guards, which on torch 2.11 evaluates a guarded attribute such as ``w.T`` through the
+    torch-function modes of the frame), false in the eager code of a graph break."""
+    return _CompileContext.try_get() is not None

@@ -28,17 +28,19 @@ import itertools
 import operator
 import sys
 import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import EinshardError
 from . import _torch_compat
 from ._torch_compat import in_traced_code
-from ..errors import EinshardError
 
 __all__ = ["register", "lookup", "static_shape", "constant_result", "group_name", "resolve_group",
-           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "refuse", "keep_collectives_apart", "static_value"]
+           "stand_in", "fresh_name", "publish", "at_trace_time", "trace_error", "refuse", "keep_collectives_apart",
+           "static_value"]
 
 def constant_result(fn):
     """Make ``fn`` a trace-time planner: under ``torch.compile`` dynamo runs it as plain Python and keeps its
@@ -230,7 +232,7 @@ def trace_error(message: str) -> EinshardError:
     is, so the error is both.
     """
     if not _TRACE_ERROR:
-        exc = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
+        exc: Any = importlib.import_module("torch._dynamo.exc")  # loaded while compiling (not when unpickling)
 
         class EinshardCompileError(EinshardError, exc.UserError):
             """An einshard error found while ``torch.compile`` traces."""

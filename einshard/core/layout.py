@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -43,7 +43,7 @@ class MeshShape:
     shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, mesh) -> "MeshShape":
+    def of(cls, mesh) -> MeshShape:
         return cls(tuple(mesh.names), tuple(mesh.shape))
 
     def size(self, dims: Iterable[str]) -> int:
@@ -121,6 +121,7 @@ class Layout:
         if not dims:
             return (0, self.sizes[i])
         splits = self.splits[i]
+        assert splits is not None  # a sharded axis has its split
         b = mesh.index(dims, coord)
         start = sum(splits[:b])
         return (start, start + splits[b])
@@ -139,17 +140,17 @@ class Layout:
         return total
 
     # -- edits --------------------------------------------------------------
-    def with_shard(self, i: int, dims: tuple[str, ...], splits) -> "Layout":
+    def with_shard(self, i: int, dims: tuple[str, ...], splits) -> Layout:
         shard = list(self.shard)
         spl = list(self.splits)
         shard[i] = tuple(dims)
         spl[i] = tuple(splits) if dims else None
         return replace(self, shard=tuple(shard), splits=tuple(spl))
 
-    def with_partial(self, partial: Iterable[str]) -> "Layout":
+    def with_partial(self, partial: Iterable[str]) -> Layout:
         return replace(self, partial=frozenset(partial))
 
-    def essential(self, mesh: MeshShape) -> "Layout":
+    def essential(self, mesh: MeshShape) -> Layout:
         """This layout without the mesh dimensions of size 1 (sharding or summing over one rank changes nothing).
 
         Two layouts with equal essentials hold the same block on every rank: a transition between them is
@@ -167,7 +168,7 @@ class Layout:
         splits = tuple(s if dims else None for s, dims in zip(self.splits, shard))
         return replace(self, shard=shard, splits=splits, partial=self.partial - ones)
 
-    def data_equal(self, other: "Layout") -> bool:
+    def data_equal(self, other: Layout) -> bool:
         """Same blocks on every rank (partial and replicated both hold whole data)."""
         return self.shard == other.shard and self.splits == other.splits
 
@@ -184,8 +185,8 @@ class Layout:
             parts.append(f"{axis}/{'-'.join(dims)}" if dims else axis)
         text = " ".join(parts)
         if self.partial:
-            dims = sorted(self.partial)
-            text += " // " + (dims[0] if len(dims) == 1 else "(" + ", ".join(dims) + ")")
+            names = sorted(self.partial)
+            text += " // " + (names[0] if len(names) == 1 else "(" + ", ".join(names) + ")")
         return text
 
 

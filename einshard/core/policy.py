@@ -11,9 +11,8 @@ import contextlib
 import contextvars
 from dataclasses import dataclass
 
-from ._torch_compat import compile_in_progress
-
 from ..errors import EinshardError
+from ._torch_compat import compile_in_progress
 
 __all__ = ["PlanPolicy", "optimize", "set_default_policy", "resolve_policy", "MODES", "scope", "scoped"]
 
@@ -54,7 +53,7 @@ class PlanPolicy:
         return cached
 
     @classmethod
-    def from_mode(cls, mode: str) -> "PlanPolicy":
+    def from_mode(cls, mode: str) -> PlanPolicy:
         """The policy of a named mode: training, inference, memory, communication, latency."""
         try:
             return MODES[mode]

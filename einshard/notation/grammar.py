@@ -22,6 +22,8 @@ token was missing; :func:`_explain_syntax_error` turns it into a reason.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from ..errors import EinshardError
 from .objects import Annotation, Axis, EllipsisItem, Family, Group, TensorSpec, Zip
 
@@ -40,7 +42,7 @@ class _Parser:
         self.n = len(text)
         self.far = 0
 
-    def fail(self, pos: int):
+    def fail(self, pos: int) -> NoReturn:
         if pos > self.far:
             self.far = pos
         raise _Fail
@@ -262,7 +264,7 @@ def _explain_syntax_error(text: str, index: int) -> tuple[int, str]:
         return index, "'/' must be followed by a mesh dimension name"
     depth_paren = 0
     depth_bracket = 0
-    for i, ch in enumerate(text[:index]):
+    for ch in text[:index]:
         if ch == "(":
             depth_paren += 1
         elif ch == ")":

@@ -88,10 +88,17 @@ class Axes(tuple):
     """``TensorSpec.axes``: a tuple of :class:`Axis` whose ``repr`` is the layout, items joined by ``" × "``
     (``'out / tp × in'``; a group as ``(a / dp b)``, an ellipsis as ``...``)."""
 
+    _items: tuple
+
     def __new__(cls, axes, items=None):
         self = super().__new__(cls, axes)
         self._items = tuple(self) if items is None else items
         return self
+
+    @property
+    def items(self) -> tuple:
+        """The spec's items these axes come from (groups and ``...`` kept)."""
+        return self._items
 
     def __repr__(self) -> str:
         return " × ".join(_item_text(i) for i in self._items) if self._items else "()"
@@ -118,7 +125,7 @@ class TensorSpec:
     pos: int = field(default=-1, compare=False, repr=False)
 
     @property
-    def axes(self) -> "Axes":
+    def axes(self) -> Axes:
         """Every named axis, group members flattened, in order (no ellipsis).
 
         A tuple of :class:`Axis`; its ``repr`` shows the spec's items joined by ``" × "``:

@@ -38,12 +38,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..comm import mappings
+from ..core import _torch_compat
 from ..core._cache import BoundedCache
-from ..errors import EinshardError
 from ..core.layout import MeshShape
+from ..errors import EinshardError
 from ..notation import expand, freeze_families
 from ..runtime.dispatch import Operation
 from ..runtime.pipeline import (
@@ -248,7 +248,7 @@ def _per_spatial(value, spatial, families, arg) -> dict:
         return {}
     if isinstance(value, dict):
         return per_axis(value, spatial, families, arg)
-    return {a: value for a in spatial}
+    return dict.fromkeys(spatial, value)
 
 
 def _check_stride(stride) -> None:
@@ -305,7 +305,8 @@ def einconv(formula, x, weight, windows, *, bias=None, padding=None, stride=1, d
     """
     args = (None if bias is None else tuple(bias.shape), windows, padding, stride, dilation, groups, boundary,
             checkpoint)
-    return _EINCONV.dispatch(formula, (x, weight), (args, mesh, shapes, families, (bias, fill, checkpoint, use_reentrant)))
+    run_args = (bias, fill, checkpoint, use_reentrant)
+    return _EINCONV.dispatch(formula, (x, weight), (args, mesh, shapes, families, run_args))
 
 
 def _run(planned, tensors, run_args):
@@ -326,10 +327,10 @@ def _run(planned, tensors, run_args):
 
     grad_needed = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if checkpoint == "full" and grad_needed:
-        return _checkpoint(full, x, weight, bias, use_reentrant=use_reentrant)
+        return _torch_compat.checkpoint(full, x, weight, bias, use_reentrant=use_reentrant)
     xh = plan(x, fill)
     if checkpoint == "conv" and grad_needed:
-        return _checkpoint(conv, xh, weight, bias, use_reentrant=use_reentrant)
+        return _torch_compat.checkpoint(conv, xh, weight, bias, use_reentrant=use_reentrant)
     return conv(xh, weight, bias)
 
 

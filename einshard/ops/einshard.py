@@ -6,23 +6,32 @@ import operator
 
 import torch
 
-from ..core import _context, _trace
-from ..core._torch_compat import compile_in_progress, in_traced_code
 from ..comm import checks
-from ..runtime import vma as _vma
+from ..core import _context, _trace
 from ..core._cache import BoundedCache
-from ..runtime.distributed import run_distributed, traced_run
+from ..core._torch_compat import compile_in_progress, in_traced_code
+from ..core.policy import resolve_policy
 from ..errors import EinshardError
-from ..plan.local import build_local_plan, freeze_sizes
 from ..notation import Axis, TensorSpec, expand, freeze_families
-from ..params.formula import (ANY, check_not_stored, check_params_first, duty_of, formula_names, recorded_shapes, recorder_for,
-                              resolve_pending, state_duties)
+from ..params.formula import (
+    ANY,
+    check_not_stored,
+    check_params_first,
+    duty_of,
+    formula_names,
+    recorded_shapes,
+    recorder_for,
+    resolve_pending,
+    state_duties,
+)
 from ..params.metadata import named_sizes
 from ..params.replicated import keep_duties_on_root
 from ..params.state import ParameterState
+from ..plan.local import build_local_plan, freeze_sizes
+from ..runtime import vma as _vma
 from ..runtime.dispatch import dispatch
+from ..runtime.distributed import run_distributed, traced_run
 from ..runtime.pipeline import check_tensors
-from ..core.policy import resolve_policy
 
 __all__ = ["einshard", "duties_satisfied"]
 
@@ -314,7 +323,8 @@ class _RecordingPlan:
         if _SATISFIED:
             return self.plan.run(tensors)
         prepared = self.recorder.prepare(tensors, formula_names(mesh))
-        out = self.plan.run(_local_duties(self.recorder.formula, tensors, self.recorder.duties(tensors, prepared), mesh))
+        duties = self.recorder.duties(tensors, prepared)
+        out = self.plan.run(_local_duties(self.recorder.formula, tensors, duties, mesh))
         self.recorder.commit(tensors, prepared)
         return out
 
@@ -370,8 +380,8 @@ def _traced(formula, tensors, call):
 
 
 @_trace.constant_result
-def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh, amb_shapes,
-                    checks_on):
+def _plan_for_trace(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy, amb_mesh,
+                    amb_shapes, checks_on):
     with _context.at_trace_time(amb_mesh, amb_shapes) as ambient:
         return _plan_at_trace_time(formula, shapes, dtypes, mesh, split_shapes, sizes, families, optimize, policy,
                                    ambient)

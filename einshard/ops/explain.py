@@ -6,18 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core._table import text_table
-from ..runtime.distributed import plan_distributed
-from ..errors import EinshardError
-from ..core.layout import MeshShape
-from ..plan.local import freeze_sizes
 from ..comm.mesh import resolve_mesh
+from ..core._table import text_table
+from ..core.layout import MeshShape
+from ..core.policy import PlanPolicy, resolve_policy
+from ..errors import EinshardError
 from ..notation import expand, freeze_families
 from ..params.formula import explain_duties
-from ..plan.contraction import ANY
 from ..params.state import gather_formula
 from ..params.store import get_parameter_state
-from ..core.policy import PlanPolicy, resolve_policy
+from ..plan.contraction import ANY
+from ..plan.local import freeze_sizes
+from ..runtime.distributed import plan_distributed
 
 __all__ = ["explain", "Explanation"]
 
@@ -194,6 +194,7 @@ def _stored_gathers(parsed, tensors, local_shapes, mesh, pol) -> tuple:
         if " ".join(map(str, parsed.inputs[k].items)) == state.layout:  # the storage itself (its gather formula)
             continue
         dim = state.store_axis
+        assert dim is not None and state.spec is not None  # a stored parameter's state
         n = mesh.size(tuple(d for d in mesh.names if d in state.store.split("-")))
         whole = state.global_shape[dim] if state.global_shape is not None else t.shape[dim] * n
         sizes = {} if state.global_shape is None else {

@@ -21,16 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import _context, _trace
-from ..core._torch_compat import in_traced_code
 from ..comm import checks
+from ..comm.mesh import resolve_mesh
+from ..core import _context, _trace
 from ..core._cache import BoundedCache
 from ..core._split import compute_split_shapes
 from ..core._table import text_table
-from ..errors import EinshardError, naming
-from ..runtime.execute import Transition, transition
+from ..core._torch_compat import in_traced_code
 from ..core.layout import Layout, MeshShape
-from ..comm.mesh import resolve_mesh
+from ..errors import EinshardError, naming
 from ..notation import (
     Axis,
     Formula,
@@ -42,11 +41,19 @@ from ..notation import (
     invalid,
 )
 from ..notation.grammar import parse_text
-from ..runtime.dispatch import Operation
-from ..runtime.pipeline import agree, agrees_always, check_spec, family_table, freeze, per_axis
 from ..plan.fft import FFTPlan, FFTProblem, FourStep, LocalFFT, Move, plan_fft
-from ..plan.transition import plan_transition
 from ..plan.resolve import Splits, resolve
+from ..plan.transition import plan_transition
+from ..runtime.dispatch import Operation
+from ..runtime.execute import Transition, transition
+from ..runtime.pipeline import (
+    agree,
+    agrees_always,
+    check_spec,
+    family_table,
+    freeze,
+    per_axis,
+)
 
 __all__ = ["einfft", "FFTExplanation", "FFTStep"]
 
@@ -272,7 +279,8 @@ def _problem(spec: _Spec, shape, dtype, mesh, shapes, real, inverse, signal) -> 
     after = _after_sizes(spec, before, real, inverse, signal)
     lookup = Splits(shapes, ambient, mesh, labels)
     back = {b: a for a, b in spec.pairs}
-    shard, splits = {}, {}
+    shard: dict = {}
+    splits: dict[str, tuple | None] = {}
     for ax in spec.out.axes:
         name = back.get(ax.name, ax.name)
         dims = mesh.dims(ax.mesh) if ax.mesh else ()
@@ -380,8 +388,9 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
     i = fs.axis
     cdtype, rdtype = dtypes
     fft1 = torch.fft.ifft if inverse else torch.fft.fft
-    steps = []
+    steps: list = []  # transitions and local steps, each called with the local tensor
     if fs.real == "c2r":
+        assert fs.padded is not None  # a c2r four-step pads
         lo, hi = fs.pre.interval(i, coord, shape)
         k = torch.arange(lo, hi, dtype=torch.float64, device="cpu")
         weight = torch.where((k == 0) | (2 * k == fs.n), 1.0, 2.0).to(device=device, dtype=rdtype)
@@ -427,7 +436,9 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
     steps.append(transition(fs.c, fs.d, mesh))
     flat_shape = fs.flat_d.local_shape(coord, shape)
     steps.append(lambda x: x.transpose(i, i + 1).reshape(flat_shape))
+    end: Layout | None
     if fs.real == "r2c":
+        assert fs.cropped is not None  # an r2c four-step crops
         keep = fs.cropped.local_shape(coord, shape)[i]
         steps.append(lambda x: x.narrow(i, 0, keep))
         end = fs.cropped
@@ -444,7 +455,7 @@ def _compile_four_step(fs: FourStep, mesh, inverse: bool, norm, dtypes, device):
             x = s(x)
         return x
 
-    run.steps = steps  # (for _Bound.prepare_traced)
+    run.steps = steps  # type: ignore[attr-defined]  # a function attribute, for _Bound.prepare_traced
     return run
 
 
@@ -462,7 +473,7 @@ class _Bound:
         self.fingerprint = zlib.crc32(repr((plan.problem.src, plan.problem.dst)).encode())
         p = plan.problem
         dtypes = (_complex_dtype(dtype), _real_dtype(dtype))
-        steps = []
+        steps: list = []
         for act in plan.actions:
             if isinstance(act, Move):
                 t = transition(act.src, act.dst, mesh)
@@ -476,7 +487,7 @@ class _Bound:
             steps.append(lambda x: x.permute(order))
         self.steps = tuple(steps)
 
-    def prepare_traced(self) -> "_Bound":
+    def prepare_traced(self) -> _Bound:
         """This plan ready for traced code (the functional steps of its transitions built)."""
         for step in self.steps:
             for s in (step,) if isinstance(step, Transition) else getattr(step, "steps", ()):  # (a four-step's)
@@ -585,7 +596,7 @@ def _transition_step(src, dst, p: FFTProblem, itemsize, done, prefix="") -> FFTS
 def _explain(plan: FFTPlan, text: str, mode: str, out_spec: TensorSpec) -> FFTExplanation:
     p = plan.problem
     rows = []
-    done = frozenset()
+    done: frozenset = frozenset()
     names = {True: "ifft", False: "fft"}[p.inverse]
     for act in plan.actions:
         if isinstance(act, Move):
@@ -603,12 +614,14 @@ def _explain(plan: FFTPlan, text: str, mode: str, out_spec: TensorSpec) -> FFTEx
             prefix = f"four-step {name} ({fs.n} = {fs.n1}x{fs.n2}): "
             isz = (p.itemsize(done), p.itemsize_complex, p.itemsize_out if fs.real == "c2r" else p.itemsize_complex)
             moves = fs.moves()
-            labels = [None, None, f"local {names} over {name}.hi, twiddle", f"local {names} over {name}.lo", None]
+            labels: list[str | None] = [None, None, f"local {names} over {name}.hi, twiddle",
+                                        f"local {names} over {name}.lo", None]
             if fs.real == "c2r":
                 rows.append(FFTStep("four-step", prefix + "weight and zero-pad the half spectrum", "", "", 0.0, 0.0))
             for k, (src, dst, stage) in enumerate(moves):
-                if labels[k] is not None:
-                    rows.append(FFTStep("four-step", prefix + labels[k], "", "", 0.0, 0.0))
+                label = labels[k]
+                if label is not None:
+                    rows.append(FFTStep("four-step", prefix + label, "", "", 0.0, 0.0))
                 row = _transition_step(src, dst, p, isz[stage], done if k < 4 else done | {fs.axis}, prefix)
                 if row is not None:
                     rows.append(FFTStep("four-step", row.what, row.layout, row.mesh_dims, row.forward_bytes,
@@ -708,7 +721,7 @@ def _bound(formula, axes, axes_key, fam_key, shape, dtype, device, inverse, norm
            explain):
     """The plan of one call for an input on ``device``, bound to this rank (the ranks agree on a build error)."""
     try:
-        bound, spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
+        bound, _spec = _build(formula, axes, axes_key, fam_key, shape, dtype, inverse, norm, real, signal_sizes,
                              mesh, shapes, device)
     except ValueError as err:
         if not explain:

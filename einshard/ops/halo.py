@@ -31,11 +31,13 @@ import functools
 
 import torch
 
-from ..core._cache import BoundedCache
-from ..errors import EinshardError
 from ..comm.exchange import exchange_group, runs_exchange
+from ..core._cache import BoundedCache
 from ..core.layout import Layout, MeshShape
+from ..errors import EinshardError
 from ..notation import TensorSpec, freeze_families
+from ..plan.halo import halo_axis, halo_runs
+from ..plan.resolve import freeze_shapes
 from ..runtime.dispatch import Operation
 from ..runtime.pipeline import (
     agree_before_communicating,
@@ -49,8 +51,6 @@ from ..runtime.pipeline import (
     spec_layout,
     width_pair,
 )
-from ..plan.halo import halo_axis, halo_runs
-from ..plan.resolve import freeze_shapes
 
 __all__ = ["einhalo", "HaloPlan", "halo_plan"]
 
@@ -72,28 +72,30 @@ class HaloPlan:
     def __init__(self, layout: Layout, widths: dict[int, tuple[int, int]], boundary: str, mesh, device,
                  local_error=None, always=False):
         self.layout, self.mesh, self.local_error, self.always = layout, mesh, local_error, always
-        axes = [i for i, (l, r) in sorted(widths.items()) if l or r]
+        axes = [i for i, (left, right) in sorted(widths.items()) if left or right]
         ex_axes, dims = exchange_group(layout, axes, mesh)
-        read = functools.lru_cache(None)(lambda i, iv: halo_axis(*iv, *widths[i], layout.sizes[i], boundary))
+        read = functools.lru_cache(None)(
+            lambda i, iv: halo_axis(iv[0], iv[1], widths[i][0], widths[i][1], layout.sizes[i], boundary))
 
         def runs(i, owner, dest):
             h = read(i, dest)
             return tuple((s, d + h.left_fill, n) for s, d, n in halo_runs(owner, h.needed))
 
         shape = MeshShape.of(mesh) if mesh is not None else None
-        local = layout.local_shape(mesh.coordinate, shape) if mesh is not None else layout.sizes
-        mine = {i: read(i, layout.interval(i, mesh.coordinate, shape) if mesh is not None else (0, local[i]))
+        local = layout.local_shape(mesh.coordinate, shape) if shape is not None else layout.sizes
+        mine = {i: read(i, layout.interval(i, mesh.coordinate, shape) if shape is not None else (0, local[i]))
                 for i in axes}
         sizes = {i: h.left_fill + h.buffer_size + h.right_fill for i, h in mine.items()}
         out = [sizes.get(d, n) for d, n in enumerate(local)]
         blank = [tuple((start, n) if d == i else (0, m) for d, m in enumerate(out))  # constant-boundary cells
-                 for i, h in mine.items() for start, n in ((0, h.left_fill), (out[i] - h.right_fill, h.right_fill)) if n]
+                 for i, h in mine.items()
+                 for start, n in ((0, h.left_fill), (out[i] - h.right_fill, h.right_fill)) if n]
         self.exchange = None if local_error is not None else runs_exchange(
             layout, layout, dims if ex_axes else (), mesh, runs, axes, sizes, blank)
         self.indices = [(i, torch.tensor(h.index, dtype=torch.long, device=device))
                         for i, h in mine.items() if h.index is not None]
 
-    def prepare_traced(self) -> "HaloPlan":
+    def prepare_traced(self) -> HaloPlan:
         """This plan ready for traced code (its exchange's adjoint built)."""
         if self.exchange is not None:
             self.exchange.prepare_traced()
@@ -101,6 +103,7 @@ class HaloPlan:
 
     def __call__(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         agree_before_communicating(self.mesh, self.local_error, x, self.always)
+        assert self.exchange is not None  # none only with a local error, raised above
         t = self.exchange(x, fill)
         for dim, index in self.indices:
             t = t.index_select(dim, index)

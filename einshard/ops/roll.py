@@ -18,11 +18,13 @@ import operator
 
 import torch
 
-from ..core._cache import BoundedCache
-from ..errors import EinshardError
 from ..comm.exchange import exchange_group, runs_exchange
+from ..core._cache import BoundedCache
 from ..core.layout import Layout
+from ..errors import EinshardError
 from ..notation import freeze_families
+from ..plan.halo import roll_runs
+from ..plan.resolve import freeze_shapes
 from ..runtime.dispatch import Operation
 from ..runtime.pipeline import (
     agree_before_communicating,
@@ -34,8 +36,6 @@ from ..runtime.pipeline import (
     pick_mesh,
     spec_layout,
 )
-from ..plan.halo import roll_runs
-from ..plan.resolve import freeze_shapes
 
 __all__ = ["einroll", "RollPlan"]
 
@@ -57,7 +57,7 @@ class RollPlan:
                                           lambda i, owner, dest: roll_runs(owner, dest, moving[i], layout.sizes[i]),
                                           self.dims)
 
-    def prepare_traced(self) -> "RollPlan":
+    def prepare_traced(self) -> RollPlan:
         """This plan ready for traced code (its exchange's adjoint built)."""
         if self.exchange is not None:
             self.exchange.prepare_traced()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from ..errors import EinshardError
-from ..core.layout import MeshShape
 from ..comm.mesh import resolve_mesh
+from ..core.layout import MeshShape
+from ..errors import EinshardError
 from ..notation import expand
 from ..plan.resolve import resolve
 
@@ -53,7 +53,8 @@ def visualize(spec: str, shape, *, mesh=None, shapes=None, sizes=None, families=
             ",".join(f"{n}={c[k]}" for k, n in enumerate(mshape.names)) for c in coords[:4]
         ) + ("; ..." if len(coords) > 4 else "")
         ranks = ",".join(str(rank_of(c)) for c in coords)
-        rows.append((where, f"rank{'s' if len(coords) > 1 else ''} {ranks}", _block_text(layout.axes, box, layout.sizes)))
+        who = f"rank{'s' if len(coords) > 1 else ''} {ranks}"
+        rows.append((where, who, _block_text(layout.axes, box, layout.sizes)))
     widths = [max(len(r[k]) for r in rows) for k in range(2)]
     for where, ranks, block in rows:
         lines.append(f"  {where.ljust(widths[0])}  {ranks.ljust(widths[1])}  {block}")

@@ -38,10 +38,10 @@ from collections.abc import Iterable
 import torch
 
 from ..comm import collectives as C
-from ..errors import EinshardError
 from ..comm.backwards import PerBackward
 from ..comm.grad_sums import DEFAULT_BUCKET_BYTES, accumulates, flatten, launch, write
 from ..comm.mesh import Mesh, resolve_mesh
+from ..errors import EinshardError
 
 __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 
@@ -50,7 +50,7 @@ __all__ = ["GradBucketer", "DEFAULT_BUCKET_BYTES", "hooked_by"]
 _HOOKED: dict = {}
 
 
-def hooked_by(p) -> "GradBucketer | None":
+def hooked_by(p) -> GradBucketer | None:
     """The live :class:`GradBucketer` that sums ``p``'s gradient, or ``None``.
 
     >>> hooked_by(torch.nn.Parameter(torch.ones(2))) is None
@@ -174,7 +174,9 @@ class GradBucketer:
 
     def _add_buckets(self, dims, params) -> list:
         group = self.mesh.group(dims)
-        chunks, current, size = [], [], 0
+        chunks: list = []
+        current: list = []
+        size = 0
         for p in reversed(params):  # backward produces the last-registered gradients first
             nbytes = p.numel() * p.element_size()
             if current and (self.synchronous or size + nbytes > self.bucket_bytes):
@@ -275,7 +277,8 @@ class GradBucketer:
     def _launch(self, bucket: _Bucket, now: _Pass | None = None) -> None:
         """Start the sum of the bucket's contributions, of finished backwards and of the running one
         (``now``, which keeps the sum started; synchronous: add it to ``.grad`` now)."""
-        parts, modes = [], []
+        parts: list[torch.Tensor] = []
+        modes: list[str | None] = []
         for i, p in enumerate(bucket.params):
             key = (bucket, i)
             _forget_if_dropped(bucket, i, p)
@@ -317,14 +320,14 @@ class GradBucketer:
         finally:
             self._no_sync -= 1
 
-    def flush(self) -> "GradBucketer":
+    def flush(self) -> GradBucketer:
         """Start the sums of every bucket holding contributions not yet summed (unused parameters, ``no_sync``)."""
         for bucket in self.buckets:
             if bucket.window():
                 self._launch(bucket)
         return self
 
-    def wait(self) -> "GradBucketer":
+    def wait(self) -> GradBucketer:
         """Sum what is not summed yet, wait for every started all-reduce and write the sums into ``.grad``
         (what a backward that raised started is waited for and dropped)."""
         self._backwards.purge()
@@ -337,7 +340,7 @@ class GradBucketer:
             write(flat, bucket.params, modes)
         return self
 
-    def remove(self) -> "GradBucketer":
+    def remove(self) -> GradBucketer:
         """Wait, then detach every hook (idempotent); returns ``self``."""
         if self._removed:
             return self
@@ -378,6 +381,7 @@ def _union_dims(mesh, groups: tuple) -> tuple:
             raise TypeError(f"GradBucketer: a group must be a str, got {type(g).__name__}")
         for c in g.split("-"):
             if c not in mesh.names:
-                raise EinshardError(f"GradBucketer: mesh dimension {c!r} (in {g!r}) is not in the mesh; it has {list(mesh.names)}")
+                raise EinshardError(f"GradBucketer: mesh dimension {c!r} (in {g!r}) "
+                                    f"is not in the mesh; it has {list(mesh.names)}")
         dims.update(g.split("-"))
     return tuple(d for d in mesh.names if d in dims)

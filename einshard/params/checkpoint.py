@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from ..spmd.dtensor import from_dtensor as unwrap
-from ..spmd.dtensor import is_dtensor
-from ..spmd.dtensor import to_dtensor as wrap
 from ..errors import EinshardError
 from ..notation import expand
 from ..plan.resolve import resolve
+from ..spmd.dtensor import from_dtensor as unwrap
+from ..spmd.dtensor import is_dtensor
+from ..spmd.dtensor import to_dtensor as wrap
 from ..spmd.tree import discover_splits, map_leaves, prepare_tree
 from .metadata import record_global_shape_, recorded_global_shape
 from .specs import as_param_tree, param_specs, specs_or_registered
@@ -43,7 +43,8 @@ def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
     """
     mesh, leaves, treedef, per_leaf, names = prepare_tree(module_or_state_dict, specs, mesh, None, "to_dtensor")
     if mesh.device_mesh is None:
-        raise EinshardError("to_dtensor: a virtual mesh cannot hold DTensors; pass the DeviceMesh (or es.wrap_mesh of it)")
+        raise EinshardError("to_dtensor: a virtual mesh cannot hold DTensors; "
+                            "pass the DeviceMesh (or es.wrap_mesh of it)")
     found = discover_splits(mesh, leaves, per_leaf)
 
     def as_dtensor(k, x, spec):

@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import torch
 
+from ..comm.mesh import Mesh
 from ..core import _context
 from ..core._cache import BoundedCache
 from ..errors import EinshardError
-from ..comm.mesh import Mesh
 from ..notation import expand_unchecked
 from ..plan.contraction import ANY
 from .merge import merge_states
@@ -36,8 +36,8 @@ from .operand import is_rank_local, parameter_operand_state
 from .state import ParameterGradComm, ParameterState, check_state
 from .store import PARAM_STATE_ATTR, prepare_registration, set_parameter_state
 
-__all__ = ["check_not_stored", "duty_of", "state_duties", "recorded_shapes", "explain_duties", "FormulaRecorder", "recorder_for",
-           "formula_names", "check_params_first"]
+__all__ = ["check_not_stored", "duty_of", "state_duties", "recorded_shapes", "explain_duties", "FormulaRecorder",
+           "recorder_for", "formula_names", "check_params_first"]
 
 _TENSOR = torch.Tensor
 _NO_DUTY_BACKENDS = ("none", "vma")  # vma: satisfied inside shard_map only; outside, the formula reduces
@@ -62,7 +62,7 @@ def duty_of(state) -> object:
 
 def state_duties(tensors) -> tuple:
     """Per operand, the duty of the state attached to it; ``()`` when none has one (the fast path)."""
-    found = None
+    found: list | None = None
     for k, t in enumerate(tensors):
         if type(t) is _TENSOR:
             continue
@@ -93,7 +93,7 @@ def check_not_stored(tensors, formula: str) -> None:
 
 def recorded_shapes(tensors) -> tuple:
     """Per operand, the global shape recorded on its state (``None``: unknown); ``()`` when none has one."""
-    found = None
+    found: list | None = None
     for k, t in enumerate(tensors):
         if type(t) is _TENSOR:
             continue
@@ -165,7 +165,8 @@ class FormulaRecorder:
         where: dict = {}  # id(p) -> its first operand index
         for k in self.indices:
             if k >= len(tensors):
-                raise EinshardError(f"{self.formula!r}: operand {k} is annotated [param] but no tensor was given for it")
+                raise EinshardError(f"{self.formula!r}: operand {k} is annotated "
+                                    "[param] but no tensor was given for it")
             p = tensors[k]
             if not isinstance(p, torch.nn.Parameter) and getattr(p, PARAM_STATE_ATTR, None) is not None:
                 raise EinshardError(
@@ -206,7 +207,8 @@ class FormulaRecorder:
             if attached is not None and merged.grad_comm.pending_inference and not attached.grad_comm.pending_inference:
                 if attached.grad_comm.mode != "none" and attached.grad_comm.backend == merged.grad_comm.backend:
                     # already resolved by an earlier call: keep those groups (one partial layout per gradient)
-                    merged = replace(merged, grad_comm=replace(merged.grad_comm, mesh_dims=attached.grad_comm.mesh_dims))
+                    grad_comm = replace(merged.grad_comm, mesh_dims=attached.grad_comm.mesh_dims)
+                    merged = replace(merged, grad_comm=grad_comm)
             self._cache.put(cache_key, (attached, merged))
             out[key] = (p, merged)
         return out
@@ -260,7 +262,8 @@ def explain_duties(parsed, operands) -> tuple:
 
 
 def formula_names(mesh) -> tuple:
-    """The mesh names a ``[param]`` formula records (the ambient mesh when ``mesh`` is ``None``); fast for ``es.Mesh``."""
+    """The mesh names a ``[param]`` formula records (the ambient mesh when ``mesh`` is ``None``); fast for
+    ``es.Mesh``."""
     if mesh is None:
         mesh = _context.current().mesh
     if type(mesh) is Mesh:

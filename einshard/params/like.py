@@ -6,14 +6,14 @@ import math
 
 import torch
 
-from ..core._split import compute_split_shapes
-from ..runtime.distributed import plan_distributed
-from ..errors import EinshardError
-from ..plan.local import freeze_sizes
 from ..comm.mesh import Mesh, current_mesh, mesh_required, resolve_mesh
-from ..notation import EllipsisItem, Group, TensorSpec, expand, freeze_families
+from ..core._split import compute_split_shapes
 from ..core.policy import resolve_policy
+from ..errors import EinshardError
+from ..notation import Axis, EllipsisItem, Group, TensorSpec, expand, freeze_families
+from ..plan.local import freeze_sizes
 from ..plan.stationary import is_stationary, needs_mesh_for_grad, why_mesh
+from ..runtime.distributed import plan_distributed
 from .formula import check_params_first, recorder_for
 from .names import mesh_names, unknown_groups
 
@@ -29,6 +29,7 @@ def _stand_in_shape(spec: TensorSpec, rt, sizes: dict) -> tuple[int, ...]:
             continue
         size = 1
         for a in item.axes if isinstance(item, Group) else (item,):
+            assert isinstance(a, Axis)  # an expanded spec: no families left
             whole = int(sizes.get(a.name, default))
             try:
                 size *= compute_split_shapes(whole, rt.size(a.mesh))[rt.index(a.mesh)] if a.mesh else whole
@@ -101,8 +102,9 @@ def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> N
 # The mark torch.compiler.disable puts on what it wraps: dynamo does not inline einshard_like into a
 # graph (it breaks the graph and calls it), and the body runs behind the real torch.compiler.disable,
 # made on first use (importing dynamo at import time would cost a second).
-einshard_like._torchdynamo_disable = True
-einshard_like._torchdynamo_disable_msg = "einshard_like records parameter metadata in eager Python"
+_DISABLE_MSG = "einshard_like records parameter metadata in eager Python"
+einshard_like._torchdynamo_disable = True  # type: ignore[attr-defined]  # a function attribute
+einshard_like._torchdynamo_disable_msg = _DISABLE_MSG  # type: ignore[attr-defined]
 _DISABLED: list = []
 
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm.mesh import Mesh
 from ..core._split import compute_split_shapes_for_factors
 from ..errors import EinshardError
-from ..comm.mesh import Mesh
 from ..notation import Axis, EllipsisItem, Group
 from .names import components
 from .state import ParameterState, check_state
@@ -115,7 +115,8 @@ def param_local_slices(p_or_state, global_shape, mesh, factors=None) -> tuple[sl
         raise EinshardError(f"layout {state.layout!r} has '...': its shard metadata is unknown")
     global_shape = tuple(int(s) for s in global_shape)
     if len(items) != len(global_shape):
-        raise EinshardError(f"layout {state.layout!r} has rank {len(items)} but global_shape {global_shape} has rank {len(global_shape)}")
+        raise EinshardError(f"layout {state.layout!r} has rank {len(items)} but "
+                            f"global_shape {global_shape} has rank {len(global_shape)}")
     factors = {} if factors is None else factors
     if not isinstance(factors, Mapping):
         raise TypeError(f"factors must be a Mapping from axis names to ints, got {type(factors).__name__}")
@@ -158,7 +159,8 @@ def param_shard_metadata(p_or_state, global_shape, mesh, factors=None) -> ParamS
     slices = param_local_slices(p_or_state, global_shape, mesh, factors)
     global_shape = tuple(int(s) for s in global_shape)
     return ParamShardMetadata(
-        global_shape, slices, tuple(_length(s, n) for s, n in zip(slices, global_shape)), _state_of(p_or_state).layout_shard_dims
+        global_shape, slices, tuple(_length(s, n) for s, n in zip(slices, global_shape)),
+        _state_of(p_or_state).layout_shard_dims
     )
 
 
@@ -197,6 +199,7 @@ def global_shape_from_sizes(state: ParameterState, local_shape, sizes) -> tuple[
         return None
     out = []
     for axis, local in zip(state.spec.items, local_shape):
+        assert isinstance(axis, Axis)  # checked above
         size = sizes.get(axis.name)
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise EinshardError(f"sizes[{axis.name!r}] must be a non-negative int, got {size!r}")
@@ -254,6 +257,7 @@ def storage_slice(state: ParameterState, block_shape, mesh) -> tuple[int, slice,
     (1, slice(3, 5, None), False)
     """
     dim = state.store_axis
+    assert dim is not None and state.store is not None  # a stored parameter's state
     n, r = _Coordinates(mesh).size_and_index(state.store)
     splits = compute_split_shapes_for_factors(int(block_shape[dim]), n, 1)
     start = sum(splits[:r])

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm.mesh import Mesh, as_mesh
 from ..core import _context
 from ..errors import EinshardError
-from ..comm.mesh import Mesh, as_mesh
 
 __all__ = [
     "components",

@@ -95,7 +95,8 @@ def parameter_operand_state(
     ('dp', 'sp')
     """
     if not isinstance(p, torch.nn.Parameter):
-        raise TypeError(f"operand {operand_index} is annotated [param] and must be a torch.nn.Parameter, got {type(p).__name__}")
+        raise TypeError(f"operand {operand_index} is annotated [param] and "
+                        f"must be a torch.nn.Parameter, got {type(p).__name__}")
     if infer_grad not in (True, False, "partials"):
         raise EinshardError(f"infer_grad must be True, False or 'partials', got {infer_grad!r}")
     state = ParameterState.from_spec(input_specs[operand_index], mesh_dim_names=mesh_dim_names, source=source)

@@ -154,12 +154,12 @@ class NativeGradReductionHandle:
     def pending(self) -> int:
         return sum(b.pending for b in self._bucketers)
 
-    def adopt(self, part) -> "NativeGradReductionHandle":
+    def adopt(self, part) -> NativeGradReductionHandle:
         """Add ``part`` (``pending``, ``wait()``, ``no_sync()``, ``remove()``, as a bucketer has) to the handle."""
         self._bucketers.append(part)
         return self
 
-    def wait(self) -> "NativeGradReductionHandle":
+    def wait(self) -> NativeGradReductionHandle:
         for b in self._bucketers:
             b.wait()
         return self
@@ -173,14 +173,14 @@ class NativeGradReductionHandle:
                 stack.enter_context(b.no_sync())
             yield self
 
-    def remove(self) -> "NativeGradReductionHandle":
+    def remove(self) -> NativeGradReductionHandle:
         self.wait()
         for b in self._bucketers:
             b.remove()
         self._bucketers = []
         return self
 
-    def __enter__(self) -> "NativeGradReductionHandle":
+    def __enter__(self) -> NativeGradReductionHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -248,7 +248,7 @@ def _check_ddp_state(name, state, rt, ddp_parts) -> None:
 
 
 def _completed(tensor):
-    fut = torch.futures.Future()
+    fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(tensor)
     return fut
 

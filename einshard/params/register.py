@@ -18,11 +18,12 @@ from dataclasses import replace
 import torch
 
 from ..errors import EinshardError
+from ..notation import TensorSpec
 from .metadata import global_shape_from_sizes, group_size, storage_slice
 from .names import mesh_names
 from .state import ParameterState
 from .storage import StoredParameter
-from .store import Registration, get_parameter_state, per_name, set_parameter_state
+from .store import Registration, get_parameter_state, per_name, set_parameter_state  # noqa: F401 - the examples use it
 
 __all__ = [
     "register_parameter_layout",
@@ -40,7 +41,7 @@ def _store_axis(layout: str, group: str, shape, mesh) -> str:
     divides (no padded slices), else the first unsplit one (``group`` itself when there is none, or when
     the layout is not plain: the state reports it)."""
     try:
-        spec = ParameterState.from_layout(layout).spec
+        spec = _spec_of(layout)
         n = group_size(mesh, group)
     except ValueError:
         return group
@@ -109,7 +110,7 @@ def _check_sizes(sizes, layouts=None) -> dict | None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise EinshardError(f"sizes[{axis!r}] must be a non-negative int, got {size!r}")
     if layouts is not None:
-        known = {a.name for text in layouts for a in ParameterState.from_layout(text).spec.axes}
+        known = {a.name for text in layouts for a in _spec_of(text).axes}
         unknown = sorted(set(sizes) - known)
         if unknown:
             raise EinshardError(f"sizes= names axes {unknown}, which no layout has (their axes: {sorted(known)})")
@@ -200,7 +201,15 @@ def _weight_and_bias(module, what: str):
 
 def _first_axis_layout(state: ParameterState) -> str:
     """The first weight axis with its shard: ``out/tp in`` → ``out/tp``."""
+    assert state.spec is not None  # a registered layout
     return str(state.spec.items[0])
+
+
+def _spec_of(layout: str) -> TensorSpec:
+    """The spec of a parameter layout (``ValueError`` for one that is not)."""
+    spec = ParameterState.from_layout(layout).spec
+    assert spec is not None  # from_layout parses one
+    return spec
 
 
 def _register_pair(
@@ -287,7 +296,8 @@ def register_linear_parameters_(
         if bias is not None and bias.dim() != 1:
             raise EinshardError(f"linear: the bias must have rank 1, got shape {tuple(bias.shape)}")
         if bias is not None and bias.shape[0] != weight.shape[0]:
-            raise EinshardError(f"linear: bias shape {tuple(bias.shape)} does not match weight.shape[0]={weight.shape[0]}")
+            raise EinshardError(f"linear: bias shape {tuple(bias.shape)} does "
+                                f"not match weight.shape[0]={weight.shape[0]}")
 
     return _register_pair(
         module, "linear", weight_layout, bias_layout, mesh_names(mesh, mesh_dim_names),

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ..core import _context
-from ..errors import EinshardError
-from ..runtime.execute import transition
-from ..core.layout import Layout
 from ..comm.mesh import Mesh, mesh_required, resolve_mesh
+from ..core import _context
+from ..core.layout import Layout
+from ..errors import EinshardError
 from ..plan.contraction import ANY, duty_dims
+from ..runtime.execute import transition
 
 __all__ = ["keep_duties_on_root"]
 

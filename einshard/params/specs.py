@@ -32,6 +32,9 @@ class ParamSpec(str):
     (True, (6, 3))
     """
 
+    global_shape: tuple | None
+    _param: weakref.ref | None
+
     def __new__(cls, layout: str, global_shape=None, param=None):
         self = super().__new__(cls, layout)
         self.global_shape = None if global_shape is None else tuple(global_shape)
@@ -65,7 +68,8 @@ def param_specs(module_or_tree):
     through unchanged by ``shard_map``, ``tree_shard`` and ``tree_gather``.
 
     >>> import torch, einshard as es
-    >>> lin = es.register_linear_parameters_(torch.nn.Linear(4, 6), weight_layout="out/tp in", mesh_dim_names=("dp", "tp"))
+    >>> lin = es.register_linear_parameters_(torch.nn.Linear(4, 6), weight_layout="out/tp in",
+    ...                                      mesh_dim_names=("dp", "tp"))
     >>> es.param_specs(lin)
     {'weight': 'out/tp in', 'bias': 'out/tp'}
     """

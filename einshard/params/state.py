@@ -18,8 +18,8 @@ and validation) checks well-formedness and the layout/duty invariants.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ..errors import EinshardError
 from ..notation import Axis, EllipsisItem, Family, TensorSpec, Zip, parse_sharding
@@ -90,7 +90,8 @@ def _parse_value(value, key: str) -> tuple[str, str | None]:
         raise TypeError(f"{key}= must be a string annotation value like 'dp', got {type(value).__name__}")
     match = _VALUE.fullmatch(value)
     if match is None:
-        raise EinshardError(f"Invalid {key}= value {value!r}: expected GROUP or GROUP:SUFFIX with names like 'dp' or 'dp-sp'")
+        raise EinshardError(f"Invalid {key}= value {value!r}: expected GROUP "
+                            "or GROUP:SUFFIX with names like 'dp' or 'dp-sp'")
     return match.group(1), match.group(2)
 
 
@@ -112,13 +113,14 @@ class ParameterInitSync:
     mesh_dims: tuple[str, ...] = ()
 
     @classmethod
-    def from_annotation(cls, ann, layout_shard_dims=(), mesh_dim_names=()) -> "ParameterInitSync":
+    def from_annotation(cls, ann, layout_shard_dims=(), mesh_dim_names=()) -> ParameterInitSync:
         """From ``init_sync=`` text (``None`` = absent: inferred): ``G``, ``none`` or ``external``."""
         if ann is None:
             return derive_init_sync(layout_shard_dims, mesh_dim_names)
         group, suffix = _parse_value(ann, "init_sync")
         if suffix is not None:
-            raise EinshardError(f"Invalid init_sync= value {ann!r}: init_sync takes no ':' suffix (values: G, none, external)")
+            raise EinshardError(f"Invalid init_sync= value {ann!r}: init_sync "
+                                "takes no ':' suffix (values: G, none, external)")
         if group in ("none", "external"):
             return cls(group)
         return cls("explicit", (group,))
@@ -156,7 +158,7 @@ class ParameterGradComm:
         return self.mode == "inferred" and not self.mesh_dims
 
     @classmethod
-    def from_annotation(cls, ann, *, is_param: bool = False) -> "ParameterGradComm":
+    def from_annotation(cls, ann, *, is_param: bool = False) -> ParameterGradComm:
         """From ``grad=`` text (``None`` = absent: pending native on a ``[param]``, else none)."""
         if ann is None:
             return cls("inferred", (), "native") if is_param else cls()
@@ -243,7 +245,7 @@ class ParameterState:
         return next(k for k, i in enumerate(self.spec.items) if isinstance(i, Axis) and i.mesh == self.store)
 
     @classmethod
-    def from_spec(cls, spec, *, mesh_dim_names=(), source: str = "inferred") -> "ParameterState":
+    def from_spec(cls, spec, *, mesh_dim_names=(), source: str = "inferred") -> ParameterState:
         """One operand spec and its ``param``/``grad=``/``init_sync=`` annotations; never infers dims.
 
         >>> from einshard import parse_sharding
@@ -270,7 +272,7 @@ class ParameterState:
     @classmethod
     def from_layout(
         cls, layout, *, mesh=None, mesh_dim_names=(), grad=None, init_sync=None, source: str = "layout", store=None
-    ) -> "ParameterState":
+    ) -> ParameterState:
         """A layout (axes only): no gradient duty unless ``grad=``; init sync inferred unless ``init_sync=``.
 
         ``store="dp"``: stored sharded over ``dp`` on top of the compute ``layout`` (ZeRO-3, see
@@ -309,7 +311,7 @@ class ParameterState:
         return cls._build(spec, mesh_names(mesh, mesh_dim_names), grad, init_sync, source, False, store)
 
     @classmethod
-    def _build(cls, spec, names, grad, init_sync, source, is_param, store=None) -> "ParameterState":
+    def _build(cls, spec, names, grad, init_sync, source, is_param, store=None) -> ParameterState:
         shard_dims = _spec_shard_dims(spec)
         state = cls(
             spec=spec,
@@ -492,9 +494,9 @@ def _check_fields(state) -> None:
                 f"ParameterState.layout_shard_dims {state.layout_shard_dims!r} is stale: the spec "
                 f"{str(state.spec)!r} shards over {_spec_shard_dims(state.spec)!r}"
             )
-        derived = derive_tensor_state(state.spec, ())
-        if (derived is None) != (state.tensor_state is None) or (
-            derived is not None and derived.placements != state.tensor_state.placements
+        derived, given = derive_tensor_state(state.spec, ()), state.tensor_state
+        if (derived is None) != (given is None) or (
+            derived is not None and given is not None and derived.placements != given.placements
         ):
             raise EinshardError(f"ParameterState.tensor_state does not match the spec {str(state.spec)!r}")
     _check_global_shape(state)
@@ -514,7 +516,8 @@ def _check_store(state) -> None:
     if state.spec is None or state.tensor_state is None:
         raise EinshardError("a stored parameter (store=) needs a layout of plain axes")
     if sum(1 for a in state.spec.axes if a.mesh == store) != 1:
-        raise EinshardError(f"ParameterState.store {store!r}: exactly one axis of {state.layout!r} must be split over it")
+        raise EinshardError(f"ParameterState.store {store!r}: exactly one "
+                            f"axis of {state.layout!r} must be split over it")
     others = _shard_components([a.mesh for a in state.spec.axes if a.mesh and a.mesh != store])
     if others & set(components(store)):
         raise EinshardError(f"store={store!r}: the compute layout {state.compute_layout!r} splits over it already")

@@ -133,7 +133,7 @@ def per_name(value, names, what: str) -> dict:
         if unknown:
             raise EinshardError(f"{what}: unknown parameter names {unknown!r} (known: {list(names)!r})")
         return {n: value.get(n) for n in names}
-    return {n: value for n in names}
+    return dict.fromkeys(names, value)
 
 
 def iter_parameter_states(module) -> Iterator[tuple[str, torch.nn.Parameter, ParameterState]]:

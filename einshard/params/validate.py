@@ -156,7 +156,8 @@ def validate_module_parameter_states_(module, mesh=None, *, allow_pending=False)
                 check_not_pending(state, "validation")
             if rt is not None:
                 if state.mesh_dim_names and state.mesh_dim_names != mesh_dims:
-                    raise EinshardError(f"the state's mesh names {state.mesh_dim_names!r} differ from the mesh's {mesh_dims!r}")
+                    raise EinshardError(f"the state's mesh names {state.mesh_dim_names!r} "
+                                        f"differ from the mesh's {mesh_dims!r}")
                 check_resolves(state, rt)
         except (ValueError, TypeError) as err:
             raise EinshardError(f"Invalid parameter metadata for {name!r}: {err}") from None

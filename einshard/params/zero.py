@@ -32,15 +32,17 @@ import contextlib
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
-from ..core._split import compute_split_shapes_for_factors
-from ..core import _torch_compat
 from ..comm import collectives as C
 from ..comm.backwards import PerBackward
-from ..errors import EinshardError
 from ..comm.grad_sums import DeferredSums, accumulates
+from ..comm.mesh import Mesh
+from ..core import _torch_compat
+from ..core._split import compute_split_shapes_for_factors
+from ..errors import EinshardError
 from ..ops.einshard import einshard
 from .buckets import DEFAULT_BUCKET_BYTES
 from .names import components, runtime_mesh
@@ -87,7 +89,7 @@ def _check_units(module, units) -> set:
     return out
 
 
-def units_of(p) -> "ZeroUnits | None":
+def units_of(p) -> ZeroUnits | None:
     """The installed gathers of stored parameter ``p`` (``None`` when none are installed)."""
     return getattr(p, _INSTALLED, None)
 
@@ -100,7 +102,8 @@ class GatheredParameter(torch.Tensor):
     calls :meth:`einshard_pvary` (when the block has a side accumulator): the contribution then reaches the
     gather's backward partial, which reduce-scatters it, instead of being all-reduced where it is used."""
 
-    __torch_function__ = _torch_compat.disabled_torch_function_impl
+    __torch_function__ = _torch_compat.disabled_torch_function_impl  # type: ignore[assignment]  # torch's own value
+    _einshard_source: tuple  # (the stored parameter, its _Plan): a block gathered on a shard_map body's entry
 
     def einshard_pvary(self, dims):
         side = getattr(self, "_einshard_side", None)
@@ -155,31 +158,40 @@ class _Plan:
 
     state: ParameterState  # the stored one
     compute: ParameterState  # what the gathered block carries
-    mesh: object
+    mesh: Mesh
     sizes: dict
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     summed: bool = False  # the gradient arrives summed (a shard_map body with check_vma=True): sliced, not scattered
     sums: DeferredSums | None = None  # where the reduce-scatters are bucketed (None: one formula each, at once)
     cast_only: bool = False
-    owner: "ZeroUnits | None" = None  # the installed gathers (their no_sync accumulation), or None
+    owner: ZeroUnits | None = None  # the installed gathers (their no_sync accumulation), or None
     name: str | None = None  # the parameter's name in the model (for messages), when known
 
     @classmethod
-    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> "_Plan":
+    def of(cls, p, mesh, param_dtype=None, reduce_dtype=None, summed=False, sums=None) -> _Plan:
         state = get_parameter_state(p)
-        if state is None or state.store is None:
-            return cls(state, state, mesh, {}, param_dtype, reduce_dtype, cast_only=True)
+        if state is None or state.store is None:  # a cast-only plan never reads its states
+            return cls(cast(ParameterState, state), cast(ParameterState, state), mesh, {}, param_dtype, reduce_dtype,
+                       cast_only=True)
         compute = ParameterState.from_layout(state.compute_layout, mesh_dim_names=state.mesh_dim_names)
         compute = replace(compute, grad_comm=ParameterGradComm("explicit", state.grad_comm.mesh_dims, "native"),
                           global_shape=state.global_shape)
         sizes = {}
         if state.global_shape is not None:
+            assert state.spec is not None  # a stored parameter's layout is known
             sizes = {a.name: n for a, n in zip(state.spec.axes, state.global_shape) if a.mesh}
         return cls(state, compute, mesh, sizes, param_dtype, reduce_dtype, summed, sums)
 
     def _dims(self) -> tuple:
+        assert self.state.store is not None
         return tuple(n for n in self.mesh.names if n in components(self.state.store))
+
+    def _store_axis(self) -> int:
+        """The axis the storage group splits (a plan that is not cast-only has one)."""
+        dim = self.state.store_axis
+        assert dim is not None
+        return dim
 
     def _blocks(self, dims=None):
         """``(group, order, index)`` of the storage group (or ``dims``): its process group, the group rank
@@ -200,7 +212,7 @@ class _Plan:
                 x = x.to(self.param_dtype)
             if self.cast_only:
                 return x
-            dim, dims = self.state.store_axis, self._dims()
+            dim, dims = self._store_axis(), self._dims()
             n = self.mesh.size(dims)
             whole = self.state.global_shape[dim] if self.state.global_shape is not None else x.shape[dim] * n
             splits = compute_split_shapes_for_factors(whole, n, 1)
@@ -230,7 +242,7 @@ class _Plan:
         sliced, plus each partial contribution ``side[dims]`` summed over ``dims``: all-reduced over the
         dims besides the storage group, reduce-scattered over the storage group when it is among them."""
         with torch.no_grad():
-            dim, store = self.state.store_axis, self._dims()
+            dim, store = self._store_axis(), self._dims()
             out = None if whole is None else einshard(f"{self.state.compute_layout} -> {self.state.layout}", whole,
                                                       mesh=self.mesh, sizes=self.sizes)
             for dims, g in side.items():
@@ -249,6 +261,7 @@ class _Plan:
                 part = part.to(out.dtype if out is not None else dtype)
                 out = part if out is None else out + part
             side.clear()
+            assert out is not None  # a block's gradient: from its invariant uses or from its partial ones
             return out.to(dtype) if out.dtype != dtype else out
 
     def deferrable(self, node, p) -> bool:
@@ -266,7 +279,7 @@ class _Plan:
         other groups (a norm weight's ``sp``, ``tp``) are all-reduced first."""
         if self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
-        dim = self.state.store_axis
+        dim = self._store_axis()
         dims = self._dims()
         over = partial if partial is not None else {n for g in self.state.grad_comm.mesh_dims for n in components(g)}
         extra = tuple(n for n in self.mesh.names if n not in dims and n in over)
@@ -274,7 +287,9 @@ class _Plan:
             grad = C.all_reduce(grad.detach(), self.mesh.group(extra))
         splits = compute_split_shapes_for_factors(grad.shape[dim], self.mesh.size(dims), 1)
         group, order, _ = self._blocks(dims)
-        (self.sums if sums is None else sums).add_scatter(p, torch.split(grad.detach(), splits, dim), group, order)
+        sums = self.sums if sums is None else sums
+        assert sums is not None  # deferrable() holds
+        sums.add_scatter(p, torch.split(grad.detach(), splits, dim), group, order)
 
 
 class _Gather(torch.autograd.Function):
@@ -353,12 +368,12 @@ class BodyGathers:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, ZeroUnits._unpack)
 
     @classmethod
-    def of(cls, leaves) -> "BodyGathers | None":
+    def of(cls, leaves) -> BodyGathers | None:
         blocks = [(x, *x._einshard_source) for x in leaves
                   if isinstance(x, GatheredParameter) and getattr(x, "_einshard_source", None) is not None]
         return cls(blocks) if blocks else None
 
-    def __enter__(self) -> "BodyGathers":
+    def __enter__(self) -> BodyGathers:
         self._hooks.__enter__()
         return self
 
@@ -521,7 +536,7 @@ class ZeroUnits:
         place (``torch.func.functional_call``) is replaced by a guarded alias of it, so plain torch use outside
         the forward of the module that gathers it refuses, as the stored parameter's does (its unit gathers the
         passed tensor itself); :meth:`_unguard_substitutes` puts the passed tensors back."""
-        swapped = []
+        swapped: list = []
         self._substitutes.append(swapped)
         for _, stored in self._units:
             for (owner, name), p, plan in stored:
@@ -624,7 +639,7 @@ class ZeroUnits:
 
     def _pre(self, unit, stored):
         def hook(m, args):
-            swapped = []
+            swapped: list = []
             self._contexts.append((swapped, None))  # popped by the forward hook, which runs even if this raises
             sources = [_source(owner, name, p, plan) for (owner, name), p, plan in stored]  # refusals first
             if self._recording and unit not in self.order:
@@ -694,7 +709,7 @@ class ZeroUnits:
         """Reduce-scatters started and not yet written (they all are when backward returns)."""
         return self.sums.pending
 
-    def wait(self) -> "ZeroUnits":
+    def wait(self) -> ZeroUnits:
         """End of a step: the order is recorded (after the first), unused prefetches are waited for and dropped."""
         self._recording = False
         self._backwards.purge()
@@ -720,7 +735,7 @@ class ZeroUnits:
         held = self._unreduced.pop(id(p), None)
         return grad if held is None else _add_into(held[2], grad)
 
-    def _end_of_backward(self, now: "_ZeroPass") -> None:
+    def _end_of_backward(self, now: _ZeroPass) -> None:
         """What the backward ``now`` kept in ``no_sync`` joins what earlier ones kept."""
         for key, (p, plan, grad) in now.unreduced.items():
             held = self._unreduced.get(key)
@@ -751,7 +766,7 @@ class ZeroUnits:
         finally:
             self._no_sync -= 1
 
-    def remove(self) -> "ZeroUnits":
+    def remove(self) -> ZeroUnits:
         for h in self._handles:
             h.remove()
         self._handles = []

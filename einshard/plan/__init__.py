@@ -1,1 +1,2 @@
-"""The planner: resolving layouts, the local lowering, transitions, contractions, cost, FFT and halo plans (imports nothing itself)."""
+"""The planner: resolving layouts, the local lowering, transitions, contractions, cost, FFT and halo plans
+(imports nothing itself)."""

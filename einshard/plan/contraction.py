@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 
 from ..core._cache import cached
 from ..core._split import compute_split_shapes
-from ..errors import EinshardError
 from ..core.layout import Layout, MeshShape, broadcast_size
 from ..core.policy import PlanPolicy
+from ..errors import EinshardError
 from .cost import Cost, price
 from .transition import Step, plan_gradient, plan_transition
 
@@ -141,7 +141,7 @@ def _axis_roles(problem: Problem, dim: str) -> list:
         if i is not None and layout.axes[i] not in mentioned:
             mentioned.append(layout.axes[i])
     partial_ops = [("P", k) for k, op in enumerate(problem.operands) if dim in op.partial]
-    roles = [("R",)] + [("S", x) for x in mentioned if x not in problem.fixed] + partial_ops
+    roles: list[tuple] = [("R",)] + [("S", x) for x in mentioned if x not in problem.fixed] + partial_ops
     if dim in problem.summed:
         summed_axes = []
         for op in problem.operands:
@@ -215,7 +215,7 @@ def _candidate(problem: Problem, roles, metric: str) -> Candidate | None:
         chain = (op, target, marked) if varying & op.partial else (op, marked)
         grad = _grad_layout(op, problem.duty(k), varying)
         grads.append(grad)
-        for n, (src, dst) in enumerate(zip(chain, chain[1:])):
+        for n, (src, dst) in enumerate(itertools.pairwise(chain)):
             back = grad if n == 0 and grad is not None else src
             move, c = _move(f"operand {k}" + (" (pvary)" if n else ""), src, dst, mesh, problem.itemsize, metric, back)
             if move.forward or move.backward:
@@ -244,8 +244,8 @@ def _candidate(problem: Problem, roles, metric: str) -> Candidate | None:
         cost += c
     live_bytes += max(result.mean_numel(mesh), embedded.mean_numel(mesh)) * problem.itemsize
     cost = Cost(cost.fwd_bytes, cost.bwd_bytes, cost.fwd_calls, cost.bwd_calls, max(cost.peak_bytes, live_bytes))
-    grads = tuple(grads) if any(g is not None for g in grads) else ()
-    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost, embedded, grads)
+    kept = tuple(grads) if any(g is not None for g in grads) else ()
+    return Candidate(tuple(roles), tuple(targets), tuple(chains), result, tuple(moves), cost, embedded, kept)
 
 
 def _grad_layout(op: Layout, duty, varying) -> Layout | None:
@@ -310,7 +310,7 @@ def _needed_axes(operands, keep_out, i, j) -> tuple[str, ...]:
 
 
 def _sizes_of(operands, axes):
-    table = {}
+    table: dict = {}
     for op in operands:
         for a, s in zip(op.axes, op.sizes):
             table[a] = broadcast_size(table.get(a, 1), s)
@@ -358,7 +358,8 @@ def plan_schedule(problem: Problem, policy: PlanPolicy) -> tuple[Schedule, ...]:
         if n > _EXHAUSTIVE:
             sharing = [(i, j) for i, j in pairs if _shares_axis(problem, i, j)] or pairs
             best_pair = min(
-                sharing, key=lambda ij: (plan_contraction(_pair_problem(problem, *ij)[0], policy)[0].cost.key(policy), ij)
+                sharing,
+                key=lambda ij: (plan_contraction(_pair_problem(problem, *ij)[0], policy)[0].cost.key(policy), ij),
             )
             pairs, beam = [best_pair], 1
         for i, j in pairs:

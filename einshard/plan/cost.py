@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..comm.primitives import PRIMITIVES, moved_numel
 from ..core._cache import cached
 from ..core.layout import MeshShape
 from ..core.policy import PlanPolicy
-from ..comm.primitives import PRIMITIVES, moved_numel
 
 __all__ = ["Cost", "price"]
 
@@ -38,7 +38,7 @@ class Cost:
     bwd_calls: int = 0
     peak_bytes: float = 0.0
 
-    def __add__(self, other: "Cost") -> "Cost":
+    def __add__(self, other: Cost) -> Cost:
         return Cost(
             self.fwd_bytes + other.fwd_bytes,
             self.bwd_bytes + other.bwd_bytes,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from ..core._cache import cached
 from ..core._split import compute_split_shapes
@@ -197,6 +198,8 @@ def move_cost(src: Layout, dst: Layout, mesh: MeshShape, itemsize: int, policy: 
     """``(bytes, collectives)`` of ``src -> dst`` forward plus its reverse in backward, under ``policy``'s metric."""
     if src == dst:
         return (0, 0)
+    fwd: tuple | list
+    bwd: tuple | list
     if policy.metric == "sent":
         fwd, bwd = plan_transition(src, dst, mesh), plan_transition(dst, src, mesh)
     else:  # the metric reads a move's ends only: no need to plan its steps
@@ -220,7 +223,7 @@ def four_step_factors(n: int, p: int) -> list[tuple[int, int]]:
     >>> four_step_factors(7, 2)
     []
     """
-    divisors = set()
+    divisors: set[int] = set()
     d = 1
     while d * d <= n:
         if n % d == 0:
@@ -259,14 +262,16 @@ def _build_four_step(p: FFTProblem, pre: Layout, post: Layout, i: int, n1: int, 
     name = p.names[i]
     padded = None
     start = pre
+    start_splits, post_splits = pre.splits[i], post.splits[i]
+    assert start_splits is not None and post_splits is not None  # the transformed axis is split at both ends
     if real == "c2r":
         m = pre.sizes[i]
-        spl = list(pre.splits[i])
+        spl = list(start_splits)
         spl[-1] += n - m
         padded = _with_axis(pre, i, n, spl)
-        start = padded
-    if all(s % n2 == 0 for s in start.splits[i]):
-        r = tuple(s // n2 for s in start.splits[i])
+        start, start_splits = padded, tuple(spl)
+    if all(s % n2 == 0 for s in start_splits):
+        r = tuple(s // n2 for s in start_splits)
     else:
         r = tuple(compute_split_shapes(n1, g))
     flat_a = _with_axis(start, i, n, tuple(s * n2 for s in r))
@@ -275,16 +280,17 @@ def _build_four_step(p: FFTProblem, pre: Layout, post: Layout, i: int, n1: int, 
     q = compute_split_shapes(n2, g)
     b = _split_axis(flat_a, i, (hi, lo), (n1, n2), False, q)
     c = _split_axis(flat_a, i, (hi, lo), (n1, n2), True, compute_split_shapes(n1, g))
-    if post.sizes[i] == n and all(s % n1 == 0 for s in post.splits[i]):
-        q2 = tuple(s // n1 for s in post.splits[i])
+    if post.sizes[i] == n and all(s % n1 == 0 for s in post_splits):
+        q2 = tuple(s // n1 for s in post_splits)
     else:
         q2 = tuple(compute_split_shapes(n2, g))
     d = _split_axis(flat_a, i, (hi, lo), (n1, n2), False, q2)
-    flat_d = _with_axis(flat_a, i, n, tuple(s * n1 for s in q2))
+    d_splits = tuple(s * n1 for s in q2)
+    flat_d = _with_axis(flat_a, i, n, d_splits)
     cropped = None
     if real == "r2c":
         m = post.sizes[i]
-        bounds = list(itertools.accumulate((0,) + flat_d.splits[i]))
+        bounds = list(itertools.accumulate((0, *d_splits)))
         clipped = tuple(min(bounds[k + 1], m) - min(bounds[k], m) for k in range(g))
         cropped = _with_axis(flat_d, i, m, clipped)
     return FourStep(i, n, n1, n2, real, pre, padded, flat_a, a, b, c, d, flat_d, cropped, post)
@@ -412,8 +418,9 @@ def _search(p: FFTProblem, level: int):
     done0, acts0 = _closure(p, start_assign, frozenset())
     start = (start_assign, done0)
     counter = itertools.count()
-    best = {start: ((0, 0, 0), None, acts0, ())}
-    heap = [((0, 0, 0), next(counter), start)]
+    # state (assignment, done) or "goal" -> (cost, parent state, actions, gathered)
+    best: dict[Any, tuple] = {start: ((0, 0, 0), None, acts0, ())}
+    heap: list[tuple] = [((0, 0, 0), next(counter), start)]
     goal = None
     while heap:
         cost, _, state = heapq.heappop(heap)
@@ -424,7 +431,7 @@ def _search(p: FFTProblem, level: int):
             continue
         assign, done = state
         layout = p.layout(assign, done)
-        edges = []
+        edges: list[tuple] = []
         if done == all_done:
             final = move_cost(layout, p.dst, p.mesh, p.itemsize(done))
             edges.append(("goal", final, (Move(layout, p.dst),), ()))
@@ -433,7 +440,8 @@ def _search(p: FFTProblem, level: int):
                 target = p.layout(new, done)
                 c = move_cost(layout, target, p.mesh, p.itemsize(done))
                 new_done, acts = _closure(p, new, done)
-                edges.append(((new, new_done), c, (Move(layout, target),) + acts, (gathered,) if gathered is not None else ()))
+                kept = (gathered,) if gathered is not None else ()
+                edges.append(((new, new_done), c, (Move(layout, target),) + acts, kept))
             for i in p.transform:
                 if i in done or not _may_transform(p, i, done) or i not in assign:
                     continue
@@ -452,7 +460,8 @@ def _search(p: FFTProblem, level: int):
                 heapq.heappush(heap, (total, next(counter), target))
     if goal is None:
         return None
-    actions, gathered = [], []
+    actions: list = []
+    gathered = []
     state = "goal"
     while state is not None:
         _, parent, acts, gath = best[state]

@@ -115,7 +115,7 @@ def halo_axis(start: int, stop: int, left: int, right: int, n: int, boundary: st
     position = {g: k for k, g in enumerate(g for a, b in needed for g in range(a, b))}
     index = tuple(position[g] for g in sources)
     if index == tuple(range(len(index))) and len(index) == sum(b - a for a, b in needed):
-        index = None
+        return HaloAxis(needed, 0, None, 0)
     return HaloAxis(needed, 0, index, 0)
 
 
@@ -129,7 +129,7 @@ def merge_runs(runs) -> tuple[Run, ...]:
             out[-1][2] += n
         else:
             out.append([s, d, n])
-    return tuple(tuple(r) for r in out)
+    return tuple((s, d, n) for s, d, n in out)
 
 
 def halo_runs(owner: Interval, needed: tuple[Interval, ...]) -> tuple[Run, ...]:

@@ -87,7 +87,7 @@ class Contraction:
                         return "sum", _sum(dropped)
                     return "sum+permute", _sum_permute(dropped, order)
         if len(inputs) == 2 and sizes is not None:
-            product = _matrix_product(*inputs, output, sizes)
+            product = _matrix_product(inputs[0], inputs[1], output, sizes)
             if product is not None:
                 return product
         if len(inputs) > 2:
@@ -176,6 +176,7 @@ def _greedy_path(inputs, output):
                 score = (len(joined), -len(live[i] & live[j]))
                 if best is None or score < best[0]:
                     best = (score, i, j, joined)
+        assert best is not None  # two operands or more
         _, i, j, joined = best
         path.extend([i, j])
         live = [s for k, s in enumerate(live) if k not in (i, j)] + [joined]
@@ -193,7 +194,7 @@ def dims_of(spec: TensorSpec, ndim: int, index: int):
     ``Group`` or ``EllipsisItem`` (one per ellipsis dimension).
     """
     extra = spec.ellipsis_ndim(ndim, operand_name(index))
-    dims = []
+    dims: list = []
     for item in spec.items:
         if isinstance(item, EllipsisItem):
             dims.extend([item] * extra)
@@ -264,7 +265,8 @@ def infer_group_sizes(index: int, group: Group, dim_size: int, known: dict) -> N
         known[unknown[0]] = dim_size // product
     elif product != dim_size:
         sizes = " * ".join(f"{a.name}={known[a.name]}" for a in group.axes)
-        raise SizeMismatchError(f"group '{group}' of {operand_name(index)} has size {dim_size}, but {sizes} = {product}")
+        raise SizeMismatchError(f"group '{group}' of {operand_name(index)} has "
+                                f"size {dim_size}, but {sizes} = {product}")
 
 
 def check_size(index: int, axis: str, size: int, known: dict) -> None:
@@ -358,6 +360,7 @@ def build_local_plan(formula: Formula, shapes: Sequence[tuple], sizes: tuple = (
                 axes.extend(a.name for a in item.axes)
                 expanded.extend(known[a.name] for a in item.axes)
             else:
+                assert isinstance(item, Axis)  # an expanded spec: no families left
                 axes.append(item.name)
                 expanded.append(shape[k])
             k += 1

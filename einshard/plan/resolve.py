@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ..errors import EinshardError, SizeMismatchError, naming
 from ..core._split import as_sizes, compute_split_shapes
 from ..core.layout import Layout, broadcast_size
+from ..errors import EinshardError, SizeMismatchError, naming
 from ..notation import Axis, EllipsisItem, Formula, Group, TensorSpec, invalid
 
 __all__ = ["Resolved", "resolve", "freeze_shapes", "ELLIPSIS_PREFIX"]
@@ -188,13 +189,14 @@ def resolve(
     lookup = Splits(shapes, ambient, mesh, labels, known)
 
     occurrences: list[_Occurrence] = []
-    per_operand = []  # per operand: list of (kind, payload) per tensor dim
+    # per operand: one (kind, payload) per tensor dim: ("axis", occurrence) or ("group", (occurrences, dim size))
+    per_operand: list[list[tuple[str, Any]]] = []
     ellipsis_ndims = []
     for k, (spec, shape) in enumerate(zip(formula.inputs, local_shapes)):
         where = f"operand {k}"
         n_ell = spec.ellipsis_ndim(len(shape), where)
         ellipsis_ndims.append(n_ell if spec.has_ellipsis else None)
-        dims = []
+        dims: list[tuple[str, Any]] = []
         pos = 0
         for item in spec.items:
             if isinstance(item, EllipsisItem):
@@ -210,6 +212,7 @@ def resolve(
                 dims.append(("group", (occs, shape[pos])))
                 pos += 1
             else:
+                assert isinstance(item, Axis)  # families and zips are expanded before resolving
                 occ = _Occurrence(k, item.name, dims_of(item), shape[pos], False)
                 occurrences.append(occ)
                 dims.append(("axis", occ))
@@ -285,7 +288,7 @@ def resolve(
 
     # groups: infer one unknown factor per group
     pending = [d for dims in per_operand for kind, d in dims if kind == "group"]
-    group_locals: dict[int, list[int]] = {}
+    group_locals: dict[int, list[int | None]] = {}
     progress = True
     while pending and progress:
         progress = False
@@ -382,7 +385,7 @@ def resolve(
 
     # output layout
     out = formula.output
-    ell_sizes = {}
+    ell_sizes: dict[str, int] = {}
     for occ in occurrences:
         if occ.axis.startswith(ELLIPSIS_PREFIX):
             ell_sizes[occ.axis] = broadcast_size(ell_sizes.get(occ.axis, 1), occ.local)
@@ -404,6 +407,7 @@ def resolve(
         grouped |= isinstance(item, Group)
         product = 1
         for a in members:
+            assert isinstance(a, Axis)  # families and zips are expanded before resolving
             d = dims_of(a)
             axes.append(a.name)
             gsizes.append(global_size[a.name])

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..core._cache import BoundedCache
-from .local import build_local_plan
 from ..notation import Axis, Formula, Group, TensorSpec
+from .local import build_local_plan
 
 __all__ = ["is_stationary", "local_formula", "needs_mesh_for_grad", "stationary_plan", "why_mesh"]
 
@@ -54,7 +54,7 @@ def why_mesh(parsed: Formula) -> str:
     >>> from einshard.notation import expand
     >>> why_mesh(expand("b/dp c, c -> c"))
     "the sum over 'b' (sharded over 'dp') adds the ranks' blocks; to keep it per rank, make it an output partial: 'b/dp c, c -> c // dp'"
-    """
+    """  # noqa: E501 - a doctest's output line
     out = {a.name for a in parsed.output.axes} if parsed.output is not None else set()
     dropped: dict[str, str] = {}
     for t in parsed.inputs:
@@ -84,6 +84,7 @@ def needs_mesh_for_grad(parsed: Formula, tensors) -> str | None:
     """
     if not torch.is_grad_enabled():
         return None
+    assert parsed.output is not None  # a formula with an output
     sharded = {d for a in parsed.output.axes for d in a.mesh_components}
     for i, (spec, t) in enumerate(zip(parsed.inputs, tensors)):
         missing = sharded - {d for a in spec.axes for d in a.mesh_components}
@@ -105,6 +106,7 @@ def _strip(spec: TensorSpec) -> TensorSpec:
 
 def local_formula(parsed: Formula) -> Formula:
     """``parsed`` without its mesh annotations (same text, for error messages)."""
+    assert parsed.output is not None  # a formula with an output
     return Formula(parsed.text, tuple(map(_strip, parsed.inputs)), _strip(parsed.output))
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core._cache import cached
-from ..errors import EinshardError
-from ..core.layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
 from ..comm.primitives import PRIMITIVES, moved_numel
+from ..core._cache import cached
+from ..core.layout import Layout, MeshShape, coarsen_splits, grouped, interval_grid
+from ..errors import EinshardError
 
 __all__ = ["Step", "plan_transition", "plan_gradient"]
 
@@ -62,7 +62,9 @@ class Step:
         return PRIMITIVES[self.kind].sent(self, mesh, itemsize)
 
     def describe(self) -> str:
-        return PRIMITIVES[self.kind].what(self)
+        what = PRIMITIVES[self.kind].what
+        assert what is not None, self.kind  # every step kind describes itself
+        return what(self)
 
 
 @cached(4096)
@@ -100,7 +102,9 @@ def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ..
         if not added or not set(have) <= set(want):
             continue
         dims = mesh.sort(set(have) | set(added))
-        splits = dst.splits[i] if dims == want else coarsen_splits(dst.splits[i], want, dims, mesh)
+        want_splits = dst.splits[i]
+        assert want_splits is not None  # dst shards axis i (over the added dims at least)
+        splits = want_splits if dims == want else coarsen_splits(want_splits, want, dims, mesh)
         if splits is None:
             continue
         candidate = sliced.with_shard(i, dims, splits)
@@ -118,7 +122,9 @@ def plan_transition(src: Layout, dst: Layout, mesh: MeshShape) -> tuple[Step, ..
         if not group or not set(have) <= set(want):
             continue
         dims = mesh.sort(set(have) | set(group))
-        splits = dst.splits[i] if dims == want else coarsen_splits(dst.splits[i], want, dims, mesh)
+        want_splits = dst.splits[i]
+        assert want_splits is not None  # dst shards axis i (over the group at least)
+        splits = want_splits if dims == want else coarsen_splits(want_splits, want, dims, mesh)
         if splits is None:
             continue
         candidate = cur.with_shard(i, dims, splits).with_partial(cur.partial - set(group))
@@ -234,6 +240,7 @@ def _gather_axis(cur: Layout, target: Layout, dims: tuple, mesh: MeshShape) -> i
     if len(owners) != 1 or None in owners or any(target.owner(d) is not None for d in dims):
         return None
     (i,) = owners
+    assert i is not None  # excluded above
     if _tiles(cur, i, target, i, dims, mesh) and _same_elsewhere(cur, target, (i,), mesh):
         return i
     return None

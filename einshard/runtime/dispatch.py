@@ -89,7 +89,7 @@ class Operation:
 
     def tracked(self, ambient, expr, tensors, call):
         """The variance rules of :attr:`vma_rule`'s formula around the untracked call."""
-        args, mesh, shapes, families, run_args = call
+        args, mesh, _shapes, families, _run_args = call
         formula, rule_families = self.vma_rule(expr, args, families)
 
         def untracked(_formula, *ts, **_kwargs):
@@ -132,7 +132,7 @@ class Operation:
         try:
             return self.plan(expr, tensors, args, mesh, shapes, families)
         except EinshardError as err:
-            raise err.within(expr, self.name if self.names_op else None)
+            raise err.within(expr, self.name if self.names_op else None)  # noqa: B904 - the caught error itself, named
 
 
 def _graph_plan(op: Operation, expr, metas, mesh, shapes, families, *args):

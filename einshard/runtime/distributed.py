@@ -10,21 +10,22 @@ shapes, split shapes, sizes, mesh, dtype, policy, ambient split shapes).
 from __future__ import annotations
 
 import zlib
+from itertools import pairwise
 
-from ..core import _context
 from ..comm import checks
-from ..core._cache import BoundedCache
-from ..errors import EinshardError, naming
-from .execute import Embedding, transition
-from ..core.layout import MeshShape
-from ..plan.local import Contraction, expand_sizes
 from ..comm.mesh import Mesh, mesh_required, resolve_mesh
-from ..notation import expand
-from .pipeline import agree, check_dtypes, check_tensors
-from ..plan.contraction import Problem, duty_dims, plan_schedule
+from ..core import _context
+from ..core._cache import BoundedCache
+from ..core.layout import MeshShape
 from ..core.policy import resolve_policy
+from ..errors import EinshardError, naming
+from ..notation import expand
+from ..plan.contraction import Problem, duty_dims, plan_schedule
+from ..plan.local import Contraction, expand_sizes
 from ..plan.resolve import freeze_shapes, resolve
 from ..plan.stationary import is_stationary, needs_mesh_for_grad, stationary_plan, why_mesh
+from .execute import Embedding, transition
+from .pipeline import agree, check_dtypes, check_tensors
 
 __all__ = ["run_distributed", "DistributedPlan", "plan_distributed"]
 
@@ -45,8 +46,8 @@ class DistributedPlan:
 
     def _grad_partials(self) -> tuple:
         n = len(self.problem.operands)
-        out = [frozenset()] * n
-        origin = list(range(n))  # the original operand at each position of the running operand list
+        out: list[frozenset] = [frozenset()] * n
+        origin: list[int | None] = list(range(n))  # the original operand at each position of the running operand list
         for indices, _axes, cand in self.chosen.steps:
             for k, i in enumerate(indices):
                 grad = cand.grad_of(k)
@@ -63,7 +64,7 @@ class DistributedPlan:
         self.mesh = mesh
         self.local_error = resolved.local_error
         self.run = None
-        self._compiled = None
+        self._compiled: tuple | None = None  # (stages, final transition), built by compile
         self._traced_run = None
         # equal on every rank when they agree on global sizes and split shapes (checked with checks on)
         self.fingerprint = zlib.crc32(repr((problem.operands, problem.output)).encode())
@@ -77,7 +78,7 @@ class DistributedPlan:
                     seen[axis] = f"{axis}={size}" + (f" split {list(splits)} over {'-'.join(dims)}" if dims else "")
         return "global sizes " + ", ".join(seen.values())
 
-    def compile(self) -> "DistributedPlan":
+    def compile(self) -> DistributedPlan:
         mesh = self.mesh
         layouts = list(self.problem.operands)
         compiled = []
@@ -87,7 +88,7 @@ class DistributedPlan:
                 steps = cand.chains[k]
                 assert steps[0] == layouts[i]
                 grad = cand.grad_of(k)
-                chain = [transition(a, b, mesh, grad if n == 0 else None) for n, (a, b) in enumerate(zip(steps, steps[1:]))]
+                chain = [transition(a, b, mesh, grad if n == 0 else None) for n, (a, b) in enumerate(pairwise(steps))]
                 chains.append(tuple(t for t in chain if not t.trivial))
             contraction = Contraction([t.axes for t in cand.targets], cand.result.axes,
                                       sizes=[dict(zip(t.axes, t.sizes)) for t in cand.targets])
@@ -104,6 +105,7 @@ class DistributedPlan:
 
     def _runner(self, traced: bool):
         """The replay: eager (autograd mappings on raw collectives) or traced (functional collectives)."""
+        assert self._compiled is not None  # compile ran
         compiled, finish = self._compiled
         stages = []
         for indices, chains, contraction, embedding in compiled:
@@ -184,7 +186,7 @@ def _frozen_shapes(key, shapes):
     try:
         return None if shapes is None else freeze_shapes(shapes)
     except EinshardError as err:
-        raise err.within(key[0])
+        raise err.within(key[0])  # noqa: B904 - the caught error itself, named
 
 
 def _agree_on_plan(plan, mesh, key, facts, always=False) -> None:
@@ -243,8 +245,8 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
             if checks.ENABLED or always:
                 agree(mesh, err, point="einshard", always=always)
             raise
-        plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes, pol,
-                         duties)
+        plan = _new_plan(full_key, key, [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], mesh, shapes,
+                         pol, duties)
     if plan_out is not None:
         plan_out.append(plan)
     if plan.local_error is not None or checks.ENABLED or always:

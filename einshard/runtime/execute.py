@@ -12,19 +12,19 @@ import copy
 
 import torch
 
-from ..core import _torch_compat
-from ..core._torch_compat import in_traced_code
 from ..comm import _traced_collectives as TC
 from ..comm import checks as _checks
 from ..comm import collectives as C
 from ..comm import collectives as _eager_collectives
-from ..core._cache import BoundedCache
 from ..comm.exchange import runs_exchange
 from ..comm.grad_sums import leaf_sum
-from ..core.layout import Layout, MeshShape
 from ..comm.mappings import make_mapping
-from ..plan.transition import Step, plan_gradient, plan_transition
 from ..comm.primitives import PRIMITIVES, Site
+from ..core import _torch_compat
+from ..core._cache import BoundedCache
+from ..core._torch_compat import in_traced_code
+from ..core.layout import Layout, MeshShape
+from ..plan.transition import Step, plan_gradient, plan_transition
 
 _transforms_active = _torch_compat.functorch_transforms_active
 
@@ -37,7 +37,9 @@ def compile_step(step, mesh, C=C):
     ``C``: the collectives to call, :mod:`einshard.comm.collectives` (eager) or
     :mod:`einshard.comm._traced_collectives` (under ``torch.compile``).
     """
-    return PRIMITIVES[step.kind].run(step, Site(mesh, C, _exchange))
+    run = PRIMITIVES[step.kind].run
+    assert run is not None, step.kind  # every step kind the planner makes runs
+    return run(step, Site(mesh, C, _exchange))
 
 
 def _exchange(src: Layout, dst: Layout, dims, mesh, C):
@@ -60,18 +62,20 @@ class Transition:
         planned = plan_transition(src, dst, self.shape) if steps is None else steps
         self.planned = tuple(planned)
         self.steps = [compile_step(s, mesh) for s in planned]
-        self.traced_steps = None  # built by prepare_traced (when a plan is first traced)
-        self._reverse = self._owning = None
+        self.traced_steps: tuple | None = None  # built by prepare_traced (when a plan is first traced)
+        self._reverse: Transition | None = None
+        self._owning: Transition | None = None
         back_steps = plan_transition(dst, src, self.shape)
         # no forward steps and no reverse steps: autograd needs nothing either
-        self.trivial = not self.steps and not back_steps and self.back.essential(self.shape) == src.essential(self.shape)
+        self.trivial = (not self.steps and not back_steps
+                        and self.back.essential(self.shape) == src.essential(self.shape))
         # no forward steps and one all-reduce back (a replicated operand used as per-rank data, ``w -> w // dp``):
         # a pvary, whose sum into a leaf may wait for the end of backward (einshard.comm.grad_sums.leaf_sum)
         self.sum_dims = None
         if not self.steps and self.back == src and len(back_steps) == 1 and back_steps[0].kind == "all_reduce":
             self.sum_dims = back_steps[0].dims
 
-    def reverse(self) -> "Transition":
+    def reverse(self) -> Transition:
         if self._reverse is None:
             if self.back == self.src:
                 self._reverse = transition(self.dst, self.src, self.mesh)
@@ -82,7 +86,7 @@ class Transition:
                 self._reverse = rev
         return self._reverse
 
-    def owning(self) -> "Transition":
+    def owning(self) -> Transition:
         """This transition for a tensor nobody else reads (a contraction's fresh result).
 
         A leading all-reduce then sums into the tensor itself, as hand-written
@@ -110,7 +114,7 @@ class Transition:
             x = step(x)
         return x
 
-    def prepare_traced(self) -> "Transition":
+    def prepare_traced(self) -> Transition:
         """Build the functional-collective steps of this transition and of its reverse (for backward)."""
         for t in (self, self.reverse()):
             if t.traced_steps is None:
@@ -118,6 +122,7 @@ class Transition:
         return self
 
     def run_traced(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.traced_steps is not None  # prepare_traced ran
         for step in self.traced_steps:
             x = step(x)
         return x
@@ -194,6 +199,6 @@ def Embedding(result: Layout, embedded: Layout, root_dims: tuple, mesh) -> Trans
     """
     dims = tuple(d for d in mesh.names if d in embedded.partial and d not in result.partial)
     fwd = Transition(result, embedded, mesh, (Step("embed", result, embedded, dims),))
-    fwd._reverse = Transition(embedded, result, mesh, (Step("embed_adjoint", embedded, result, root_dims),))
-    fwd._reverse._reverse = fwd
+    rev = Transition(embedded, result, mesh, (Step("embed_adjoint", embedded, result, root_dims),))
+    rev._reverse, fwd._reverse = fwd, rev
     return fwd.prepare_traced()

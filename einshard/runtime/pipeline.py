@@ -12,13 +12,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..core import _context, _trace
 from ..comm import checks
+from ..comm.mesh import resolve_mesh
+from ..core import _context, _trace
 from ..core._cache import BoundedCache
 from ..core._split import is_size
-from ..errors import EinshardError, naming
 from ..core.layout import Layout
-from ..comm.mesh import resolve_mesh
+from ..errors import EinshardError, naming
 from ..notation import Axis, Formula, Group, TensorSpec, expand, family_member, freeze_families
 from ..plan.halo import BOUNDARIES
 from ..plan.resolve import resolve
@@ -110,6 +110,8 @@ def per_axis(mapping, names: Sequence[str], families, arg: str) -> dict:
     table = family_table(families)
     out: dict = {}
     for key, value in mapping.items():
+        targets: tuple
+        values: tuple
         if key in names:
             targets, values = (key,), (value,)
         elif key in table:
@@ -209,6 +211,7 @@ def agree_before_communicating(mesh, local_error, x: torch.Tensor, always: bool 
     if local_error is not None or (mesh is not None and (always or checks.ENABLED)):
         error = None if local_error is None else EinshardError(local_error)
         if mesh is None:
+            assert error is not None  # the condition above
             raise error
         agree(mesh, error, facts=(("dtype", x.dtype), ("device", x.device)), point="exchange", always=always)
 

@@ -37,10 +37,10 @@ import optree
 import torch.distributed as dist
 
 from ..core import _context, _torch_compat
-from ..core._torch_compat import compile_in_progress
 from ..core import policy as _policy
-from . import vma as _vma
+from ..core._torch_compat import compile_in_progress
 from ..errors import EinshardError
+from . import vma as _vma
 
 __all__ = ["Forward", "capture", "replay", "install", "installed"]
 

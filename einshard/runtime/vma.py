@@ -47,17 +47,19 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..core import _context, _torch_compat, _trace
-from ..core._torch_compat import in_traced_code
-from ..core._cache import BoundedCache
-from ..comm.grad_sums import leaf_sum
 from ..comm._traced_collectives import all_reduce
-from ..errors import EinshardError
+from ..comm.grad_sums import leaf_sum
 from ..comm.mappings import allreduce_forward_identity_backward, identity_forward_allreduce_backward
+from ..core import _context, _torch_compat, _trace
+from ..core._cache import BoundedCache
+from ..core._torch_compat import in_traced_code
+from ..errors import EinshardError
 from ..notation import expand_specs, freeze_families
 
 __all__ = [
@@ -211,6 +213,12 @@ class _Rules:
     """What the eager and the traced trackers share: widening an op's operands."""
 
     __slots__ = ()
+    # what each tracker class defines
+    info: _MeshInfo
+    is_inplace: Callable[[Any], bool]
+    mask_of: Callable[[Any], int]
+    pvary: Callable[[torch.Tensor, int, int], torch.Tensor]
+    pvary_inplace: Callable[[torch.Tensor, int], None]
 
     def pvary_operand(self, t: torch.Tensor, mask: int, missing: int) -> torch.Tensor:
         """:meth:`pvary` for an operand that only feeds an op (whose output is tagged anyway):
@@ -276,7 +284,7 @@ class Tracker(_Rules, TorchFunctionMode):
         self.kept: list | None = None
 
     # recomputation ------------------------------------------------------
-    def replica(self) -> "Tracker":
+    def replica(self) -> Tracker:
         """A tracker for a recompute of part of this call: the same serial (so it reads this call's tags),
         its own memo and suspension count (and this call's kept tags)."""
         replica = Tracker(self.info.mesh, self.info, self.serial)
@@ -330,8 +338,8 @@ class Tracker(_Rules, TorchFunctionMode):
                 if t.is_leaf and t.requires_grad and _grad_enabled():  # its sum can wait for the end of backward
                     y = leaf_sum(t, group)
                     self.deferred = True
-                elif _grad_enabled() and getattr(t, "einshard_pvary", None) is not None:
-                    y = t.einshard_pvary(self.info.dims(missing))  # its producer sums it (a ZeRO gather)
+                elif _grad_enabled() and (own_pvary := getattr(t, "einshard_pvary", None)) is not None:
+                    y = own_pvary(self.info.dims(missing))  # its producer sums it (a ZeRO gather)
                 else:
                     y = pvary_tensor(t, group)
                 if isinstance(t, torch.nn.Parameter):
@@ -561,7 +569,7 @@ class suspended:
 
     __slots__ = ("tracker", "_disable")
 
-    def __init__(self, tracker: Tracker):
+    def __init__(self, tracker: Tracker | TracedTracker):
         self.tracker = tracker
 
     def __enter__(self):
@@ -599,16 +607,16 @@ def get_vma(x) -> frozenset | None:
 # -- library operations ------------------------------------------------------------------
 
 
-def library_call(tracker: Tracker, fn, args, kwargs, out_mask: int):
+def library_call(tracker: Tracker | TracedTracker, fn, args, kwargs, out_mask: int):
     """Run ``fn(*args, **kwargs)`` untracked and tag its tensor outputs with ``out_mask``.
 
     Traced, the graph nodes it makes are the op's internals (not checked as plain torch ops).
     """
-    if tracker.traced:
+    if isinstance(tracker, TracedTracker):
         tracker.check_graph()
     with suspended(tracker):
         out = fn(*args, **kwargs)
-    if tracker.traced:
+    if isinstance(tracker, TracedTracker):
         tracker.region()
     return tracker.tag_tree(out, out_mask)
 
@@ -635,13 +643,11 @@ def spec_mask(info: _MeshInfo, spec) -> int:
 
 
 def _formula_rule(info: _MeshInfo, formula: str, families) -> _FormulaRule:
-    if families is None:
-        key = formula
-    else:
-        key = (formula, families if isinstance(families, tuple) else freeze_families(families))
+    frozen = None if families is None else families if isinstance(families, tuple) else freeze_families(families)
+    key = formula if frozen is None else (formula, frozen)
     rule = info.formulas.get(key)
     if rule is None:
-        parsed = expand_specs(formula, None if families is None else key[1])
+        parsed = expand_specs(formula, frozen)
         declared = tuple(spec_mask(info, s) for s in parsed.inputs)
         out_spec = parsed.output if parsed.output is not None else parsed.inputs[0]
         out = spec_mask(info, out_spec)
@@ -737,7 +743,7 @@ def _operand_masks(info, formula, rule, tags):
     """``(masks, pass-through dimensions, whether an operand may need a pvary)`` of a formula op's operands
     (``tags``: their tags xor the call's serial); ``ValueError`` for an operand that varies where its spec
     replicates."""
-    masks = []
+    masks: list[int] = []
     varies = lack = 0
     for m, forbidden, needed in zip(tags, rule.forbidden, rule.declared_nontrivial):
         if m > MASK:  # a tag left by an earlier call: invariant
@@ -865,7 +871,7 @@ class TracedTracker(_Rules):
         self.inplace = False
         self.memo: list = []  # (tensor, missing mask, grad mode, pvaried): no id(), which dynamo guards on
         if in_traced_code():
-            serial, trivial = self.serial, self.info.trivial  # (read by _open_body)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _open_body reads them from this frame
             _trace.at_trace_time(_open_body)
 
     def mask_of(self, t) -> int:
@@ -874,14 +880,14 @@ class TracedTracker(_Rules):
             return m
         if not in_traced_code():  # the eager call at a graph break
             return _real_mask(self.serial, t)
-        serial, trivial, name = self.serial, self.info.trivial, _trace.fresh_name()  # (read by _node_lookup)
+        serial, trivial, name = self.serial, self.info.trivial, _trace.fresh_name()  # noqa: F841 - _node_lookup reads them from this frame
         _trace.at_trace_time(_node_lookup)
         return _trace.lookup(name)
 
     def tag(self, t, mask: int) -> None:
         setattr(t, ATTR, self.serial | mask)
         if in_traced_code():
-            serial, trivial = self.serial, self.info.trivial  # (read by _node_tag)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _node_tag reads them from this frame
             _trace.at_trace_time(_node_tag)
 
     def untag(self, t) -> None:
@@ -940,18 +946,19 @@ class TracedTracker(_Rules):
     def region(self) -> None:
         """The graph nodes made since the last check belong to a library op (its internals): not checked."""
         if in_traced_code():
-            serial, trivial = self.serial, self.info.trivial  # (read by _skip_region)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _skip_region reads them from this frame
             _trace.at_trace_time(_skip_region)
 
     def check_graph(self) -> None:
         """Decide and check the variance of every graph node made since the last check (at the body's end)."""
         if in_traced_code():
-            serial, trivial = self.serial, self.info.trivial  # (read by _sweep_here)
+            serial, trivial = self.serial, self.info.trivial  # noqa: F841 - _sweep_here reads them from this frame
             _trace.at_trace_time(_sweep_here)
 
     def dispatch(self, func, args, kwargs):
-        if self.suspended or not in_traced_code() and _fake(args):
-            # (fake tensors outside traced code: dynamo's own work while it compiles a frame of the body)
+        if self.suspended or (not in_traced_code() and (_fake(args) or _torch_compat.dynamo_compiling_frame())):
+            # (outside traced code, fake tensors or dynamo compiling a frame of the body: its own work, untracked;
+            # a tag it put on a real tensor, w.T built for a guard, would be guarded on and missing on the next w.T)
             return func(*args, **kwargs)
         special = _SPECIAL.get(func)
         if special is not None:
@@ -1081,8 +1088,8 @@ def _int(ctx, name: str) -> int:
 
 
 def _body_of(ctx) -> _GraphBody:
-    """The body of the caller's ``serial`` (and ``trivial``: its size-1 dimensions); made here when it began outside a graph
-    (dynamo split the frame that created the tracker, and ran that part eagerly)."""
+    """The body of the caller's ``serial`` (and ``trivial``: its size-1 dimensions); made here when it began outside a
+    graph (dynamo split the frame that created the tracker, and ran that part eagerly)."""
     serial, trivial = _int(ctx, "serial"), _int(ctx, "trivial")
     body = _GRAPH_BODIES.get(serial)
     if body is None:
@@ -1162,7 +1169,8 @@ def _tensor_nodes(node) -> list:
 
 
 def _holds_tensor(value) -> bool:
-    return isinstance(value, _Tensor) or isinstance(value, (list, tuple)) and any(isinstance(v, _Tensor) for v in value)
+    return isinstance(value, _Tensor) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, _Tensor) for v in value))
 
 
 def _requires_grad(node) -> bool:

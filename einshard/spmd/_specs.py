@@ -18,8 +18,8 @@ import optree
 
 from ..core._split import MISSING, lookup_dim
 from ..errors import EinshardError
-from ..plan.local import expand_sizes, freeze_sizes
 from ..notation import EllipsisItem, Group, expand, freeze_families
+from ..plan.local import expand_sizes, freeze_sizes
 from ..plan.resolve import ELLIPSIS_PREFIX, resolve
 from ..runtime.vma import spec_mask
 
@@ -155,7 +155,8 @@ def _find(spec, tree, spath: str, tpath: str):
     try:
         s = optree.tree_flatten_one_level(spec, is_leaf=_is_spec_leaf, none_is_leaf=True)
     except ValueError:
-        return spath, tpath, f"of type {type(spec).__name__}, which is neither a spec (a string or None) nor a container", spec, tree
+        detail = f"of type {type(spec).__name__}, which is neither a spec (a string or None) nor a container"
+        return spath, tpath, detail, spec, tree
     try:
         t = optree.tree_flatten_one_level(tree, none_is_leaf=True)
     except ValueError:

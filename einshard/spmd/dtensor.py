@@ -25,18 +25,20 @@ and DTensors on the twin are read back through it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from ..core.layout import Layout
+from ..errors import EinshardError
+from ..notation import expand
+from ..plan.resolve import resolve
+from ..runtime.execute import transition
 from ._specs import sizes_for
 from ._specs import strip_spec as _strip
 from .dtensor_mesh import from_twin, to_twin, twin_of
-from ..errors import EinshardError
-from ..runtime.execute import transition
-from ..core.layout import Layout
-from ..notation import expand
-from ..plan.resolve import resolve
 
 __all__ = [
     "is_dtensor",
@@ -63,7 +65,7 @@ def chunk_splits(size: int, group_sizes) -> tuple[int, ...]:
     """
     blocks = [size]
     for n in group_sizes:
-        new = []
+        new: list[int] = []
         for b in blocks:
             c = -(-b // n) if b else 0
             new.extend(max(0, min(c, b - j * c)) for j in range(n))
@@ -105,7 +107,8 @@ def dtensor_layout(dt, whole: Layout, mesh, where: str = "DTensor") -> Layout:
     if order is not None:
         check = getattr(DTensorSpec, "is_default_device_order", None)
         if check is not None and not check(order):
-            raise EinshardError(f"{where}: DTensors with a non-default shard order are not supported; redistribute first")
+            raise EinshardError(f"{where}: DTensors with a non-default shard "
+                                "order are not supported; redistribute first")
     if len(whole.axes) != dt.ndim:
         raise EinshardError(f"{where}: the spec names {len(whole.axes)} dimensions but the DTensor has {dt.ndim}")
     shard: list[list[str]] = [[] for _ in whole.axes]
@@ -164,7 +167,7 @@ def from_dtensor(dt, spec: str, mesh, *, shapes=None, sizes=None, families=None,
 
 
 def layout_placements(layout: Layout, mesh) -> list:
-    placements = []
+    placements: list[Placement] = []
     for name in mesh.names:
         i = layout.owner(name)
         if i is not None:
@@ -190,10 +193,8 @@ def to_dtensor(local: torch.Tensor, layout: Layout, mesh, where: str = "output")
         raise EinshardError(f"{where}: a virtual mesh cannot hold DTensors")
     if local.dim() != len(layout.axes):
         raise EinshardError(f"{where}: DTensor outputs need specs without factored groups")
-    chunked = []
-    for i, dims in enumerate(layout.shard):
-        chunked.append(chunk_splits(layout.sizes[i], [mesh.size((d,)) for d in dims]) if dims else None)
-    chunked = tuple(chunked)
+    chunked = tuple(chunk_splits(layout.sizes[i], [mesh.size((d,)) for d in dims]) if dims else None
+                    for i, dims in enumerate(layout.shard))
     target = layout
     if chunked != layout.splits:
         target = Layout(layout.axes, layout.sizes, layout.shard, chunked, layout.partial)
@@ -204,7 +205,7 @@ def to_dtensor(local: torch.Tensor, layout: Layout, mesh, where: str = "output")
     placements = layout_placements(layout, mesh)
     grad_placements = [Replicate() if isinstance(p, Partial) else p for p in placements]
     shape = torch.Size(layout.sizes)
-    kwargs = dict(run_check=False, shape=shape, stride=_contiguous_stride(shape))
+    kwargs: dict[str, Any] = {"run_check": False, "shape": shape, "stride": _contiguous_stride(shape)}
     try:
         return DTensor.from_local(local, device_mesh, placements, grad_placements=grad_placements, **kwargs)
     except TypeError:  # pragma: no cover - torch without grad_placements on from_local

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.layout import Layout, MeshShape
 from ..comm.mappings import ppermute
+from ..core.layout import Layout, MeshShape
 
 __all__ = ["Twin", "twin_of", "to_twin", "from_twin"]
 
@@ -50,7 +50,7 @@ class Twin:
         self.device_mesh, self.pairs = device_mesh, pairs
 
 
-_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DeviceMesh -> Twin, or None (none needed)
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DeviceMesh -> Twin, or None (none needed)
 
 
 def _ascends(grid: np.ndarray) -> bool:
@@ -81,11 +81,12 @@ def _device_mesh(mesh, layout: np.ndarray):
     """A ``DeviceMesh`` over ``layout`` (ascending along every dimension) with ``mesh``'s names."""
     me = dist.get_rank()
     coordinate = tuple(int(c) for c in np.argwhere(layout == me)[0])
-    groups = []
+    groups: list[dist.ProcessGroup] = []
     for d in range(layout.ndim):
         index = tuple(slice(None) if i == d else c for i, c in enumerate(coordinate))
         ranks = layout[index].reshape(-1).tolist()
         if ranks == list(range(dist.get_world_size())):
+            assert dist.group.WORLD is not None  # initialized: this rank has a rank
             groups.append(dist.group.WORLD)
         else:
             groups.append(dist.new_group(ranks, use_local_synchronization=True))

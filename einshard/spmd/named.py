@@ -23,35 +23,25 @@ guide tabulates each one's forward and backward.
 from __future__ import annotations
 
 import functools
+import inspect
+from typing import Any
 
 import optree
 import torch
 
-from ..core import _context, _trace
-from ..core._torch_compat import in_traced_code
 from ..comm import checks as _checks
 from ..comm import collectives as C
-from ..comm import mappings as M
-from ..runtime import vma as _vma
-from ..core._cache import BoundedCache
-from ..errors import EinshardError
+from ..comm.entries import COLLECTIVES
 from ..comm.grad_sums import leaf_sum
 from ..comm.mesh import SubMesh, resolve_mesh
 from ..comm.primitives import PRIMITIVES
+from ..core import _context, _trace
+from ..core._cache import BoundedCache
+from ..core._torch_compat import in_traced_code
+from ..errors import EinshardError
+from ..runtime import vma as _vma
 
-__all__ = [
-    "psum",
-    "pmean",
-    "pmax",
-    "pmin",
-    "all_gather",
-    "psum_scatter",
-    "all_to_all",
-    "ppermute",
-    "pvary",
-    "axis_index",
-    "axis_size",
-]
+__all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "axis_index", "axis_size"]  # and the entries' named forms
 
 _Tensor = torch.Tensor
 
@@ -160,12 +150,6 @@ def _atomic(mesh, names, what) -> tuple[str, ...]:
     return tuple(sorted(atoms, key=mesh.names.index))
 
 
-def _norm_axis(axis: int, ndim: int, what: str) -> int:
-    if not -ndim <= axis < ndim:
-        raise EinshardError(f"{what}: axis {axis} is out of range for a tensor with {ndim} dimensions")
-    return axis % ndim
-
-
 def _check_tensor(x, what):
     if not isinstance(x, _Tensor):
         raise EinshardError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
@@ -174,6 +158,7 @@ def _check_tensor(x, what):
 def _widen(ax: _Axes, x: _Tensor) -> tuple[_Tensor, int]:
     """``x`` pvary-ed over the collective's dimensions it does not vary over; its new mask."""
     tr = ax.tracker
+    assert tr is not None  # called when tracking
     m = tr.mask_of(x)
     missing = ax.mask & ~m
     if missing:
@@ -189,7 +174,9 @@ def _run(ax: _Axes, kind: str, fn, x, *args):
     if ax.tracker is None:
         return fn(x, *args)
     x, m = _widen(ax, x)
-    return _vma.library_call(ax.tracker, fn, (x, *args), {}, PRIMITIVES[kind].vary(m, ax.mask))
+    vary = PRIMITIVES[kind].vary
+    assert vary is not None, kind  # every named collective's primitive has a variance rule
+    return _vma.library_call(ax.tracker, fn, (x, *args), {}, vary(m, ax.mask))
 
 
 def _reduce(x, ax: _Axes, what: str, number, fn, *args, numbers=(int, float, complex)):
@@ -293,143 +280,37 @@ def pmin(x, dims, *, mesh=None):
     return _extreme(x, dims, "pmin", "min", mesh=mesh)
 
 
-# -- gathers and scatters ------------------------------------------------------------------------
+# -- the named forms of the collective entries (all_gather, psum_scatter, all_to_all, ppermute, ...) ----------
 
 
-@_agreeing
-def all_gather(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, mesh=None):
-    """Concatenate every rank's ``x`` along ``axis`` (JAX's ``all_gather``); invariant over ``dim_name``.
+def _named_form(entry):
+    """The named form of collective ``entry``: ``(x, dim_name, *args, mesh=None, **options)``, the entry's
+    ``bind(x, axes, *args, **options)`` on the resolved dimensions, tracked by its variance rule."""
+    bind, what, kind = entry.bind, entry.named, entry.name
 
-    ``tiled=True`` concatenates along the existing ``axis``; ``tiled=False``
-    stacks along a new axis inserted at ``axis``. ``shapes`` gives per-rank
-    sizes along ``axis`` when they differ (uneven blocks); default: every
-    rank holds as much as this one. Backward: this rank's block of the
-    cotangent.
+    def named(x, dim_name, *args, mesh=None, **options):
+        _check_tensor(x, what)
+        ax = _Axes(dim_name, mesh, what)
+        fn, fargs = bind(x, ax, *args, **options)
+        return _run(ax, kind, fn, *fargs)
 
-    >>> w = es.all_gather(w_block, "tp", axis=0)  # doctest: +SKIP
-    """
-    _check_tensor(x, "all_gather")
-    ax = _Axes(dim_name, mesh, "all_gather")
-    if tiled:
-        a = _norm_axis(axis, x.dim(), "all_gather")
-        fn, args = M.allgather_forward_split_backward, (x, ax.group, a, _shapes(shapes, ax, "all_gather"), ax.order)
-    else:
-        a = _norm_axis(axis, x.dim() + 1, "all_gather")
-        fn, args = _gather_stacked, (x, ax.group, a, ax.order)
-    return _run(ax, "all_gather", fn, *args)
+    named.__name__ = named.__qualname__ = what
+    named.__doc__ = bind.__doc__
+    params = list(inspect.signature(bind).parameters.values())
+    dim_name = inspect.Parameter("dim_name", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    mesh = inspect.Parameter("mesh", inspect.Parameter.KEYWORD_ONLY, default=None)
+    named.__signature__ = inspect.Signature([params[0], dim_name, *params[2:], mesh])  # type: ignore[attr-defined]
+    return _agreeing(named)
 
 
-def _gather_stacked(x, group, axis, order):
-    return M.allgather_forward_split_backward(x.unsqueeze(axis), group, axis, None, order)
+_NAMED = {entry.named: _named_form(entry) for entry in COLLECTIVES.values() if entry.named}
+globals().update(_NAMED)
 
 
-def _shapes(shapes, ax, what):
-    if shapes is None:
-        return None
-    shapes = [int(s) for s in shapes]
-    if len(shapes) != ax.size:
-        raise EinshardError(f"{what}: shapes has {len(shapes)} entries but {'-'.join(ax.dims)!r} has {ax.size} ranks")
-    return shapes
-
-
-@_agreeing
-def psum_scatter(x, dim_name, *, axis: int = 0, tiled: bool = True, shapes=None, mesh=None):
-    """This rank's block of the sum over ``dim_name`` (JAX's ``psum_scatter``); varies over it.
-
-    ``tiled=True`` splits ``axis`` into blocks (``shapes``, default
-    ``compute_split_shapes``: uneven sizes allowed); ``tiled=False`` needs
-    ``x.shape[axis] == size`` and removes ``axis``. Backward: all-gather.
-
-    >>> g_block = es.psum_scatter(g, "dp", axis=0)  # doctest: +SKIP
-    """
-    _check_tensor(x, "psum_scatter")
-    ax = _Axes(dim_name, mesh, "psum_scatter")
-    a = _norm_axis(axis, x.dim(), "psum_scatter")
-    if tiled:
-        shapes = _shapes(shapes, ax, "psum_scatter")
-        fn, args = M.reducescatter_forward_allgather_backward, (x, ax.group, a, shapes, ax.order)
-    else:
-        if x.shape[a] != ax.size:
-            raise EinshardError(
-                f"psum_scatter: tiled=False needs x.shape[{axis}] == {ax.size} (the size of "
-                f"{'-'.join(ax.dims)!r}), got {x.shape[a]}"
-            )
-        fn, args = _scatter_squeezed, (x, ax.group, a, ax.order)
-    return _run(ax, "reduce_scatter", fn, *args)
-
-
-def _scatter_squeezed(x, group, axis, order):
-    return M.reducescatter_forward_allgather_backward(x, group, axis, None, order).squeeze(axis)
-
-
-@_agreeing
-def all_to_all(x, dim_name, split_axis: int, concat_axis: int, *, tiled: bool = True, mesh=None):
-    """Split ``split_axis`` into one block per rank, send block ``j`` to rank ``j``, concatenate along ``concat_axis``.
-
-    JAX's ``all_to_all``. ``tiled=True`` (the default here; JAX's default is
-    ``False``) keeps the number of dimensions: ``split_axis`` shrinks by the
-    group size and ``concat_axis`` grows by it (uneven ``split_axis`` sizes
-    are split with ``compute_split_shapes``). ``tiled=False`` needs
-    ``x.shape[split_axis] == size``, removes ``split_axis`` and inserts a new
-    axis of that size at ``concat_axis`` (of the result). The output varies
-    over ``dim_name``; backward: the inverse all-to-all.
-
-    >>> y = es.all_to_all(x, "sp", split_axis=2, concat_axis=1)  # doctest: +SKIP
-    """
-    _check_tensor(x, "all_to_all")
-    ax = _Axes(dim_name, mesh, "all_to_all")
-    s = _norm_axis(split_axis, x.dim(), "all_to_all")
-    c = _norm_axis(concat_axis, x.dim(), "all_to_all")
-    if tiled:
-        if s == c:
-            fn, args = _same_axis_a2a, (x, ax.group, s, ax.order)
-        else:
-            fn, args = M.alltoall_repartition, (x, ax.group, c, s, None, None, ax.order)
-    else:
-        if x.shape[s] != ax.size:
-            raise EinshardError(
-                f"all_to_all: tiled=False needs x.shape[{split_axis}] == {ax.size} (the size of "
-                f"{'-'.join(ax.dims)!r}), got {x.shape[s]}"
-            )
-        fn, args = _a2a_untiled, (x, ax.group, s, c, ax.order)
-    return _run(ax, "all_to_all", fn, *args)
-
-
-def _same_axis_a2a(x, group, axis, order):
-    # split and concatenate along the same axis: blocks move, the shape stays
-    n = C.group_size(group)
-    size = x.shape[axis]
-    if size % n:
-        raise EinshardError(f"all_to_all: split_axis == concat_axis needs a size divisible by {n}, got {size}")
-    shape = list(x.shape)
-    y = x.reshape(shape[:axis] + [n, size // n] + shape[axis + 1 :])
-    y = M.alltoall_repartition(y.unsqueeze(axis + 1), group, axis + 1, axis, None, None, order)
-    return y.reshape(shape)
-
-
-def _a2a_untiled(x, group, split_axis, concat_axis, order):
-    y = x.movedim(split_axis, 0).unsqueeze(1)  # (n, 1, rest): block j goes to rank j
-    y = M.alltoall_repartition(y, group, 1, 0, None, None, order)  # (1, n, rest): block r came from rank r
-    return y.squeeze(0).movedim(0, concat_axis)
-
-
-@_agreeing
-def ppermute(x, dim_name, perm, *, mesh=None):
-    """Send ``x`` along the ``(src, dst)`` pairs of ``perm`` (indices within the ``dim_name`` group).
-
-    JAX's ``ppermute``: a rank that receives nothing gets zeros. The output
-    varies over ``dim_name``; backward: the inverse permutation.
-
-    >>> n = es.axis_size("sp")                                             # doctest: +SKIP
-    >>> right = es.ppermute(x, "sp", [(i, (i + 1) % n) for i in range(n)])  # doctest: +SKIP
-    """
-    _check_tensor(x, "ppermute")
-    ax = _Axes(dim_name, mesh, "ppermute")
-    perm = [tuple(p) for p in perm]
-    order = ax.order
-    if order is None:
-        return _run(ax, "ppermute", M.ppermute, x, ax.group, perm)
-    return _run(ax, "ppermute", functools.partial(M.ppermute, order=order), x, ax.group, perm)
+def __getattr__(name: str) -> Any:
+    """(Only for type checkers: the forms above are made from the entries, so a checker cannot list them;
+    a name that is not one of them is missing, as for any module.)"""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pvary(x, dims, *, mesh=None):
@@ -492,3 +373,5 @@ def axis_size(dim_name, *, mesh=None) -> int:
     """
     ax = _Axes(dim_name, mesh, "axis_size")
     return ax.size
+
+__all__ += list(_NAMED)  # all_gather, psum_scatter, all_to_all, ppermute

@@ -32,11 +32,22 @@ import optree
 import torch
 import torch.utils._pytree as _pytree
 
-from ..core import _context, _trace
-from ..core._torch_compat import in_traced_code
 from ..comm import checks
-from ..runtime import vma as _vma
+from ..comm.grad_sums import DEFERRED
+from ..comm.mesh import resolve_mesh, wrap_mesh
+from ..core import _context, _trace
 from ..core._cache import BoundedCache
+from ..core._split import compute_split_shapes
+from ..core._torch_compat import in_traced_code
+from ..core.layout import MeshShape
+from ..errors import EinshardError
+from ..notation import expand
+from ..ops.einshard import duties_satisfied, einshard
+from ..params.metadata import named_sizes, recorded_global_shape
+from ..params.store import PARAM_STATE_ATTR
+from ..params.summed import body_duty_error, native_duty, watch_body
+from ..params.zero import BodyGathers, shard_map_entry, stored_source
+from ..runtime import vma as _vma
 from ._specs import (
     explicit_entries,
     layout_entries,
@@ -50,18 +61,7 @@ from ._specs import (
     spec_tree,
     strip_spec,
 )
-from ..core._split import compute_split_shapes
 from .dtensor import apply_from_dtensor, plan_from_dtensor, to_dtensor
-from ..errors import EinshardError
-from ..comm.grad_sums import DEFERRED
-from ..core.layout import MeshShape
-from ..comm.mesh import resolve_mesh, wrap_mesh
-from ..notation import expand
-from ..ops.einshard import duties_satisfied, einshard
-from ..params.metadata import named_sizes, recorded_global_shape
-from ..params.store import PARAM_STATE_ATTR
-from ..params.summed import body_duty_error, native_duty, watch_body
-from ..params.zero import BodyGathers, shard_map_entry, stored_source
 
 __all__ = ["shard_map", "ShardMap"]
 
@@ -81,7 +81,7 @@ class _Body:
         self.shard_map = shard_map
         self.group = group  # checks on: the mesh's whole group, where every agreement in the body runs
 
-    def with_tracker(self, tracker) -> "_Body":
+    def with_tracker(self, tracker) -> _Body:
         """The same body with another tracker (``None``: untracked), for a recompute (einshard.runtime.recompute)."""
         return _Body(tracker, self.shard_map, self.group)
 
@@ -112,7 +112,7 @@ def _leaf_key(x):
         return x.shape
     if isinstance(x, _Tensor):
         if maybe_dtensor(x):
-            return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)
+            return ("DTensor", tuple(x.placements), x.shape, x._local_tensor.shape)  # type: ignore[attr-defined]
         state = getattr(x, PARAM_STATE_ATTR, None)  # a Parameter's recorded global shape is checked when planning
         return x.shape if state is None or state.global_shape is None else (x.shape, state.global_shape)
     return None
@@ -155,7 +155,7 @@ class ShardMap:
 
     def __reduce__(self):
         # pickled by reference, like the function it wraps (e.g. to run it with einshard.testing)
-        return (_by_name, (self.__module__, self.__qualname__))
+        return (_by_name, (self.__module__, self.__qualname__))  # type: ignore[attr-defined]  # update_wrapper's
 
     def __repr__(self) -> str:
         name = getattr(self.f, "__qualname__", repr(self.f))
@@ -319,8 +319,8 @@ class ShardMap:
     # -- planning (once per argument structure and local shapes) ---------------------
     def _opts(self, parsed_formula, sizes=_UNSET):
         sizes = self.sizes if sizes is _UNSET else sizes
-        return dict(shapes=shapes_subset(parsed_formula, self.shapes),
-                    sizes=sizes_subset(parsed_formula, sizes, self.families), families=self.families)
+        return {"shapes": shapes_subset(parsed_formula, self.shapes),
+                "sizes": sizes_subset(parsed_formula, sizes, self.families), "families": self.families}
 
     def _plan_inputs(self, key, args, leaves, mesh, duty_errors=()) -> _InPlan:
         per_leaf = _matched(mesh, self._in_leaves, self._in_def, args, "in_specs", "args", self.in_specs)
@@ -722,7 +722,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
 
 def _trace_leaves(leaves) -> tuple:
     """What planning needs of each leaf, as constants: ``(shape, dtype)`` for a tensor, else ``None``."""
-    out = []
+    out: list[tuple | None] = []
     for x in leaves:
         if isinstance(x, _Tensor):
             if maybe_dtensor(x):

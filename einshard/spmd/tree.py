@@ -29,17 +29,17 @@ import optree
 import torch
 
 from ..comm import collectives as C
-from ._specs import match, shapes_subset, sizes_for, sizes_subset, spec_tree
-from ._specs import maybe_dtensor as is_dtensor
-from ._specs import strip_spec as _strip
-from .dtensor import from_dtensor
-from ..errors import EinshardError
-from ..core.layout import MeshShape
 from ..comm.mesh import resolve_mesh, wrap_mesh
+from ..core.layout import MeshShape
+from ..errors import EinshardError
 from ..notation import EllipsisItem, Group, expand
 from ..ops.einshard import einshard
 from ..params.metadata import record_global_shape_, recorded_global_shape
 from ..params.specs import as_param_tree, specs_or_registered
+from ._specs import match, shapes_subset, sizes_for, sizes_subset, spec_tree
+from ._specs import maybe_dtensor as is_dtensor
+from ._specs import strip_spec as _strip
+from .dtensor import from_dtensor
 
 __all__ = ["tree_shard", "tree_gather", "prepare_tree", "map_leaves", "discover_splits"]
 
@@ -111,7 +111,7 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
 def _whole_shapes(leaves, per_leaf, names) -> list:
     """``(parameter, whole shape)`` to record: the parameters the specs come from (``es.param_specs``) and
     the Parameter leaves with a layout; a whole value whose shape differs from a recorded one is an error."""
-    records = []
+    records: list = []
     for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
         if spec is None or not isinstance(x, torch.Tensor):
             continue
@@ -192,7 +192,8 @@ def discover_splits(mesh, leaves, per_leaf, sizes=None, families=None):
                     rest = [known.get(a.name) for a in item.axes if not a.mesh]
                     if None not in rest:  # decided from the spec and sizes=: the same columns on every rank
                         a = sharded[0]
-                        wanted.append((k, a.name, mesh.dims(a.mesh), x.shape[dim] // max(math.prod(rest), 1)))
+                        block = x.shape[dim] // max(math.prod(r for r in rest if r is not None), 1)
+                        wanted.append((k, a.name, mesh.dims(a.mesh), block))
             elif getattr(item, "mesh", None):
                 wanted.append((k, item.name, mesh.dims(item.mesh), x.shape[dim]))
             dim += 1

@@ -18,9 +18,18 @@ the mesh fixtures). See ``docs/testing.md``.
 [6, 6, 6, 6]
 """
 
+from ._device import (
+                      DEVICES,
+                      add_device_argument,
+                      choose_device,
+                      device_mesh,
+                      init_rank,
+                      local_device,
+                      parse_device,
+                      rank_device,
+                      synchronize,
+)
 from ._errors import RankError, RankTimeout
-from ._device import (DEVICES, add_device_argument, choose_device, device_mesh, init_rank, local_device,
-                      parse_device, rank_device, synchronize)
 from ._launch import launch
 from ._mesh import MeshSpec, make_mesh
 from ._pool import RankPool, close_all_pools, get_pool, run_on_ranks, spawn

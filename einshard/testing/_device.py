@@ -14,8 +14,8 @@ import os
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..errors import EinshardError
 from ..comm.helpers import init_process_group
+from ..errors import EinshardError
 
 __all__ = ["DEVICES", "add_device_argument", "choose_device", "device_mesh", "init_rank", "launched", "local_device",
            "parse_device", "rank_device", "synchronize"]

@@ -61,7 +61,7 @@ def _summary(text: str) -> str:
     while end < len(lines) and lines[end].startswith("    "):  # the frame's source line (and its carets)
         end += 1
     message = "\n".join(lines[end:]).strip() or text.strip()
-    own = [i for i in frames if _own_code(_FRAME.match(lines[i]).group("file"))]
+    own = [i for i in frames if (m := _FRAME.match(lines[i])) is not None and _own_code(m.group("file"))]
     if not own:
         return message
     i = own[-1]

@@ -102,4 +102,4 @@ def make_mesh(shape: Sequence[int] | int, names: Sequence[str] | str):
     >>> run_on_ranks(8, fn)[5]     # doctest: +SKIP
     (1, 1)
     """
-    return MeshSpec(shape, names).build()
+    return MeshSpec(shape, names).build()  # type: ignore[arg-type]  # MeshSpec normalizes an int or a sequence

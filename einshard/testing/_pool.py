@@ -248,7 +248,8 @@ _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 
 def _clean_stack(text):
     """Tidy a faulthandler dump: drop the harness's watchdog thread and frames."""
-    blocks, block = [], []
+    blocks: list = []
+    block: list = []
     for line in text.splitlines():
         if _THREAD_HEADER.match(line):
             if block:
@@ -317,7 +318,9 @@ class RankPool:
             raise EinshardError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.grace = _env_float("EINSHARD_TESTING_GRACE", 3.0) if grace is None else float(grace)
-        self.gloo_timeout = _env_float("EINSHARD_TESTING_GLOO_TIMEOUT", 120.0) if gloo_timeout is None else float(gloo_timeout)
+        self.gloo_timeout = (
+            _env_float("EINSHARD_TESTING_GLOO_TIMEOUT", 120.0) if gloo_timeout is None else float(gloo_timeout)
+        )
         self.startup_timeout = (
             _env_float("EINSHARD_TESTING_STARTUP_TIMEOUT", 120.0) if startup_timeout is None else float(startup_timeout)
         )
@@ -356,7 +359,7 @@ class RankPool:
         inc = self._inc
         return inc.startup_seconds if inc is not None else None
 
-    def start(self, timeout: float | None = None) -> "RankPool":
+    def start(self, timeout: float | None = None) -> RankPool:
         """Start the processes if needed and wait until every rank is ready.
 
         >>> pool = RankPool(8).start()      # doctest: +SKIP
@@ -403,10 +406,12 @@ class RankPool:
         if self._inc is None:
             self._launch()
         inc = self._inc
+        assert inc is not None  # launched above
         if all(inc.ready):
             return
         deadline = inc.started + timeout
-        failures, grace_deadline = {}, None
+        failures: dict = {}
+        grace_deadline = None
         try:
             while not all(inc.ready):
                 waiting = [r for r in range(self.world_size) if not inc.ready[r] and r not in failures]
@@ -492,6 +497,7 @@ class RankPool:
 
     def _run_ready(self, context, payload, timeout):
         inc = self._inc
+        assert inc is not None  # _ensure_ready launched it
         n = self.world_size
         self._task_id += 1
         task_id = self._task_id
@@ -633,7 +639,7 @@ def _target(fn):
     seen = 0
     while seen < 10:
         seen += 1
-        if hasattr(fn, "func") and callable(getattr(fn, "func")):  # functools.partial
+        if hasattr(fn, "func") and callable(fn.func):  # functools.partial
             fn = fn.func
         elif hasattr(fn, "__func__"):  # bound method
             fn = fn.__func__
@@ -678,7 +684,7 @@ def _prepare_task(fn, args, kwargs, checks=True):
 # -- shared pools -------------------------------------------------------------------
 _POOLS: dict[int, RankPool] = {}
 _POOLS_LOCK = threading.Lock()
-_LIVE_POOLS: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
+_LIVE_POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
 _ATEXIT_DONE = False
 
 
@@ -782,7 +788,7 @@ def _close_pools(pools):
 
 def _close_everything():
     close_all_pools()
-    _close_pools([p for p in list(_LIVE_POOLS)])
+    _close_pools(list(_LIVE_POOLS))
     if _CTX is None:
         return
     # Stop multiprocessing's helper processes now (and reap them) rather than
@@ -799,9 +805,9 @@ def _close_everything():
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            server._stop()  # closes its pipe and reaps it
+            server._stop()  # type: ignore[attr-defined]  # closes its pipe and reaps it
         from multiprocessing import resource_tracker
 
-        resource_tracker._resource_tracker._stop()
+        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
     except Exception:
         pass

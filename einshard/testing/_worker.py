@@ -94,7 +94,7 @@ def _redirect_output(log_path):
     # killed rank's last lines are already in the log.
     sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
-    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]  # the rank's own streams
 
 
 def _start_watchdog(lifeline):

@@ -28,7 +28,7 @@ import pytest
 
 from ._errors import RankError
 from ._mesh import MeshSpec
-from ._pool import mp_context, close_all_pools, get_pool
+from ._pool import close_all_pools, get_pool, mp_context
 
 DEFAULT_TIMEOUT = 120.0
 _MARKER_LINE = (
@@ -50,7 +50,8 @@ def pytest_addoption(parser):
         default=None,
         dest="ranks_timeout",
         metavar="SECONDS",
-        help="default timeout of @pytest.mark.ranks tests (a marker's timeout= wins; default 120, or ini ranks_timeout)",
+        help="default timeout of @pytest.mark.ranks tests (a marker's "
+             "timeout= wins; default 120, or ini ranks_timeout)",
     )
     parser.addini(
         "ranks_timeout",

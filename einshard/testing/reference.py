@@ -11,10 +11,10 @@ import math
 
 import torch
 
+from ..comm.mesh import resolve_mesh
 from ..core._split import compute_split_shapes, resolve_split_shapes
 from ..errors import EinshardError
-from ..comm.mesh import resolve_mesh
-from ..notation import EllipsisItem, Group, expand
+from ..notation import Axis, EllipsisItem, Group, expand
 
 __all__ = ["local_block"]
 
@@ -38,7 +38,8 @@ def local_block(x: torch.Tensor, spec: str, mesh, shapes=None, sizes=None, famil
     sizes = dict(sizes or {})
     named = [i for i in tensor.items if not isinstance(i, EllipsisItem)]
     n_ell = x.dim() - len(named)
-    expanded_shape, axes = [], []
+    expanded_shape: list[int] = []
+    axes: list[Axis | None] = []
     pos = 0
     for item in tensor.items:
         if isinstance(item, EllipsisItem):
@@ -47,6 +48,7 @@ def local_block(x: torch.Tensor, spec: str, mesh, shapes=None, sizes=None, famil
                 axes.append(None)
                 pos += 1
             continue
+        assert isinstance(item, (Axis, Group))  # an expanded spec: no families left
         members = item.axes if isinstance(item, Group) else (item,)
         known = [sizes.get(a.name) for a in members]
         if known.count(None) > 1:
@@ -76,7 +78,7 @@ def local_block(x: torch.Tensor, spec: str, mesh, shapes=None, sizes=None, famil
             split = compute_split_shapes(y.shape[dim], n)
         b = mesh.index(dims)
         y = y.narrow(dim, sum(split[:b]), split[b])
-    out_shape = []
+    out_shape: list[int] = []
     k = 0
     for item in tensor.items:
         if isinstance(item, EllipsisItem):

@@ -1,0 +1,28 @@
+"""``examples/fno.py`` trains a sharded Fourier neural operator exactly like one process does."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def test_fno_example_matches_single_process():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "fno.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-4000:]
+    steps = re.findall(r"^step (\d+): loss ([0-9.]+)\s+single process ([0-9.]+)$", out, re.M)
+    assert len(steps) >= 10, out
+    losses = [float(a) for _, a, _ in steps]
+    assert losses[-1] < 0.5 * losses[0], out  # it learns the operator
+    last = out.strip().splitlines()[-1]
+    found = re.fullmatch(r"max difference from single-process training: ([0-9.eE+-]+)", last)
+    assert found is not None, out
+    assert float(found.group(1)) < 1e-9, out
