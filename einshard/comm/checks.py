@@ -477,7 +477,9 @@ def _decide(rows, texts, members, what) -> BaseException:
         text = f"rank {members[j]}: {texts[j][1]}"
         if len(errors) > 1:
             text += f" (reported by {_ranks_text(members[k] for k in errors)})"
-        return EinshardError(text)
+        # named as rank j named it: no entry point adds the expression on the way out, whether this rank
+        # agreed inside the planner that names its errors or after it, so every rank raises the same message
+        return EinshardError.named(text, "")
     points: dict = {}
     for j in range(len(rows)):
         points.setdefault(texts[j][0], []).append(members[j])
