@@ -239,21 +239,21 @@ class _LeafSum(torch.autograd.Function):
     """Identity forward; the gradient summed over ``group``: deferred (:data:`DEFERRED`) where it can wait."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, detached=False):
         ctx.group = group
-        return x.view_as(x)
+        return x.detach() if detached else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         leaf = ctx.next_functions[0][0]  # the leaf's AccumulateGrad
         if _deferrable(leaf):
             DEFERRED.add(leaf.variable, grad, ctx.group)
-            return None, None
+            return None, None, None
         # summed on the spot; its own backward is the identity's adjoint: double backward sums again
-        return allreduce_forward_identity_backward(grad, ctx.group), None
+        return allreduce_forward_identity_backward(grad, ctx.group), None, None
 
 
-def leaf_sum(x: torch.Tensor, group) -> torch.Tensor:
+def leaf_sum(x: torch.Tensor, group, detached: bool = False) -> torch.Tensor:
     """``x`` (a leaf that requires grad) as it is, its gradient summed over ``group`` (JAX's ``pvary``).
 
     The sum waits for the end of the backward, bucketed and overlapped with
@@ -262,11 +262,14 @@ def leaf_sum(x: torch.Tensor, group) -> torch.Tensor:
     graph of the backward is built (``create_graph``), and no hook of ``x``
     reads the gradient before that (tensor or post-accumulate hooks). Else it
     is summed on the spot. Only the part of the gradient that comes through
-    here is summed; other uses of ``x`` accumulate as usual.
+    here is summed; other uses of ``x`` accumulate as usual. ``detached``: the
+    result shares ``x``'s storage without being a view of it (autograd's), so
+    it may be used again after ``x`` is modified in place under ``no_grad``
+    (:mod:`einshard.runtime.vma_aliases` keeps it from one call to the next).
 
     >>> y = leaf_sum(w, dp_group) @ x_block   # doctest: +SKIP
     """
-    return _LeafSum.apply(x, group)
+    return _LeafSum.apply(x, group, detached)
 
 
 def _deferrable(node) -> bool:

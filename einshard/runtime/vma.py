@@ -61,6 +61,7 @@ from ..core._cache import BoundedCache
 from ..core._torch_compat import in_traced_code
 from ..errors import EinshardError
 from ..notation import expand_specs, freeze_families
+from .vma_aliases import LeafAliases
 
 __all__ = [
     "ACTIVE",
@@ -282,6 +283,8 @@ class Tracker(_Rules, TorchFunctionMode):
         # a region of this body is checkpointed (einshard.runtime.recompute): the tags shard_map removes on exit,
         # as (weak reference, tag), for the recompute to put back
         self.kept: list | None = None
+        # the pvary-ed parameters kept from one call of the body to the next (set by shard_map; a replica has none)
+        self.aliases: LeafAliases | None = None
 
     # recomputation ------------------------------------------------------
     def replica(self) -> Tracker:
@@ -336,7 +339,8 @@ class Tracker(_Rules, TorchFunctionMode):
             if missing & ~self.info.trivial:
                 group = self.info.group(missing)
                 if t.is_leaf and t.requires_grad and _grad_enabled():  # its sum can wait for the end of backward
-                    y = leaf_sum(t, group)
+                    aliases = self.aliases  # the body's kept aliases (einshard.runtime.vma_aliases), if any
+                    y = leaf_sum(t, group) if aliases is None else aliases.pvary(t, group)
                     self.deferred = True
                 elif _grad_enabled() and (own_pvary := getattr(t, "einshard_pvary", None)) is not None:
                     y = own_pvary(self.info.dims(missing))  # its producer sums it (a ZeRO gather)

@@ -48,6 +48,7 @@ from ..params.store import PARAM_STATE_ATTR
 from ..params.summed import body_duty_error, native_duty, watch_body
 from ..params.zero import BodyGathers, shard_map_entry, stored_source
 from ..runtime import vma as _vma
+from ..runtime.vma_aliases import LeafAliases
 from ._specs import (
     explicit_entries,
     layout_entries,
@@ -151,6 +152,7 @@ class ShardMap:
         self._out_leaves, self._out_def = spec_tree(out_specs, families, "out_specs", "out")
         self._in_plans = BoundedCache(256)
         self._out_plans = BoundedCache(256)
+        self._aliases = LeafAliases()  # the body's pvary-ed parameters, from one call to the next
         functools.update_wrapper(self, f)
 
     def __reduce__(self):
@@ -200,7 +202,10 @@ class ShardMap:
             gathers = BodyGathers.of(body_leaves) if plan.actions else None  # stored parameters: freed after use
             if gathers is not None:
                 gathers.__enter__()
-            tracker = _vma.Tracker(mesh, plan.info) if self.check_vma else None
+            tracker = None
+            if self.check_vma:
+                tracker = _vma.Tracker(mesh, plan.info)
+                tracker.aliases = self._aliases
             # pushed inside the try: a compiler that splits this frame (a torch.compile graph break in the
             # push) must not resume after the push outside the block that pops it
             token = _context.push(mesh=mesh, shapes=plan.shapes, shard_map=_Body(tracker, self, group))
