@@ -97,7 +97,7 @@ _grad_enabled = torch.is_grad_enabled
 class _MeshInfo:
     """Bit masks of a mesh's dimensions, groups per mask, formula rules (cached per mesh)."""
 
-    __slots__ = ("mesh", "names", "bit", "groups", "formulas", "trivial", "__weakref__")
+    __slots__ = ("mesh", "names", "bit", "groups", "formulas", "decisions", "trivial", "__weakref__")
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -110,6 +110,7 @@ class _MeshInfo:
                 self.trivial |= 1 << i
         self.groups: dict[int, object] = {}
         self.formulas = BoundedCache(4096)
+        self.decisions = BoundedCache(4096)  # (formula, operand masks) -> what formula_op_in does (_formula_decision)
 
     def mask(self, name_or_names) -> int:
         """The mask of a (compound) dimension name or an iterable of names."""
@@ -714,33 +715,59 @@ def formula_op_in(ambient, fn, formula: str, tensors, kwargs: dict):
         mesh = ambient.mesh  # a nested es.use_mesh(other) in the body
     if mesh is not info.mesh and not same_mesh(info, mesh):  # another mesh: its dimensions are not the body's
         return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-    try:
-        rule = _formula_rule(info, formula, kwargs.get("families"))
-    except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
-        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
-    declared = rule.declared
-    if len(declared) != len(tensors):
-        return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
     serial = tracker.serial
-    masks = tuple([t.__dict__.get(ATTR, 0) ^ serial if isinstance(t, _Tensor) else 0 for t in tensors])
-    if masks == declared:  # the common case: every operand varies exactly as its spec says
-        passthrough = 0
-        widen = False
-    else:
-        masks, passthrough, widen = _operand_masks(info, formula, rule, masks)
+    masks = tuple([_operand_mask(t, serial) for t in tensors])
+    # the decision of an earlier call with the same formula and operand variance (the rules read nothing else)
+    key = (formula, masks) if kwargs.get("families") is None else None
+    decision = None if key is None else info.decisions.get(key)
+    if decision is None:
+        try:
+            rule = _formula_rule(info, formula, kwargs.get("families"))
+        except (ValueError, KeyError):  # the op reports a bad formula itself; else: union of the inputs
+            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+        if len(rule.declared) != len(tensors):
+            return library_call(tracker, fn, (formula, *tensors), kwargs, _union_mask(tracker, tensors))
+        decision = _formula_decision(info, formula, rule, masks)  # (a ValueError for an operand that varies undeclared)
+        if key is not None:
+            info.decisions.put(key, decision)
+    out_mask, widened = decision
     tracker.suspended += 1
     try:
         with _DisableTorchFunction():  # tensor attributes (requires_grad) would go through the mode otherwise
             xs = tensors
-            if widen and _grad_enabled():
-                xs = _pvary_operands(tracker, tensors, masks, declared, passthrough)
+            if widened and _grad_enabled():
+                xs = _pvary_operands(tracker, tensors, widened)
             out = fn(formula, *xs, **kwargs)
     finally:
         tracker.suspended -= 1
     if isinstance(out, _Tensor):
-        out.__dict__[ATTR] = serial | rule.out | passthrough
+        out.__dict__[ATTR] = serial | out_mask
         return out
-    return tracker.tag_tree(out, rule.out | passthrough)
+    return tracker.tag_tree(out, out_mask)
+
+
+def _operand_mask(t, serial: int) -> int:
+    """The mask of a formula op's operand in the call of ``serial`` (0: invariant, a tag of an earlier call, or
+    not a tensor)."""
+    if not isinstance(t, _Tensor):
+        return 0
+    m = t.__dict__.get(ATTR, 0) ^ serial
+    return 0 if m > MASK else m
+
+
+def _formula_decision(info, formula, rule, masks) -> tuple:
+    """What a formula op does with operands of vma ``masks``: ``(output mask, ((operand, its mask, dimensions to
+    pvary it over), ...))``, the pvary-s over dimensions of size 1 left out (identities)."""
+    if masks == rule.declared:  # the common case: every operand varies exactly as its spec says
+        return rule.out, ()
+    masks, passthrough, widen = _operand_masks(info, formula, rule, masks)
+    widened = []
+    if widen:
+        for k, (m, d) in enumerate(zip(masks, rule.declared)):
+            missing = (d | passthrough) & ~m
+            if missing & ~info.trivial:
+                widened.append((k, m, missing))
+    return rule.out | passthrough, tuple(widened)
 
 
 def _operand_masks(info, formula, rule, tags):
@@ -762,16 +789,15 @@ def _operand_masks(info, formula, rule, tags):
     return masks, passthrough, bool(lack or passthrough & ~info.trivial)
 
 
-def _pvary_operands(tracker, tensors, masks, declared, passthrough):
-    """The operands of a formula op, each pvary-ed over the declared and pass-through dimensions it lacks."""
-    trivial = tracker.info.trivial
+def _pvary_operands(tracker, tensors, widened):
+    """The operands of a formula op, those of ``widened`` pvary-ed (when they require grad)."""
     xs = tensors
-    for k, t in enumerate(tensors):
-        missing = (declared[k] | passthrough) & ~masks[k]
-        if missing & ~trivial and isinstance(t, _Tensor) and t.requires_grad:
+    for k, m, missing in widened:
+        t = tensors[k]
+        if isinstance(t, _Tensor) and t.requires_grad:
             if xs is tensors:
                 xs = list(tensors)
-            xs[k] = tracker.pvary(t, masks[k], missing)
+            xs[k] = tracker.pvary(t, m, missing)
     return xs
 
 
