@@ -15,7 +15,13 @@ On the mesh ``tp`` (``world_size`` ranks):
   the tensor-parallel region) around ``F.linear``: the baseline;
 - ``formulas``: two ``es.einshard`` formulas per layer;
 - ``shard_map_vma`` / ``shard_map``: the same body in ``es.shard_map`` with
-  ``check_vma=True`` / ``False``;
+  ``check_vma=True`` / ``False``; the body captures the layer's parameters,
+  which variance tracking takes as invariant (the same on every rank), so it
+  pvary-s the three it meets with per-rank data (``w1``, ``b1``, ``w2``) and
+  sums their gradients over ``tp`` (24 sums per step, no-ops on the fake group);
+- ``shard_map_args``: ``check_vma=True`` with the parameters passed as
+  arguments with their specs (``f/tp c``, ...): each varies as its spec says,
+  nothing is pvary-ed or summed, and what is left is the cost of tracking;
 - ``dtensor``: ``nn.Linear`` layers parallelised with DTensor's
   ``ColwiseParallel`` / ``RowwiseParallel``.
 
@@ -58,6 +64,7 @@ linears), ``max_rel_grad_error``, ``layers``, ``shape`` (``b, n, c, f``),
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -150,8 +157,22 @@ def _tp_variants(weights, mesh, x):
             layer.forward = es.shard_map(Layer.forward.__get__(layer), in_specs=("b n c",), out_specs="b n c",
                                          mesh=mesh, check_vma=vma)
         variants[name] = _step(m, x)
+    # the parameters as arguments with their specs: each varies as its spec says, so nothing is pvary-ed
+    m = models["shard_map_args"] = _model(weights, "formulas")
+    for layer in m:
+        body = es.shard_map(_layer_body, in_specs=("b n c", *_SPECS.values()), out_specs="b n c", mesh=mesh)
+        layer.forward = functools.partial(_with_parameters, body, layer)
+    variants["shard_map_args"] = _step(m, x)
     variants["dtensor"], models["dtensor"] = _dtensor(weights, mesh, x)
     return variants, models
+
+
+def _layer_body(x, w1, b1, w2, b2):
+    return x + _body(x, w1, b1, w2, b2)
+
+
+def _with_parameters(body, layer, x):
+    return body(x, layer.w1, layer.b1, layer.w2, layer.b2)
 
 
 def _dtensor(weights, mesh, x):

@@ -229,10 +229,13 @@ class ShardMap:
                         if isinstance(x, _Tensor):
                             x.__dict__.pop(_vma.ATTR, None)
                 tracker.memo.clear()
-            if tracker.deferred:  # before the gradient checks below: their end-of-backward callback comes after
+            watched = _watched(params, tracker.params) if params or tracker.params else ()
+            if tracker.deferred and (watched or gathers is not None):
+                # before the gradient checks below (and a ZeRO pass's end): their end-of-backward callbacks come
+                # after the deferred sums' (else the first deferred sum queues that callback itself)
                 _arm_deferred_sums(result)
-            if params or tracker.params:
-                _watch_gradients(result, params, tracker.params)
+            if watched:
+                watch_body(optree.tree_leaves(result, none_is_leaf=True), watched)
             return result
         except BaseException as exc:
             if group is not None:  # raised here only: the peers raise at their next agreement
@@ -487,7 +490,8 @@ def _body_parameters(args, leaves):
 def _arm_deferred_sums(result) -> None:
     """When backward reaches the body's outputs, it queues the end-of-backward wait of the gradient sums the
     body deferred (:data:`einshard.comm.grad_sums.DEFERRED`) before any later callback (the gradient checks of
-    :func:`_watch_gradients` read the sums)."""
+    :func:`einshard.params.summed.watch_body` and a ZeRO pass read the sums). Without those the first deferred
+    sum queues it (a prehook per output and call saved)."""
     for o in optree.tree_leaves(result, none_is_leaf=True):
         if isinstance(o, _Tensor) and o.grad_fn is not None:
             o.grad_fn.register_prehook(_arm)
@@ -497,10 +501,10 @@ def _arm(grad_outputs) -> None:
     DEFERRED.arm()
 
 
-def _watch_gradients(result, params, used) -> None:
-    """After a tracked body: the parameters it used that another mechanism would sum are refused (those
-    it took as arguments were checked on entry); the gradients of those with a native duty get tagged
-    when backward brings the body's contributions (:func:`einshard.params.summed.watch_body`)."""
+def _watched(params, used) -> list:
+    """After a tracked body: the parameters it used that another mechanism would sum are refused (those it
+    took as arguments were checked on entry); returns those with a native duty, whose gradients get tagged when
+    backward brings the body's contributions (:func:`einshard.params.summed.watch_body`)."""
     watched = {id(p): p for p in params}
     for key, p in used.items():
         if key in watched:
@@ -510,8 +514,7 @@ def _watch_gradients(result, params, used) -> None:
             raise EinshardError(f"shard_map: a parameter of shape {tuple(p.shape)} used in the body {why}")
         if native_duty(p):
             watched[key] = p
-    if watched:
-        watch_body(optree.tree_leaves(result, none_is_leaf=True), list(watched.values()))
+    return list(watched.values())
 
 
 def _recorded_sizes(spec, x, sizes):
