@@ -11,18 +11,19 @@ group of one ``shard_map`` and hands it to the next call, which pays a lookup in
 The autograd graph of every backward is the one fresh aliases give, node for node:
 
 - an alias is handed out once per backward: after a call took it, the next call gets it only once the
-  node's backward ran (a pre-hook of the node frees it); until then (several forwards before one backward,
-  as in a pipeline schedule, or a forward whose result is never differentiated) every call makes a fresh
-  alias, which replaces the kept one;
+  node's backward ran outside any body (a pre-hook of the node frees it; a backward inside a body, as
+  ``torch.autograd.grad`` there, does not: the forward graph of that call may still hold the node); until
+  then (several forwards before one backward, as in a pipeline schedule, or a forward whose result is never
+  differentiated) every call makes a fresh alias, which replaces the kept one;
 - it is handed out only while it still aliases the parameter: the same tensor object, the same storage
   (``p.data = ...`` makes a fresh one), the same shape, strides and dtype; and never inside a functorch
   transform (``vmap``, ``grad``), whose tensors are wrapped per call.
 
 So each backward runs one node per (call, parameter, group), in the order fresh aliases would, and every
 rank sums the same gradients in the same buckets whether its calls reused aliases or not. The node keeps no
-tensor for backward (a view of the parameter, the group), so running it again is exact.
+tensor for backward (only the process group), so running it again is exact.
 
-A kept alias is a view of its parameter (no memory of its own) but keeps the parameter alive while its
+A kept alias shares its parameter's storage (no memory of its own) but keeps the parameter alive while its
 ``shard_map`` lives; at most :data:`LIMIT` are kept per ``shard_map`` (then all are dropped and made again).
 """
 
@@ -66,10 +67,13 @@ class LeafAliases:
     0
     """
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "busy")
 
-    def __init__(self, limit: int = LIMIT):
+    def __init__(self, limit: int = LIMIT, busy=None):
         self.entries = BoundedCache(limit)  # (id(leaf), group) -> _Alias
+        # whether a body is running: a backward inside one (torch.autograd.grad in a body) frees no alias, as
+        # the graph of that call's forward may still hold it
+        self.busy = _never if busy is None else busy
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -89,13 +93,18 @@ class LeafAliases:
             return alias
         kept = _Alias(leaf, alias)
         # (a weak reference: the node must not keep its own alias alive, through the hook, once it is dropped)
-        node.register_prehook(functools.partial(_release, weakref.ref(kept)))
+        node.register_prehook(functools.partial(_release, weakref.ref(kept), self.busy))
         self.entries.put(key, kept)
         return alias
 
 
-def _release(ref, grad_outputs) -> None:
-    """The pre-hook of a kept alias's node: its backward runs, so the next call may take the alias."""
+def _release(ref, busy, grad_outputs) -> None:
+    """The pre-hook of a kept alias's node: its backward runs, so the next call may take the alias (not when the
+    backward runs inside a body)."""
     kept = ref()
-    if kept is not None:
+    if kept is not None and not busy():
         kept.free = True
+
+
+def _never() -> bool:
+    return False

@@ -152,7 +152,7 @@ class ShardMap:
         self._out_leaves, self._out_def = spec_tree(out_specs, families, "out_specs", "out")
         self._in_plans = BoundedCache(256)
         self._out_plans = BoundedCache(256)
-        self._aliases = LeafAliases()  # the body's pvary-ed parameters, from one call to the next
+        self._aliases = LeafAliases(busy=_tracking)  # the body's pvary-ed parameters, from one call to the next
         functools.update_wrapper(self, f)
 
     def __reduce__(self):
@@ -495,6 +495,11 @@ def _arm_deferred_sums(result) -> None:
     for o in optree.tree_leaves(result, none_is_leaf=True):
         if isinstance(o, _Tensor) and o.grad_fn is not None:
             o.grad_fn.register_prehook(_arm)
+
+
+def _tracking() -> bool:
+    """Whether a ``shard_map(check_vma=True)`` body runs (in any thread)."""
+    return _vma.ACTIVE > 0
 
 
 def _arm(grad_outputs) -> None:

@@ -188,6 +188,21 @@ def _guards_case(mesh) -> dict:
     other = es.wrap_mesh(torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     before, after, _ = step("other mesh", mesh_=other)
     facts["fresh_other_mesh"] = len(after) == len(before) + 1
+    # a backward inside a body (torch.autograd.grad there) frees no alias: that call's graph still holds it
+    def inner(xb):
+        y = (xb.to(w.dtype) @ w).sin()
+        torch.autograd.grad(y.sum(), [w], retain_graph=True)
+        return y
+
+    sm2 = shard_map(inner, in_specs=("b/dp c",), out_specs="b/dp k")
+    w.grad = None
+    with es.use_mesh(mesh):
+        y1 = sm2(xl)
+        taken = _alias_ids(sm2)
+        y2 = sm2(xl)
+    (y1.sum() + y2.sum()).backward()
+    facts["fresh_after_inner_grad"] = len(taken) == 1 and not (taken & _alias_ids(sm2))
+    errs["inner grad"] = _err(w.grad, 2 * ref_grad(w))
     # a compiled call traces its own pvary: no kept alias is taken, the gradient is the same
     compiled = torch.compile(sm, backend="eager", fullgraph=True)
     w.grad = None
