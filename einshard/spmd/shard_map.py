@@ -511,7 +511,7 @@ def _watch_gradients(result, params, used) -> None:
 
 def _recorded_sizes(spec, x, sizes):
     """``(sizes= for this leaf, the global shape recorded for it or None)``: a recorded global shape (the
-    spec's, from ``es.param_specs``, else the Parameter's own) names the sizes of the layout it arrives in."""
+    spec's, from ``es.params.param_specs``, else the Parameter's own) names the sizes of the layout it arrives in."""
     whole = getattr(spec.text, "global_shape", None)
     own = recorded_global_shape(x)
     if whole is None:
@@ -711,7 +711,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
         _trace.refuse(
             f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
             f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
-            f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
+            f"(es.spmd.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
             f"sharded or partial over {dim!r} in out_specs"
         )
     return m, declared & ~m
@@ -843,7 +843,7 @@ def shard_map(f=_UNSET, in_specs=_UNSET, out_specs=_UNSET, *, mesh=None, shapes=
       varies over, pvary invariant values where they meet varying ones (so
       their gradients are summed), and check outputs against ``out_specs``.
       ``False`` runs the body at plain speed; mixing invariant and varying
-      values in plain torch ops is then the caller's job (``es.pvary``).
+      values in plain torch ops is then the caller's job (``es.spmd.pvary``).
 
     In the body the mesh and every split shape known from the specs are
     ambient: ``es.einshard`` needs no ``mesh=`` and no ``shapes=``. When an
