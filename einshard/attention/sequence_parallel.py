@@ -53,7 +53,7 @@ from .kernels import kernel as kernel_for
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shapes", "zigzag_indices", "to_zigzag", "from_zigzag"]
 
-_functional = torch.ops._c10d_functional  # functional collectives as graph nodes: start, and wait where needed
+_functional = _torch_compat.c10d_functional  # functional collectives as graph nodes: start, and wait where needed
 LAYOUTS = ("contiguous", "zigzag")
 
 

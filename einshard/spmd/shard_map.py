@@ -30,12 +30,11 @@ import sys
 
 import optree
 import torch
-import torch.utils._pytree as _pytree
 
 from ..comm import checks
 from ..comm.grad_sums import DEFERRED
 from ..comm.mesh import resolve_mesh, wrap_mesh
-from ..core import _context, _trace
+from ..core import _context, _torch_compat, _trace
 from ..core._cache import BoundedCache
 from ..core._split import compute_split_shapes
 from ..core._torch_compat import in_traced_code
@@ -283,7 +282,7 @@ class ShardMap:
         stored = _stored_argument(args)
         if stored is not None:
             return _stored_under_compile(self, args, kwargs, stored)
-        leaves, spec = _pytree.tree_flatten(args)
+        leaves, spec = _torch_compat.pytree.tree_flatten(args)
         if self.check_vma:
             _refuse_traced_duties(leaves)
         struct = spec.unflatten(list(range(len(leaves))))  # the structure, as constants
@@ -308,7 +307,7 @@ class ShardMap:
                 tracker.check_graph()
                 for i in tensors:
                     tracker.untag(body_leaves[i])
-            out_leaves, out_spec = _pytree.tree_flatten(out)
+            out_leaves, out_spec = _torch_compat.pytree.tree_flatten(out)
             struct = out_spec.unflatten(list(range(len(out_leaves))))
             oplan = _trace.lookup(_out_plan_for_trace(self, struct, _trace_leaves(out_leaves), mesh, plan))
             return out_spec.unflatten(_exit_leaves(out, out_leaves, oplan, tracker, eager=False))
@@ -599,7 +598,7 @@ def _stored_under_compile(sm, args, kwargs, found):
               f"layout {state.layout!r}); its gather on entry is eager, so under torch.compile this call runs "
               "eagerly (a graph break; refused with fullgraph=True). Call it outside the compiled region, or "
               "register the parameter without store=")
-    torch._dynamo.graph_break(msg=reason)  # (loaded: dynamo is tracing) fullgraph=True: refused here, with the reason
+    _torch_compat.graph_break(reason)  # fullgraph=True: refused here, with the reason
     return torch.compiler.disable(_call_eagerly, reason=reason)(sm, args, kwargs)  # (a skipped call: eager)
 
 
