@@ -8,8 +8,8 @@ interleaved in one job (a barrier before every step):
 
 - ``sdpa``: ``F.scaled_dot_product_attention`` on the whole sequence, the fused kernel: the floor,
   and the baseline of these rows (``ratio`` 1);
-- ``ring``: ``es.ring_attention`` on a one-rank ``sp`` (the ring is one block: its per-block kernel);
-- ``ulysses``: ``es.ulysses_attention`` likewise.
+- ``ring``: ``es.attention.ring_attention`` on a one-rank ``sp`` (the ring is one block: its per-block kernel);
+- ``ulysses``: ``es.attention.ulysses_attention`` likewise.
 
 **Four gloo CPU ranks** (``--ranks 4``; ``sp = 4``):
 
@@ -17,9 +17,9 @@ interleaved in one job (a barrier before every step):
   all-gathers the keys), an additive causal mask block, softmax, and ``b h q/sp k, b h k/sp d -> b h q/sp d``
   (all-gathers the values). Every rank holds the whole sequence's keys and values and an
   ``n/sp x n`` block of scores. The baseline of these rows: its ``ratio`` is 1.
-- ``ring``: ``es.ring_attention`` on the zigzag layout (``causal=True, layout="zigzag"``);
+- ``ring``: ``es.attention.ring_attention`` on the zigzag layout (``causal=True, layout="zigzag"``);
 - ``ring_contiguous``: the same on contiguous blocks (the last rank does most of the causal work);
-- ``ulysses``: ``es.ulysses_attention`` (all-to-all to a head split, ``F.scaled_dot_product_attention``
+- ``ulysses``: ``es.attention.ulysses_attention`` (all-to-all to a head split, ``F.scaled_dot_product_attention``
   on whole sequences, all-to-all back);
 - ``torch_context_parallel``: PyTorch's ``torch.distributed.tensor.experimental.context_parallel``
   around ``F.scaled_dot_product_attention``; where it does not run (CPU), its line carries the error.
@@ -130,13 +130,13 @@ def _variants(mesh, n):
     contiguous = torch.arange(block * (n // size), (block + 1) * (n // size))
     if size == 1:
         return {"sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), contiguous),
-                "ring": (_layer(mesh, es.ring_attention), contiguous),
-                "ulysses": (_layer(mesh, es.ulysses_attention), contiguous)}
+                "ring": (_layer(mesh, es.attention.ring_attention), contiguous),
+                "ulysses": (_layer(mesh, es.attention.ulysses_attention), contiguous)}
     zz = zigzag_indices(n, size)[block * (n // size):(block + 1) * (n // size)]
     return {"gather": (_gather(mesh, n), contiguous),
-            "ring": (_layer(mesh, es.ring_attention, layout="zigzag"), zz),
-            "ring_contiguous": (_layer(mesh, es.ring_attention), contiguous),
-            "ulysses": (_layer(mesh, es.ulysses_attention), contiguous)}
+            "ring": (_layer(mesh, es.attention.ring_attention, layout="zigzag"), zz),
+            "ring_contiguous": (_layer(mesh, es.attention.ring_attention), contiguous),
+            "ulysses": (_layer(mesh, es.attention.ulysses_attention), contiguous)}
 
 
 def on_rank(ranks, seqs, batch, heads, dim, repeats, warmup, device, dtype):

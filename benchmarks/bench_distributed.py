@@ -24,7 +24,7 @@ both are valid), checks off, interleaved: a ``shapes=`` that one rank's block co
 make every rank raise, so such a call runs one agreement (an all-gather of 8 ``int64`` per rank)
 even with checks off, and ``agreement_cost_us`` is its cost per call (collectives included).
 Then, for a planned formula and for
-``es.psum``, the whole per-call wall time (collectives included: the check
+``es.spmd.psum``, the whole per-call wall time (collectives included: the check
 *is* a collective) with ``es.set_checks(True)`` against ``False``,
 interleaved, and their difference: what checks cost per call
 (``"bench": "checks"`` lines); ``"checks, outside collectives"`` lines give
@@ -142,7 +142,7 @@ def _checks_cases(mesh, n):
     x = _randn(8, n)
     return [
         ("planned formula 'a/tp b -> a b' (all-gather)", lambda: es.einshard("a/tp b -> a b", a_shard, mesh=mesh)),
-        ("es.psum over tp", lambda: es.psum(x, "tp", mesh=mesh)),
+        ("es.spmd.psum over tp", lambda: es.spmd.psum(x, "tp", mesh=mesh)),
     ]
 
 

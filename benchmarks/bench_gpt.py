@@ -16,7 +16,7 @@ timed interleaved in one job (a barrier before every step):
   bucketed: ``bucket_all_reduces_fx``) on 4 x 1 x 2;
 - ``einshard_3d``: the ``shard_map`` step on ``dp x sp x tp`` = 2 x 2 x 2 (sequence over sp too);
 - ``einshard_no_vma``: the ``shard_map`` step with ``check_vma=False`` and the gradient sums of the
-  parameters plain torch ops use written by hand (``es.pvary``), on 4 x 1 x 2: what variance tracking
+  parameters plain torch ops use written by hand (``es.spmd.pvary``), on 4 x 1 x 2: what variance tracking
   costs is ``einshard`` against it;
 - ``einshard_zero``: ``einshard_hooks`` with the example's ``--zero``: parameters, gradients and Adam
   states stored sharded over ``dp`` (ZeRO-3; gathered before use, prefetched, freed after forward,
@@ -198,14 +198,14 @@ def einshard_variant(cfg, values, dims, style="shard_map", compile=False, check_
 
 def untracked_step(model, mesh):
     """The example's ``shard_map`` step with ``check_vma=False``, the gradient sums variance tracking inserts
-    written by hand instead: ``es.pvary`` of each replicated parameter where a plain torch op meets it with
+    written by hand instead: ``es.spmd.pvary`` of each replicated parameter where a plain torch op meets it with
     per-rank data (the formulas sum their operands' gradients themselves). The cost of variance tracking is
     the ``einshard`` variant's step time against this one's."""
     mask = gpt.causal_mask(mesh, model.cfg)
     stream = ("dp", "sp", "tp")  # the residual stream b/dp n/sp-tp c varies over every mesh dimension
 
     def layer_norm(x, ln):
-        return F.layer_norm(x, ln.normalized_shape, es.pvary(ln.weight, stream), es.pvary(ln.bias, stream), ln.eps)
+        return F.layer_norm(x, ln.normalized_shape, es.spmd.pvary(ln.weight, stream), es.spmd.pvary(ln.bias, stream), ln.eps)
 
     def block(self, x, mask):
         qkv = es.einshard(f"{gpt.X}, t h/tp d c -> t b/dp h/tp n/sp d", layer_norm(x, self.ln1), self.wqkv)
@@ -213,8 +213,8 @@ def untracked_step(model, mesh):
         o = es.einshard("b/dp h/tp q/sp k, b/dp h/tp k/sp d -> b/dp h/tp q/sp d", (s + mask).softmax(-1), qkv[2])
         x = x + es.einshard(f"b/dp h/tp n/sp d, c h/tp d -> {gpt.X}", o, self.wo)
         u = F.gelu(es.einshard(f"{gpt.X}, f/tp c -> b/dp n/sp f/tp", layer_norm(x, self.ln2), self.w1)
-                   + es.pvary(self.b1, ("dp", "sp")))
-        return x + es.einshard(f"b/dp n/sp f/tp, c f/tp -> {gpt.X}", u, self.w2) + es.pvary(self.b2, stream)
+                   + es.spmd.pvary(self.b1, ("dp", "sp")))
+        return x + es.einshard(f"b/dp n/sp f/tp, c f/tp -> {gpt.X}", u, self.w2) + es.spmd.pvary(self.b2, stream)
 
     class HandSummed(nn.Module):  # the model's own forward with the sums by hand; functional_call swaps its parameters
         def __init__(self):
@@ -226,9 +226,9 @@ def untracked_step(model, mesh):
 
     def hand_summed(model, tokens, targets):
         rows = model.wte.shape[0]
-        local = tokens - es.axis_index("tp") * rows
+        local = tokens - es.spmd.axis_index("tp") * rows
         mine = (local >= 0) & (local < rows)
-        e = F.embedding(local.clamp(0, rows - 1), es.pvary(model.wte, ("dp", "sp"))) * mine[..., None]
+        e = F.embedding(local.clamp(0, rows - 1), es.spmd.pvary(model.wte, ("dp", "sp"))) * mine[..., None]
         x = es.einshard(f"b/dp n/sp c // tp -> {gpt.X}", e) + es.einshard("n c -> n/sp-tp c // dp", model.wpe)
         for b in model.blocks:
             x = block(b, x, mask)
@@ -237,7 +237,7 @@ def untracked_step(model, mesh):
 
     wrapper = HandSummed()
 
-    @es.shard_map(in_specs=(es.param_specs(model), "b n -> b/dp n/sp", "b n -> b/dp n/sp"), out_specs="", mesh=mesh,
+    @es.shard_map(in_specs=(es.params.param_specs(model), "b n -> b/dp n/sp", "b n -> b/dp n/sp"), out_specs="", mesh=mesh,
                   check_vma=False)
     def loss_fn(params, tokens, targets):  # as the example's step: parameters in, functional_call
         return torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in params.items()}, (tokens, targets),

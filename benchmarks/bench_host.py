@@ -29,7 +29,7 @@ On the mesh ``dp`` x ``tp`` (2 x ``world_size / 2``), rows split over ``dp``:
 
 - ``hand_dp``: ``hand`` plus one all-reduce over ``dp`` per gradient after backward;
 - ``hooks``: formulas on a module whose parameters carry ``grad="dp"``,
-  summed by ``es.register_native_grad_reduction_hooks_``;
+  summed by ``es.params.register_native_grad_reduction_hooks_``;
 - ``zero``: the same with ``store="dp"`` (ZeRO-3: the hooks gather each
   layer's parameters and reduce-scatter their gradients).
 
@@ -210,9 +210,9 @@ def _dp_tp_variants(weights, mesh, x):
     for name, store in (("hooks", None), ("zero", "dp")):
         m = models[name] = _model(weights, "rows")
         for layer in m:
-            es.register_module_parameter_layouts_(layer, _SPECS, mesh=mesh, grad="dp",
+            es.params.register_module_parameter_layouts_(layer, _SPECS, mesh=mesh, grad="dp",
                                                   store=None if store is None else {k: store for k in ("w1", "w2", "b2")})
-        handle = es.register_native_grad_reduction_hooks_(m, mesh, units=list(m) if store else None)
+        handle = es.params.register_native_grad_reduction_hooks_(m, mesh, units=list(m) if store else None)
 
         def run(m=m, handle=handle):
             with es.use_mesh(mesh):

@@ -66,9 +66,9 @@ def _model(mesh, variant, seed, bucket_bytes):
         grad = {k: "dp" for k in PLAIN_TORCH}
     else:
         grad = "dp:async" if variant == "async" else "dp"
-    es.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad=grad)
-    es.init_params_(model, mesh)
-    handle = es.register_native_grad_reduction_hooks_(model, mesh, bucket_bytes=bucket_bytes) if variant == "async" else None
+    es.params.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad=grad)
+    es.params.init_params_(model, mesh)
+    handle = es.params.register_native_grad_reduction_hooks_(model, mesh, bucket_bytes=bucket_bytes) if variant == "async" else None
     return model, handle, torch.optim.SGD(model.parameters(), lr=LR)
 
 
@@ -78,7 +78,7 @@ def _step(model, handle, opt, mesh, x, target, scale):
     if handle is not None:
         handle.wait()
     else:
-        es.reduce_module_grads_(model, mesh)
+        es.params.reduce_module_grads_(model, mesh)
     opt.step()
     opt.zero_grad(set_to_none=True)
 

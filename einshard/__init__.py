@@ -1,14 +1,17 @@
 """torch-einshard: sharded PyTorch programs in einsum-like notation.
 
+The facade holds 32 names: the operations, ``shard_map``, the mesh, the pytree helpers, inspection, the
+planning policy and checks, the errors, and five namespaces — ``es.spmd`` (the named collectives, as
+``jax.lax``), ``es.comm`` (collectives on process groups), ``es.params`` (parameter layouts, duties and
+ZeRO storage), ``es.attention`` and ``es.testing``. A name that moved to a namespace says where it went.
+
 >>> import torch, einshard as es
 >>> es.einshard("i j, j k -> i k", torch.ones(2, 3), torch.ones(3, 4)).shape
 torch.Size([2, 4])
 """
 
-from . import attention, testing
+from . import attention, comm, params, spmd, testing
 from ._version import __version__
-from .attention import ring_attention, ulysses_attention
-from .comm import collectives, helpers, mappings
 from .comm.checks import checks_enabled, set_checks
 from .comm.comm_stats import CommStats, count_communication
 from .comm.mesh import Mesh, current_mesh, use_mesh, wrap_mesh
@@ -18,21 +21,9 @@ from .notation import parse_sharding
 from .ops import einconv, einfft, einhalo, einroll, einshard, einwindow
 from .ops.explain import Explanation, explain
 from .ops.visualize import visualize
+from .params import checkpoint as _checkpoint
+from .params import zero as _zero
 from .runtime.recompute import install as _install_recompute
-from .runtime.vma import get_vma
-from .spmd.named import (
-    all_gather,
-    all_to_all,
-    axis_index,
-    axis_size,
-    pmax,
-    pmean,
-    pmin,
-    ppermute,
-    psum,
-    psum_scatter,
-    pvary,
-)
 from .spmd.shard_map import shard_map
 from .spmd.tree import tree_gather, tree_shard
 
@@ -40,102 +31,71 @@ from .spmd.tree import tree_gather, tree_shard
 _install_recompute()
 
 __all__ = [
-    "__version__",
-    "collectives",
-    "helpers",
-    "mappings",
-    "testing",
-    "set_checks",
-    "checks_enabled",
-    "EinshardError",
-    "SizeMismatchError",
-    "count_communication",
-    "CommStats",
-    "Mesh",
-    "current_mesh",
-    "use_mesh",
-    "wrap_mesh",
-    "parse_sharding",
-    "explain",
-    "Explanation",
+    # operations
     "einshard",
     "einfft",
     "einhalo",
     "einwindow",
     "einconv",
     "einroll",
+    "shard_map",
+    # the mesh
+    "Mesh",
+    "wrap_mesh",
+    "use_mesh",
+    "current_mesh",
+    # pytrees
+    "tree_shard",
+    "tree_gather",
+    # inspection
+    "explain",
+    "Explanation",
+    "visualize",
+    "count_communication",
+    "CommStats",
+    "parse_sharding",
+    # planning policy and checks
     "PlanPolicy",
     "optimize",
     "set_default_policy",
-    "visualize",
-    "shard_map",
-    "psum",
-    "pmean",
-    "pmax",
-    "pmin",
-    "all_gather",
-    "psum_scatter",
-    "all_to_all",
-    "ppermute",
-    "pvary",
-    "axis_index",
-    "axis_size",
-    "tree_shard",
-    "tree_gather",
-    "get_vma",
+    "set_checks",
+    "checks_enabled",
+    # errors
+    "EinshardError",
+    "SizeMismatchError",
+    # namespaces
+    "spmd",
+    "comm",
+    "params",
     "attention",
-    "ring_attention",
-    "ulysses_attention",
+    "testing",
+    "__version__",
 ]
 
-# -- parameter metadata (layouts and duties on nn.Parameter objects) --
-from . import params
-from .params import (
-    PARAM_STATE_ATTR,
-    NativeGradReductionHandle,
-    ParameterGradComm,
-    ParameterInitSync,
-    ParameterState,
-    ParamShardMetadata,
-    einshard_like,
-    finalize_module_parameter_grad_comm_,
-    finalize_parameter_grad_comm_,
-    get_parameter_state,
-    init_param_,
-    init_params_,
-    iter_parameter_states,
-    param_local_shape,
-    param_local_slices,
-    param_shard_dims,
-    param_shard_metadata,
-    parameter_operand_state,
-    reduce_grad_,
-    reduce_module_grads_,
-    register_conv_parameters_,
-    register_grad_reduction_hook_,
-    register_linear_parameters_,
-    register_module_parameter_layouts_,
-    register_norm_parameters_,
-    register_parameter_layout,
-    register_parameter_operand,
-    register_parameter_state,
-    set_parameter_state,
-    sync_module_params_,
-    sync_param_,
-    validate_module_parameter_states_,
-)
+# The public names of the two parameter modules that sit above the operations (they run formulas and DTensor
+# conversions, so einshard.params cannot import them while the operations import it) join es.params here.
+_ABOVE_OPERATIONS = {
+    "to_dtensor": _checkpoint.to_dtensor,
+    "from_dtensor": _checkpoint.from_dtensor,
+    "load_from_dtensor_": _checkpoint.load_from_dtensor_,
+    "GatheredParameter": _zero.GatheredParameter,
+    "register_native_grad_reduction_hooks_": _zero.register_native_grad_reduction_hooks_,
+}
+vars(params).update(_ABOVE_OPERATIONS)
+params.__all__ += [name for name in _ABOVE_OPERATIONS if name not in params.__all__]
 
-__all__ += ["params", "PARAM_STATE_ATTR"] + [n for n in params.__all__ if n not in ("PARAM_STATE_ATTR", "TensorState")]
+# Where each name that left the facade went (the package is unreleased: they moved, no alias is kept).
+_MOVED = {
+    **{name: "es.spmd" for name in spmd.__all__ if name not in __all__},
+    **dict.fromkeys(comm.__all__, "es.comm"),
+    **dict.fromkeys(("ring_attention", "ulysses_attention"), "es.attention"),
+    **dict.fromkeys(params.__all__, "es.params"),
+}
 
-# -- one source of truth for parameter layouts: spec pytrees, DTensors, checkpoints, bucketed reduction --
-from .params.buckets import GradBucketer
-from .params.checkpoint import from_dtensor, load_from_dtensor_, to_dtensor
-from .params.specs import ParamSpec, param_specs
 
-__all__ += ["param_specs", "ParamSpec", "to_dtensor", "from_dtensor", "load_from_dtensor_", "GradBucketer"]
-
-# -- parameters stored sharded over data parallelism (store=): the hooks also gather them --
-from .params.storage import StoredParameter
-from .params.zero import GatheredParameter, gather_formula, register_native_grad_reduction_hooks_
-
-__all__ += ["GatheredParameter", "StoredParameter", "gather_formula"]
+def __getattr__(name: str):
+    """A name that moved to a namespace: an ``AttributeError`` that says where (``es.psum`` is ``es.spmd.psum``)."""
+    where = _MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module 'einshard' has no attribute {name!r}")
+    raise AttributeError(f"module 'einshard' has no attribute {name!r}: it is {where}.{name}")

@@ -1,14 +1,14 @@
 """Save a sharded model with ``torch.distributed.checkpoint`` and load it on a different mesh.
 
 The transformer block of ``train_module.py`` is trained for one step on a
-2 x 4 (dp x tp) mesh and saved with DCP: ``es.to_dtensor(model)`` turns every
+2 x 4 (dp x tp) mesh and saved with DCP: ``es.params.to_dtensor(model)`` turns every
 parameter into a ``DTensor`` whose placements come from its registered layout
 (``h/tp d c`` is ``[Replicate(), Shard(0)]``), uneven blocks included. The
 checkpoint is then loaded
 
 - into the same model registered on a 4 x 2 mesh and on an 8 x 1 mesh: DCP
   reads, for every rank, exactly the part of each tensor its new block covers
-  (the resharding is DCP's, not hand-written), and ``es.load_from_dtensor_``
+  (the resharding is DCP's, not hand-written), and ``es.params.load_from_dtensor_``
   copies the blocks into the parameters;
 - into an unsharded model (whole tensors, as a single-process user would).
 
@@ -47,11 +47,11 @@ def sharded_block(mesh) -> Block:
     """The block with this rank's blocks for ``mesh``, its layouts registered."""
     tp, i = mesh.size("tp"), mesh.index("tp")
     model = Block(compute_split_shapes(H, tp)[i], compute_split_shapes(FF, tp)[i]).to(rank_device())
-    return es.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad="dp:async")
+    return es.params.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad="dp:async")
 
 
 def train_one_step(model, mesh) -> None:
-    handle = es.register_native_grad_reduction_hooks_(model, mesh)
+    handle = es.params.register_native_grad_reduction_hooks_(model, mesh)
     with es.use_mesh(mesh):
         x, target = es.tree_shard(batch(0), "b/dp n c")
         (((model(x) - target) ** 2).sum() / (B * N * C)).backward()
@@ -65,18 +65,18 @@ def run() -> list[str]:
     torch.set_num_threads(1)
     torch.manual_seed(dist.get_rank())
     mesh = es.wrap_mesh(device_mesh((2, 4), ("dp", "tp")))
-    model = es.init_params_(sharded_block(mesh), mesh)
+    model = es.params.init_params_(sharded_block(mesh), mesh)
     train_one_step(model, mesh)
     trained = es.tree_gather(model, mesh=mesh)  # whole tensors, to compare with
-    dcp.save(es.to_dtensor(model, mesh=mesh), checkpoint_id=PATH)
+    dcp.save(es.params.to_dtensor(model, mesh=mesh), checkpoint_id=PATH)
     lines = [f"saved a model trained on {dict(zip(mesh.names, mesh.shape))} to {PATH}"]
     diff = 0.0
     for shape in ((4, 2), (8, 1)):
         other = es.wrap_mesh(device_mesh(shape, ("dp", "tp")))
         fresh = sharded_block(other)
-        state = es.to_dtensor(fresh, mesh=other)  # where DCP writes: this rank's blocks on the new mesh
+        state = es.params.to_dtensor(fresh, mesh=other)  # where DCP writes: this rank's blocks on the new mesh
         dcp.load(state, checkpoint_id=PATH)
-        es.load_from_dtensor_(fresh, state, mesh=other)
+        es.params.load_from_dtensor_(fresh, state, mesh=other)
         loaded = es.tree_gather(fresh, mesh=other)
         d = max((loaded[k] - trained[k]).abs().max().item() for k in trained)
         lines.append(f"loaded on {dict(zip(other.names, other.shape))}: max difference {d:.3e}")

@@ -151,7 +151,7 @@ def fno(p, a):
 
 def train_step(params, a, u):
     err = ((fno(params, a) - u) ** 2).sum()  # this rank's share of the squared error
-    loss = es.psum(err, ("px", "py")) / (B * NX * NY)  # the mean over the whole grid and batch
+    loss = es.spmd.psum(err, ("px", "py")) / (B * NX * NY)  # the mean over the whole grid and batch
     names = list(params)
     grads = torch.autograd.grad(loss, [params[k] for k in names])
     with torch.no_grad():

@@ -17,9 +17,9 @@ layout string per parameter (``model_layouts()``):
   the input's gradient is reduce-scattered); leaving it reduce-scatters
   (``b/dp n/sp f/tp, c f/tp -> b/dp n/sp-tp c``). Attention keeps queries split over
   ``sp`` and gathers keys and values over ``sp`` (context parallelism); ``--attention ring``
-  passes them around the ``sp`` ring instead (``es.ring_attention``, the sequence in zigzag
+  passes them around the ``sp`` ring instead (``es.attention.ring_attention``, the sequence in zigzag
   order so that causal work is even) and ``--attention ulysses`` swaps the sequence split for
-  a head split and back (``es.ulysses_attention``).
+  a head split and back (``es.attention.ulysses_attention``).
 
 Every collective comes from a formula; there is no hand-written all-reduce. The training
 step comes in two styles (``--style``):
@@ -32,7 +32,7 @@ step comes in two styles (``--style``):
   partial, and bucketed asynchronous all-reduces started during backward sum them.
 
 Adam then updates every rank's blocks. Half-way, the model and Adam's state are saved with
-``torch.distributed.checkpoint`` (``es.to_dtensor``: placements from the registered layouts)
+``torch.distributed.checkpoint`` (``es.params.to_dtensor``: placements from the registered layouts)
 and training resumes on a different mesh (dp=4, sp=1, tp=2), resharded by DCP. The same model
 is trained in one process on whole tensors (float64) and the losses are compared step by step,
 before and after the resume.
@@ -137,9 +137,9 @@ class Block(nn.Module):
             p = (s + mask).softmax(-1)
             o = es.einshard("b/dp h/tp q/sp k, b/dp h/tp k/sp d -> b/dp h/tp q/sp d", p, v)
         elif self.attention == "ring":  # keys and values travel around sp; the sequence is in zigzag order
-            o = es.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")
+            o = es.attention.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")
         else:  # an all-to-all gives each sp rank whole sequences of some heads, and one takes them back
-            o = es.ulysses_attention(q, k, v, "sp", causal=True)
+            o = es.attention.ulysses_attention(q, k, v, "sp", causal=True)
         x = x + es.einshard(f"b/dp h/tp n/sp d, c h/tp d -> {X}", o, self.wo)  # row-parallel: reduce-scatter
         u = F.gelu(es.einshard(f"{X}, f/tp c -> b/dp n/sp f/tp", self.ln2(x), self.w1) + self.b1)
         return x + es.einshard(f"b/dp n/sp f/tp, c f/tp -> {X}", u, self.w2) + self.b2
@@ -159,7 +159,7 @@ class GPT(nn.Module):
     def embed(self, tokens):
         """Vocabulary-parallel embedding: look up the ids this rank's rows hold, sum over tp."""
         rows = self.wte.shape[0]
-        local = tokens - es.axis_index("tp") * rows
+        local = tokens - es.spmd.axis_index("tp") * rows
         mine = (local >= 0) & (local < rows)
         e = F.embedding(local.clamp(0, rows - 1), self.wte) * mine[..., None]  # this rank's share
         return es.einshard(f"b/dp n/sp c // tp -> {X}", e)  # summed over tp, sequence split over tp
@@ -183,12 +183,12 @@ class GPT(nn.Module):
 def vocab_parallel_cross_entropy(logits, targets):
     """Summed cross-entropy of ``b/dp n/sp v/tp`` logits without gathering the vocabulary."""
     rows = logits.shape[-1]
-    top = es.pmax(logits.detach().amax(-1), "tp")  # for a stable log-sum-exp
-    lse = es.psum(torch.exp(logits - top[..., None]).sum(-1), "tp").log() + top
-    local = targets - es.axis_index("tp") * rows
+    top = es.spmd.pmax(logits.detach().amax(-1), "tp")  # for a stable log-sum-exp
+    lse = es.spmd.psum(torch.exp(logits - top[..., None]).sum(-1), "tp").log() + top
+    local = targets - es.spmd.axis_index("tp") * rows
     mine = (local >= 0) & (local < rows)
     picked = logits.gather(-1, local.clamp(0, rows - 1)[..., None])[..., 0] * mine
-    return es.psum((lse - es.psum(picked, "tp")).sum(), ("dp", "sp"))
+    return es.spmd.psum((lse - es.spmd.psum(picked, "tp")).sum(), ("dp", "sp"))
 
 
 def causal_mask(mesh, cfg: Config = CONFIG):
@@ -266,16 +266,16 @@ def empty_model(mesh, cfg: Config, style: str, zero: bool = False) -> GPT:
     # shard_map style: shard_map's variance tracking sums the gradients; einshard style: the hooks do
     grad = grad_duties(cfg) if style == "einshard" else None
     if zero:  # the parameters hold their compute blocks now; registering store= keeps a 1/|dp| slice of each
-        return es.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad, store=stored_over_dp(cfg),
+        return es.params.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad, store=stored_over_dp(cfg),
                                                      sizes=whole_sizes(cfg))
-    return es.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad)
+    return es.params.register_module_parameter_layouts_(model, layouts, mesh=mesh, grad=grad)
 
 
 def sharded_model(mesh, values, cfg: Config = CONFIG, style: str = "shard_map", zero: bool = False) -> GPT:
     """A GPT whose parameters are this rank's blocks of the whole ``values``."""
     model = empty_model(mesh, cfg, style, zero)
     with torch.no_grad():
-        for name, block in es.tree_shard(values, es.param_specs(model), mesh=mesh).items():
+        for name, block in es.tree_shard(values, es.params.param_specs(model), mesh=mesh).items():
             model.get_parameter(name).copy_(block)
     return model
 
@@ -293,7 +293,7 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False,
     every parameter carries its gradient duty (:func:`grad_duties`), the formulas leave those
     gradients partial, and bucketed asynchronous all-reduces started during backward sum them.
     Parameters stored sharded (``--zero``) are gathered before use: by each module's hooks, or on
-    entry to the ``shard_map`` body (``es.param_specs`` gives their storage specs).
+    entry to the ``shard_map`` body (``es.params.param_specs`` gives their storage specs).
     ``precision="bf16"`` (einshard style): the modules compute in bf16 (``param_dtype``), the stored
     gradients are summed in fp32 (``reduce_dtype``), masters and Adam stay in ``cfg.dtype``.
     """
@@ -307,7 +307,7 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False,
         if precision == "bf16":
             mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
             mask = mask.to(torch.bfloat16)
-        handle = es.register_native_grad_reduction_hooks_(model, mesh, **mp)
+        handle = es.params.register_native_grad_reduction_hooks_(model, mesh, **mp)
 
         def step(tokens, targets):
             tokens, targets = reorder(tokens, targets, order)
@@ -321,7 +321,7 @@ def make_step(model: GPT, mesh, style: str = "shard_map", compile: bool = False,
         return step
 
     @es.shard_map(
-        in_specs=(es.param_specs(model), "b n -> b/dp n/sp", "b n -> b/dp n/sp"),  # the batch arrives whole
+        in_specs=(es.params.param_specs(model), "b n -> b/dp n/sp", "b n -> b/dp n/sp"),  # the batch arrives whole
         out_specs="",
         mesh=mesh,
         check_vma=True,
@@ -360,11 +360,11 @@ def train(mesh, model: GPT, optimizer, steps: range, style: str = "shard_map", p
 
 def checkpoint_state(model: GPT, optimizer, mesh) -> dict:
     """The model and Adam's state as DTensors (placements from the registered layouts), for DCP."""
-    specs = es.param_specs(model)
+    specs = es.params.param_specs(model)
     moments = {name: {k: optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
                for name, p in model.named_parameters()}
     step = next(iter(optimizer.state.values()))["step"]
-    return {"model": es.to_dtensor(model, mesh=mesh), "adam": es.to_dtensor(moments, specs, mesh=mesh),
+    return {"model": es.params.to_dtensor(model, mesh=mesh), "adam": es.params.to_dtensor(moments, specs, mesh=mesh),
             "step": step.clone()}
 
 
@@ -374,12 +374,12 @@ def load_checkpoint(path: str, mesh, cfg: Config, style: str, zero: bool = False
     model = empty_model(mesh, cfg, style, zero)
     zeros = {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
              for name, p in model.named_parameters()}
-    specs = es.param_specs(model)
-    state = {"model": es.to_dtensor(model, mesh=mesh), "adam": es.to_dtensor(zeros, specs, mesh=mesh),
+    specs = es.params.param_specs(model)
+    state = {"model": es.params.to_dtensor(model, mesh=mesh), "adam": es.params.to_dtensor(zeros, specs, mesh=mesh),
              "step": torch.zeros(())}
     dcp.load(state, checkpoint_id=path)  # every rank reads the parts its new blocks cover
-    es.load_from_dtensor_(model, state["model"], mesh=mesh)
-    moments = es.from_dtensor(state["adam"], specs, mesh=mesh)
+    es.params.load_from_dtensor_(model, state["model"], mesh=mesh)
+    moments = es.params.from_dtensor(state["adam"], specs, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for name, p in model.named_parameters():
         optimizer.state[p] = {"step": state["step"].clone(), **moments[name]}

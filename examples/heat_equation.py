@@ -70,7 +70,7 @@ def step_sharded(u: torch.Tensor, r: float, mesh, shapes) -> torch.Tensor:
 def simulate() -> dict:
     """Runs on every rank: the sharded simulation, then the comparison with one process."""
     mesh = es.wrap_mesh(device_mesh((2, 4), ("dp", "tp")))
-    shapes = {"dp": es.helpers.compute_split_shapes(N_X, 2), "tp": es.helpers.compute_split_shapes(N_Y, 4)}
+    shapes = {"dp": es.comm.helpers.compute_split_shapes(N_X, 2), "tp": es.comm.helpers.compute_split_shapes(N_Y, 4)}
     dt, r = time_step()
     u0 = initial_condition()
 

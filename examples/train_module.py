@@ -8,13 +8,13 @@ uneven), everything is replicated over ``dp``, which splits the batch. Each
 parameter's layout is registered on it, with the gradient duty
 ``grad=dp:async``:
 
-- ``es.init_params_`` makes the replicated copies equal (broadcasts over the
+- ``es.params.init_params_`` makes the replicated copies equal (broadcasts over the
   groups each parameter is replicated on), although every rank starts from
   its own random seed;
 - the forward pass is plain ``es.einshard`` formulas and torch ops; since the
   parameters have a gradient duty over ``dp``, the formulas leave their
   gradients partial over ``dp`` (no all-reduce per formula);
-- ``es.register_native_grad_reduction_hooks_`` sums them over ``dp``,
+- ``es.params.register_native_grad_reduction_hooks_`` sums them over ``dp``,
   bucketed, starting each bucket's all-reduce during backward as soon as its
   gradients are accumulated; ``handle.wait()`` before the optimizer step.
 
@@ -134,10 +134,10 @@ def run(device_mesh) -> list[str]:
     tp, tp_rank = mesh.size("tp"), mesh.index("tp")
     torch.manual_seed(dist.get_rank())  # every rank its own random initial values
     model = Block(compute_split_shapes(H, tp)[tp_rank], compute_split_shapes(FF, tp)[tp_rank]).to(rank_device())
-    es.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad="dp:async")
-    es.init_params_(model, mesh)  # the replicated copies made equal (broadcasts)
+    es.params.register_module_parameter_layouts_(model, LAYOUTS, mesh=mesh, grad="dp:async")
+    es.params.init_params_(model, mesh)  # the replicated copies made equal (broadcasts)
     initial = es.tree_gather(model, mesh=mesh)  # whole initial parameters, for the reference
-    handle = es.register_native_grad_reduction_hooks_(model, mesh)  # bucketed, started during backward
+    handle = es.params.register_native_grad_reduction_hooks_(model, mesh)  # bucketed, started during backward
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     dp_group = mesh.group("dp")
     losses = []

@@ -53,7 +53,7 @@ from .kernels import kernel as kernel_for
 
 __all__ = ["ring_attention", "ulysses_attention", "zigzag_shapes", "zigzag_indices", "to_zigzag", "from_zigzag"]
 
-_functional = torch.ops._c10d_functional  # functional collectives as graph nodes: start, and wait where needed
+_functional = _torch_compat.c10d_functional  # functional collectives as graph nodes: start, and wait where needed
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -574,8 +574,8 @@ def ring_attention(q, k, v, dim, *, causal: bool = False, layout: str = "contigu
     second all-to-all swaps back. ``q``, ``k``, ``v`` then need heads:
     ``(..., h, n, d)``.
 
-    >>> o = es.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")  # doctest: +SKIP
-    >>> o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True)  # doctest: +SKIP
+    >>> o = es.attention.ring_attention(q, k, v, "sp", causal=True, layout="zigzag")  # doctest: +SKIP
+    >>> o = es.attention.ring_attention(q, k, v, "cp", ulysses="sp", causal=True)  # doctest: +SKIP
     """
     if ulysses is not None:
         return _ring_ulysses(q, k, v, dim, ulysses, causal=causal, layout=layout, scale=scale, shapes=shapes,
@@ -611,7 +611,7 @@ def ulysses_attention(q, k, v, dim, *, causal: bool = False, layout: str = "cont
     whole sequence. Backward: the formulas' adjoints around attention's own
     backward.
 
-    >>> o = es.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
+    >>> o = es.attention.ulysses_attention(q, k, v, "sp", causal=True)  # doctest: +SKIP
     """
     what = "ulysses_attention"
     error = _check_qkv(what, q, k, v, 3)

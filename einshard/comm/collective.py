@@ -20,10 +20,10 @@ that also holds
   ``shard_map`` bodies (:mod:`einshard.spmd.named`).
 
 From these come the **raw** form (``entry.raw``: check, then the
-eager or the traced transport, ``es.collectives``), the **traced** form
+eager or the traced transport, ``es.comm.collectives``), the **traced** form
 (``traced``, ``einshard.comm._traced_collectives``), the **autograd** form
 (``entry.autograd``, an autograd Function whose backward is the
-adjoint's autograd form, so double backward works; ``es.mappings``) and the
+adjoint's autograd form, so double backward works; ``es.comm.mappings``) and the
 **named** form. :func:`register` adds an entry to ``PRIMITIVES``; the modules
 of :mod:`einshard.comm.entries` are the entries, one collective each.
 """

@@ -1,4 +1,4 @@
-"""Raw collectives on process groups (the plain collectives of ``es.helpers``): the raw form of every
+"""Raw collectives on process groups (the plain collectives of ``es.comm.helpers``): the raw form of every
 entry of :mod:`einshard.comm.entries`, with the few raw-only functions the entries define beside it.
 
 These are *not* differentiable (their inputs are detached); the autograd

@@ -180,7 +180,7 @@ def count_communication() -> Iterator[CommStats]:
     Nested and concurrent contexts all record every collective of the process.
 
     >>> with es.count_communication() as stats:  # doctest: +SKIP
-    ...     y = es.collectives.all_gather(x, group, dim=0)
+    ...     y = es.comm.collectives.all_gather(x, group, dim=0)
     >>> print(stats)  # doctest: +SKIP
     """
     stats = CommStats()

@@ -35,17 +35,24 @@ installed torch, so a release that changes what a shim assumes fails there.
   autograd engine's current graph task, functorch's transform state, the
   torch-function mode stack, fake tensors, a process group by name, the
   C entry points of ``einsum`` and ``autograd.Function.apply``, whether
-  dynamo is compiling a frame (:func:`dynamo_compiling_frame`). Each is a
-  name here and nowhere else in einshard.
+  dynamo is compiling a frame (:func:`dynamo_compiling_frame`), the functional
+  collectives (``functional_collectives``, ``c10d_functional``), ``DTensorSpec``,
+  torch's pytree, a graph break (:func:`graph_break`). Each is a name here and
+  nowhere else in einshard, but for :mod:`einshard.core._trace`, whose job is
+  dynamo's trace-time machinery (it loads those modules only while compiling);
+  ``tests/core/test_torch_compat.py`` checks that.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as functional_collectives
 import torch.distributed.distributed_c10d as _c10d
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint as _checkpoint
 from torch._guards import CompileContext as _CompileContext
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = ["TORCH_VERSION", "in_traced_code", "compile_in_progress", "trace_time", "traced_function_result",
            "DYNAMO_MARKS_DIRTY", "CheckpointFrame", "CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE", "checkpoint",
@@ -55,7 +62,8 @@ __all__ = ["TORCH_VERSION", "in_traced_code", "compile_in_progress", "trace_time
            "disabled_torch_function_impl", "DisableTorchFunction", "DisableTorchFunctionSubclass",
            "EnableTorchFunction", "push_torch_function_mode",
            "pop_torch_function_mode", "torch_function_stack_len", "FakeTensor", "einsum_entry", "resolve_process_group",
-           "dynamo_compiling_frame"]
+           "dynamo_compiling_frame", "functional_collectives", "c10d_functional", "DTensorSpec", "pytree",
+           "graph_break"]
 
 #: the installed torch release as ``(major, minor)``
 TORCH_VERSION: tuple[int, ...] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -234,3 +242,18 @@ def dynamo_compiling_frame() -> bool:
     meanwhile (building guards, which on torch 2.11 evaluates a guarded attribute such as ``w.T`` through the
     torch-function modes of the frame), false in the eager code of a graph break."""
     return _CompileContext.try_get() is not None
+
+
+#: the functional collectives (``torch.distributed._functional_collectives``): the collectives code that
+#: dynamo traces calls, as DTensor does (a graph node each, waited for where a result is used)
+#: (``functional_collectives`` is imported above)
+#: the same collectives as raw ops (``torch.ops._c10d_functional``): started in a graph and waited for later
+c10d_functional = torch.ops._c10d_functional
+#: a DTensor's sharding spec (placements, mesh, shape), which DTensor's own constructors take
+#: (``DTensorSpec`` is imported above); torch's pytree (``torch.utils._pytree``), which dynamo traces
+#: natively, for the pytrees of code that may be traced (``pytree``, imported above)
+
+
+def graph_break(reason: str) -> None:
+    """End dynamo's graph here, with ``reason`` (called only in code dynamo traces, so dynamo is loaded)."""
+    torch._dynamo.graph_break(msg=reason)

@@ -12,9 +12,17 @@ broadcast its initial values, and which groups SUM its gradient. Modules:
 - ``buckets``: the hooks' engine; ``summed``: gradients a ``shard_map`` body sums;
 - ``metadata``: local slices and shapes, global shapes; ``operand``: formula operands (``[param]``);
 - ``like``: ``einshard_like`` (record a formula's states without running it);
-- ``zero`` (imported by ``einshard`` itself): parameters stored sharded (``store=``), their gathers.
+- ``specs``: spec pytrees of a module's parameters; ``storage``: parameters stored sharded (``store=``);
+- ``zero``: their gathers and the gradient hooks that also gather; ``checkpoint``: DCP conversions.
+
+``zero`` and ``checkpoint`` sit above the operations (they run formulas and DTensor conversions), so this
+package cannot import them while the operations import it; their public names (``to_dtensor``,
+``from_dtensor``, ``load_from_dtensor_``, ``GatheredParameter``, ``register_native_grad_reduction_hooks_``)
+join this namespace from the facade, ``einshard/__init__.py``, which every import of ``einshard.params``
+runs first.
 """
 
+from .buckets import GradBucketer
 from .like import einshard_like
 from .metadata import ParamShardMetadata, param_local_shape, param_local_slices, param_shard_dims, param_shard_metadata
 from .operand import parameter_operand_state, register_parameter_operand
@@ -31,7 +39,9 @@ from .register import (
     register_norm_parameters_,
     register_parameter_layout,
 )
-from .state import ParameterGradComm, ParameterInitSync, ParameterState, TensorState
+from .specs import ParamSpec, param_specs
+from .state import ParameterGradComm, ParameterInitSync, ParameterState, TensorState, gather_formula
+from .storage import StoredParameter
 from .store import (
     PARAM_STATE_ATTR,
     get_parameter_state,
@@ -80,4 +90,9 @@ __all__ = [
     "parameter_operand_state",
     "register_parameter_operand",
     "einshard_like",
+    "param_specs",
+    "ParamSpec",
+    "GradBucketer",
+    "StoredParameter",
+    "gather_formula",
 ]

@@ -144,7 +144,7 @@ class GradBucketer:
             if hooked_by(p) is not None:
                 raise EinshardError(
                     f"GradBucketer: a parameter of shape {tuple(p.shape)} already has gradient hooks that sum it "
-                    "(an earlier es.register_native_grad_reduction_hooks_ or GradBucketer); remove them first "
+                    "(an earlier es.params.register_native_grad_reduction_hooks_ or GradBucketer); remove them first "
                     "(handle.remove()), or its gradient would be summed twice"
                 )
             if p.requires_grad:

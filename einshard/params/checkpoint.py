@@ -1,4 +1,4 @@
-"""Modules ↔ DTensors, from the registered layouts: ``es.to_dtensor`` / ``es.from_dtensor``.
+"""Modules ↔ DTensors, from the registered layouts: ``es.params.to_dtensor`` / ``es.params.from_dtensor``.
 
 A parameter's registered layout gives its DTensor placements: ``Shard(i)`` on
 every mesh dimension among the components of item ``i``'s group (in mesh
@@ -39,7 +39,7 @@ def to_dtensor(module_or_state_dict, specs=None, *, mesh=None):
     the rules differ. No autograd.
 
     >>> import torch.distributed.checkpoint as dcp                            # doctest: +SKIP
-    >>> dcp.save(es.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")      # doctest: +SKIP
+    >>> dcp.save(es.params.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")      # doctest: +SKIP
     """
     mesh, leaves, treedef, per_leaf, names = prepare_tree(module_or_state_dict, specs, mesh, None, "to_dtensor")
     if mesh.device_mesh is None:
@@ -65,7 +65,7 @@ def from_dtensor(state, module_or_specs=None, *, mesh=None):
     registered on ``state``'s own parameters. With a module, every block's shape
     is checked against the parameter's.
 
-    >>> local = es.from_dtensor(loaded, model, mesh=mesh)   # doctest: +SKIP
+    >>> local = es.params.from_dtensor(loaded, model, mesh=mesh)   # doctest: +SKIP
     """
     module = module_or_specs if isinstance(module_or_specs, torch.nn.Module) else None
     if module is not None:
@@ -94,8 +94,8 @@ def from_dtensor(state, module_or_specs=None, *, mesh=None):
 def load_from_dtensor_(module, state, *, mesh=None):
     """Copy ``from_dtensor(state, module)`` into ``module``'s parameters and buffers in place; returns ``module``.
 
-    >>> dcp.load(sd := es.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")  # doctest: +SKIP
-    >>> es.load_from_dtensor_(model, sd, mesh=mesh)                              # doctest: +SKIP
+    >>> dcp.load(sd := es.params.to_dtensor(model, mesh=mesh), checkpoint_id="ckpt")  # doctest: +SKIP
+    >>> es.params.load_from_dtensor_(model, sd, mesh=mesh)                              # doctest: +SKIP
     """
     local = from_dtensor(state, module, mesh=mesh)
     targets = module.state_dict(keep_vars=True)

@@ -86,8 +86,8 @@ def check_not_stored(tensors, formula: str) -> None:
                 f"{formula!r}: operand {k} is a parameter stored sharded over {state.store!r} (store=, layout "
                 f"{state.layout!r}), used without its gather: it holds a slice of its compute block "
                 f"{state.compute_layout!r}. Use it inside the forward of the module that owns it, with the hooks "
-                "installed (es.register_native_grad_reduction_hooks_(model, mesh)), or pass it to es.shard_map "
-                "with its es.param_specs"
+                "installed (es.params.register_native_grad_reduction_hooks_(model, mesh)), or pass it to es.shard_map "
+                "with its es.params.param_specs"
             )
 
 

@@ -92,7 +92,7 @@ def einshard_like(formula, *operands, mesh=None, sizes=None, families=None) -> N
     >>> import torch, einshard as es
     >>> w = torch.nn.Parameter(torch.zeros(3, 4))
     >>> einshard_like("b c, c d [param, grad=dp] -> b d", None, w, mesh=es.Mesh.virtual((2,), ("dp",)))
-    >>> es.get_parameter_state(w).reduce
+    >>> es.params.get_parameter_state(w).reduce
     ('dp',)
     """
     run = _DISABLED[0] if _DISABLED else _einshard_like_outside_compile()

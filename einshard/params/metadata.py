@@ -6,7 +6,7 @@ The rank's index in a compound group ``dp-sp`` is the row-major flattening of it
 mesh coordinates over the components in mesh order, so ``dp-sp`` and ``sp-dp`` agree.
 
 >>> import einshard as es
->>> s = es.ParameterState.from_layout("out/tp in")
+>>> s = es.params.ParameterState.from_layout("out/tp in")
 >>> mesh = es.Mesh.virtual((2, 4), ("dp", "tp"), coordinate=(0, 3))
 >>> param_local_slices(s, (10, 6), mesh), param_local_shape(s, (10, 6), mesh)
 ((slice(9, 10, None), slice(None, None, None)), (1, 6))
@@ -55,7 +55,7 @@ def param_shard_dims(p_or_state) -> tuple[str, ...]:
     """The shard groups of a parameter's layout, in axis order.
 
     >>> import einshard as es
-    >>> param_shard_dims(es.ParameterState.from_layout("a/tp b/dp-sp"))
+    >>> param_shard_dims(es.params.ParameterState.from_layout("a/tp b/dp-sp"))
     ('tp', 'dp-sp')
     """
     return _state_of(p_or_state).layout_shard_dims
@@ -151,7 +151,7 @@ def param_shard_metadata(p_or_state, global_shape, mesh, factors=None) -> ParamS
     """Global shape, local slices, local shape and shard groups together.
 
     >>> import einshard as es
-    >>> m = param_shard_metadata(es.ParameterState.from_layout("v/dp-tp c"), (7, 5),
+    >>> m = param_shard_metadata(es.params.ParameterState.from_layout("v/dp-tp c"), (7, 5),
     ...                          es.Mesh.virtual((2, 4), ("dp", "tp"), coordinate=(1, 2)))
     >>> m.local_shape, m.shard_dims
     ((0, 5), ('dp-tp',))
@@ -167,7 +167,7 @@ def param_shard_metadata(p_or_state, global_shape, mesh, factors=None) -> ParamS
 
 # -- global shapes -----------------------------------------------------------------------------------------
 # A state may record the whole tensor's shape (``global_shape``): registration with ``sizes=``, ``es.tree_shard``
-# of whole values and ``es.load_from_dtensor_`` record it. Wherever a global size is known, a tensor of
+# of whole values and ``es.params.load_from_dtensor_`` record it. Wherever a global size is known, a tensor of
 # another size where a block is expected is an error (``shard_map``, the formulas), and the split shapes of
 # uneven layouts follow from it.
 
@@ -190,7 +190,7 @@ def global_shape_from_sizes(state: ParameterState, local_shape, sizes) -> tuple[
     axes keep their local size, sharded ones need a size; ``None`` when one is missing.
 
     >>> import einshard as es
-    >>> global_shape_from_sizes(es.ParameterState.from_layout("f/tp c"), (3, 4), {"f": 6})
+    >>> global_shape_from_sizes(es.params.ParameterState.from_layout("f/tp c"), (3, 4), {"f": 6})
     (6, 4)
     """
     if not sizes or state.spec is None or len(state.spec.items) != len(local_shape):
@@ -252,7 +252,7 @@ def storage_slice(state: ParameterState, block_shape, mesh) -> tuple[int, slice,
     ``even``: every rank of the group holds the same length.
 
     >>> import einshard as es
-    >>> s = es.ParameterState.from_layout("f/tp c", mesh_dim_names=("dp", "tp"), store="dp")
+    >>> s = es.params.ParameterState.from_layout("f/tp c", mesh_dim_names=("dp", "tp"), store="dp")
     >>> storage_slice(s, (3, 5), es.Mesh.virtual((2, 2), ("dp", "tp"), coordinate=(1, 0)))
     (1, slice(3, 5, None), False)
     """

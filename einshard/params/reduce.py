@@ -6,7 +6,7 @@ other and from the shards, so local shapes match and nothing is counted twice.
 ``ddp``, ``external``, ``vma`` and ``none`` duties are someone else's job.
 
 - :func:`reduce_grad_` / :func:`reduce_module_grads_`: after backward, synchronously.
-- :func:`install_sum_hooks` (the sums of ``es.register_native_grad_reduction_hooks_``, which
+- :func:`install_sum_hooks` (the sums of ``es.params.register_native_grad_reduction_hooks_``, which
   :mod:`einshard.params.zero` completes with the gathers): during backward, through the one
   :class:`~einshard.params.buckets.GradBucketer`: ``synchronous`` and
   ``backend_default`` duties SUM each incoming contribution before it is
@@ -77,7 +77,7 @@ def _summed_elsewhere(p, state, where: str) -> None:
     if hooked_by(p) is not None:
         raise EinshardError(
             f"{where}: the parameter's duty {duty_text(state.grad_comm)!r} is summed by live gradient hooks "
-            "(es.register_native_grad_reduction_hooks_); reducing it here too would count it twice. Use one: "
+            "(es.params.register_native_grad_reduction_hooks_); reducing it here too would count it twice. Use one: "
             "handle.wait(), or remove the hooks (handle.remove())"
         )
 
@@ -95,7 +95,7 @@ def reduce_grad_(p, state, mesh) -> torch.nn.Parameter:
 
     >>> import torch, einshard as es
     >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)
-    >>> reduce_grad_(p, es.ParameterState.from_layout("c", grad="dp"), es.Mesh.virtual((1,), ("dp",))).grad
+    >>> reduce_grad_(p, es.params.ParameterState.from_layout("c", grad="dp"), es.Mesh.virtual((1,), ("dp",))).grad
     tensor([1., 1.])
     """
     if not isinstance(state, ParameterState):

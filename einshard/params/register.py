@@ -337,7 +337,7 @@ def register_conv_parameters_(
     >>> get_parameter_state(conv.bias).layout
     'out/tp'
     """
-    if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+    if isinstance(module, (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)):
         raise NotImplementedError("conv: ConvTranspose layers are not supported (their weight is 'in out k...')")
     if getattr(module, "groups", 1) != 1:
         raise NotImplementedError(f"conv: groups={module.groups} is not supported (only groups=1)")

@@ -1,4 +1,4 @@
-"""One source of truth: the registered layouts as a spec pytree (``es.param_specs``).
+"""One source of truth: the registered layouts as a spec pytree (``es.params.param_specs``).
 
 The layouts registered on a module's parameters are what ``shard_map``,
 ``tree_shard``/``tree_gather``, the DTensor conversion and checkpoints read,
@@ -68,9 +68,9 @@ def param_specs(module_or_tree):
     through unchanged by ``shard_map``, ``tree_shard`` and ``tree_gather``.
 
     >>> import torch, einshard as es
-    >>> lin = es.register_linear_parameters_(torch.nn.Linear(4, 6), weight_layout="out/tp in",
+    >>> lin = es.params.register_linear_parameters_(torch.nn.Linear(4, 6), weight_layout="out/tp in",
     ...                                      mesh_dim_names=("dp", "tp"))
-    >>> es.param_specs(lin)
+    >>> es.params.param_specs(lin)
     {'weight': 'out/tp in', 'bias': 'out/tp'}
     """
     if isinstance(module_or_tree, torch.nn.Module):

@@ -136,6 +136,6 @@ def _refuse(name, args, kwargs, other) -> None:
         f"{state.layout!r}, storage block of shape {tuple(p.shape)}) with a tensor of shape {other}: outside the "
         f"forward of the module that gathers it, the parameter holds a slice of its compute block "
         f"{state.compute_layout!r}. Use it inside that forward, or name a module whose forward uses it in "
-        "units= (es.register_native_grad_reduction_hooks_(model, mesh, units=[model]) for a tied output head), "
-        "or pass it to es.shard_map with its es.param_specs"
+        "units= (es.params.register_native_grad_reduction_hooks_(model, mesh, units=[model]) for a tied output head), "
+        "or pass it to es.shard_map with its es.params.param_specs"
     )

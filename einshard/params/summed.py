@@ -65,8 +65,8 @@ def body_duty_error(p) -> str | None:
         if hooked_by(p) is None:
             return None
         return (f"has the gradient duty {text!r}, which live gradient hooks sum "
-                f"(es.register_native_grad_reduction_hooks_); {body}, so the hooks would sum it twice. Remove the "
-                "hooks (handle.remove()) to train it with shard_map, or pass check_vma=False (the body then "
+                f"(es.params.register_native_grad_reduction_hooks_); {body}, so the hooks would sum it twice. "
+                "Remove the hooks (handle.remove()) to train it with shard_map, or pass check_vma=False (the body then "
                 "leaves it partial and the hooks sum it)")
     who = "DistributedDataParallel" if gc.backend == "ddp" else "an external system"
     return (f"has the gradient duty {text!r} ({who} sums it); {body}, so it would be summed twice. Register it "

@@ -25,7 +25,7 @@ def sync_param_(p, state, mesh) -> torch.nn.Parameter:
 
     >>> import torch, einshard as es
     >>> p = torch.nn.Parameter(torch.ones(2))
-    >>> sync_param_(p, es.ParameterState.from_layout("c"), None) is p  # nothing shared: no mesh needed
+    >>> sync_param_(p, es.params.ParameterState.from_layout("c"), None) is p  # nothing shared: no mesh needed
     True
     """
     if not isinstance(state, ParameterState):
@@ -109,7 +109,7 @@ def init_param_(p, mesh, *, sync=None, sharded=(), mesh_dim_names=(), source="in
 
     >>> import torch, einshard as es
     >>> p = init_param_(torch.nn.Parameter(torch.ones(2)), es.Mesh.virtual((1,), ("dp",)))
-    >>> es.get_parameter_state(p).init_sync
+    >>> es.params.get_parameter_state(p).init_sync
     ParameterInitSync(mode='inferred', mesh_dims=('dp',))
     """
     names = mesh_names(mesh, mesh_dim_names)
@@ -127,9 +127,9 @@ def init_params_(module, mesh, *, sync=None, sharded=None, mesh_dim_names=(), so
     ``sync``/``sharded``: one value, or mappings keyed by ``named_parameters()`` names. Returns ``module``.
 
     >>> import torch, einshard as es
-    >>> lin = es.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in")
+    >>> lin = es.params.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in")
     >>> _ = init_params_(lin, es.Mesh.virtual((1, 1), ("dp", "tp")))
-    >>> es.get_parameter_state(lin.weight).init_sync.mesh_dims
+    >>> es.params.get_parameter_state(lin.weight).init_sync.mesh_dims
     ('dp',)
     """
     if isinstance(module, torch.nn.Parameter):

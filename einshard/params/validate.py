@@ -7,9 +7,9 @@ tell which groups the gradient is partial over. ``finalize_*`` names them;
 
 >>> import torch, einshard as es
 >>> p = torch.nn.Parameter(torch.zeros(3))
->>> _ = es.register_parameter_state(p, es.ParameterState.from_spec("c [param]", mesh_dim_names=("dp",)))
+>>> _ = es.params.register_parameter_state(p, es.params.ParameterState.from_spec("c [param]", mesh_dim_names=("dp",)))
 >>> _ = finalize_parameter_grad_comm_(p, "dp")
->>> es.get_parameter_state(p).grad_comm.mesh_dims
+>>> es.params.get_parameter_state(p).grad_comm.mesh_dims
 ('dp',)
 """
 
@@ -104,9 +104,9 @@ def finalize_module_parameter_grad_comm_(module, grad, *, mesh=None, mesh_dim_na
 
     >>> import torch, einshard as es
     >>> lin = torch.nn.Linear(3, 2)
-    >>> _ = es.register_parameter_state(lin.weight, es.ParameterState.from_spec("o i [param]"))
+    >>> _ = es.params.register_parameter_state(lin.weight, es.params.ParameterState.from_spec("o i [param]"))
     >>> _ = finalize_module_parameter_grad_comm_(lin, {"weight": "dp:async"})
-    >>> es.get_parameter_state(lin.weight).grad_comm.schedule
+    >>> es.params.get_parameter_state(lin.weight).grad_comm.schedule
     'async'
     """
     if not isinstance(grad, Mapping):
@@ -137,7 +137,7 @@ def validate_module_parameter_states_(module, mesh=None, *, allow_pending=False)
     Any failure is ``ValueError("Invalid parameter metadata for '<name>': <cause>")``.
 
     >>> import torch, einshard as es
-    >>> lin = es.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in")
+    >>> lin = es.params.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in")
     >>> validate_module_parameter_states_(lin, es.Mesh.virtual((2, 4), ("dp", "tp"))) is lin
     True
     """

@@ -825,7 +825,7 @@ def register_native_grad_reduction_hooks_(module, mesh, *, bucket_bytes=DEFAULT_
     the optimizer states keep the parameters' own dtype, and the hooks sum the
     other parameters' gradients in it.
 
-    >>> handle = es.register_native_grad_reduction_hooks_(model, mesh)   # doctest: +SKIP
+    >>> handle = es.params.register_native_grad_reduction_hooks_(model, mesh)   # doctest: +SKIP
     >>> loss.backward(); handle.wait(); opt.step()                       # doctest: +SKIP
     """
     for name, p in module.named_parameters():

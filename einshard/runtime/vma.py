@@ -600,7 +600,7 @@ def get_vma(x) -> frozenset | None:
     ``None`` when variance is not tracked here (outside ``shard_map``, or
     ``check_vma=False``). Like JAX's ``jax.typeof(x).vma``.
 
-    >>> es.get_vma(x)   # doctest: +SKIP
+    >>> es.spmd.get_vma(x)   # doctest: +SKIP
     frozenset({'dp'})
     """
     t = current()
@@ -806,7 +806,7 @@ def _replicated_operand_error(info, formula, texts, k, bad) -> EinshardError:
     return EinshardError(
         f"{formula!r}: operand {k} ('{texts[k]}') varies over mesh dimension {dim!r}, but its "
         f"spec says it is replicated over {dim!r}. Declare it sharded or partial over {dim!r} "
-        f"(e.g. '{texts[k]} // {dim}'), or make it invariant first (es.psum / es.all_gather)"
+        f"(e.g. '{texts[k]} // {dim}'), or make it invariant first (es.spmd.psum / es.spmd.all_gather)"
     )
 
 
@@ -1234,7 +1234,7 @@ def _decide(body: _GraphBody, graph, node) -> int:
                     "requires grad and varies over fewer mesh dimensions than another of its operands, and "
                     "einshard's variance tracking did not see it (dynamo recorded it without calling torch "
                     "function modes), so its gradient sum cannot be inserted; write it as a torch function or "
-                    "method call (e.g. torch.abs(x) for abs(x)), or es.pvary the operand first"
+                    "method call (e.g. torch.abs(x) for abs(x)), or es.spmd.pvary the operand first"
                 )
     if args and _inplace_name(_target_name(node)) and union & ~masks[0] & wider:
         raise _trace.trace_error(

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from ..core import _torch_compat
 from ..core.layout import Layout
 from ..errors import EinshardError
 from ..notation import expand
@@ -105,7 +105,7 @@ def dtensor_layout(dt, whole: Layout, mesh, where: str = "DTensor") -> Layout:
     spec = getattr(dt, "_spec", None)
     order = getattr(spec, "shard_order", None) if spec is not None else None
     if order is not None:
-        check = getattr(DTensorSpec, "is_default_device_order", None)
+        check = getattr(_torch_compat.DTensorSpec, "is_default_device_order", None)
         if check is not None and not check(order):
             raise EinshardError(f"{where}: DTensors with a non-default shard "
                                 "order are not supported; redistribute first")

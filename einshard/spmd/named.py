@@ -210,8 +210,8 @@ def psum(x, dims, *, mesh=None):
     ``x * size`` (``psum(1, "dp")`` is the size of ``dp``). Backward: the
     identity (the cotangent of an invariant value is the same on every rank).
 
-    >>> total = es.psum(local_loss, "dp")            # doctest: +SKIP
-    >>> grads = es.psum(grads, ("dp", "sp"))         # a dict of tensors  # doctest: +SKIP
+    >>> total = es.spmd.psum(local_loss, "dp")            # doctest: +SKIP
+    >>> grads = es.spmd.psum(grads, ("dp", "sp"))         # a dict of tensors  # doctest: +SKIP
     """
     ax = _Axes(dims, mesh, "psum")
     return _reduce(x, ax, "psum", lambda t: t * ax.size, _vma.psum_tensor)
@@ -221,7 +221,7 @@ def psum(x, dims, *, mesh=None):
 def pmean(x, dims, *, mesh=None):
     """Mean over the ranks of ``dims`` (``psum(x, dims) / size``); invariant over them.
 
-    >>> loss = es.pmean(local_loss, "dp")  # doctest: +SKIP
+    >>> loss = es.spmd.pmean(local_loss, "dp")  # doctest: +SKIP
     """
     ax = _Axes(dims, mesh, "pmean")
     return _reduce(x, ax, "pmean", lambda t: t, _mean, ax.size)
@@ -264,7 +264,7 @@ def pmax(x, dims, *, mesh=None):
     Backward: the gradient goes to the ranks whose value is the maximum,
     split evenly among ties (like ``torch.amax``).
 
-    >>> m = es.pmax(x.abs().amax(), "tp")  # doctest: +SKIP
+    >>> m = es.spmd.pmax(x.abs().amax(), "tp")  # doctest: +SKIP
     """
     return _extreme(x, dims, "pmax", "max", mesh=mesh)
 
@@ -275,7 +275,7 @@ def pmin(x, dims, *, mesh=None):
     Backward: the gradient goes to the ranks whose value is the minimum,
     split evenly among ties (like ``torch.amin``).
 
-    >>> m = es.pmin(x.amin(), ("dp", "tp"))  # doctest: +SKIP
+    >>> m = es.spmd.pmin(x.amin(), ("dp", "tp"))  # doctest: +SKIP
     """
     return _extreme(x, dims, "pmin", "min", mesh=mesh)
 
@@ -322,7 +322,7 @@ def pvary(x, dims, *, mesh=None):
     dimensions ``x`` already varies over are left alone. ``x`` may be a
     pytree of tensors.
 
-    >>> w = es.pvary(w, "dp")   # w replicated over dp, multiplied with per-rank data  # doctest: +SKIP
+    >>> w = es.spmd.pvary(w, "dp")   # w replicated over dp, multiplied with per-rank data  # doctest: +SKIP
     """
     ax = _Axes(dims, mesh, "pvary")
 
@@ -352,7 +352,7 @@ def axis_index(dim_name, *, mesh=None) -> torch.Tensor:
     For several dimensions: the index in their group, mesh order (``a/dp-tp``
     block order).
 
-    >>> i = es.axis_index("tp")   # tensor(2) on tp-rank 2  # doctest: +SKIP
+    >>> i = es.spmd.axis_index("tp")   # tensor(2) on tp-rank 2  # doctest: +SKIP
     """
     ax = _Axes(dim_name, mesh, "axis_index")
     value = ax.mesh.index(ax.dims)
@@ -369,7 +369,7 @@ def axis_index(dim_name, *, mesh=None) -> torch.Tensor:
 def axis_size(dim_name, *, mesh=None) -> int:
     """The number of ranks along ``dim_name`` (a product for several dimensions).
 
-    >>> es.axis_size(("dp", "tp"))   # 8 on a 2x4 mesh  # doctest: +SKIP
+    >>> es.spmd.axis_size(("dp", "tp"))   # 8 on a 2x4 mesh  # doctest: +SKIP
     """
     ax = _Axes(dim_name, mesh, "axis_size")
     return ax.size

@@ -30,12 +30,11 @@ import sys
 
 import optree
 import torch
-import torch.utils._pytree as _pytree
 
 from ..comm import checks
 from ..comm.grad_sums import DEFERRED
 from ..comm.mesh import resolve_mesh, wrap_mesh
-from ..core import _context, _trace
+from ..core import _context, _torch_compat, _trace
 from ..core._cache import BoundedCache
 from ..core._split import compute_split_shapes
 from ..core._torch_compat import in_traced_code
@@ -291,7 +290,7 @@ class ShardMap:
         stored = _stored_argument(args)
         if stored is not None:
             return _stored_under_compile(self, args, kwargs, stored)
-        leaves, spec = _pytree.tree_flatten(args)
+        leaves, spec = _torch_compat.pytree.tree_flatten(args)
         if self.check_vma:
             _refuse_traced_duties(leaves)
         struct = spec.unflatten(list(range(len(leaves))))  # the structure, as constants
@@ -316,7 +315,7 @@ class ShardMap:
                 tracker.check_graph()
                 for i in tensors:
                     tracker.untag(body_leaves[i])
-            out_leaves, out_spec = _pytree.tree_flatten(out)
+            out_leaves, out_spec = _torch_compat.pytree.tree_flatten(out)
             struct = out_spec.unflatten(list(range(len(out_leaves))))
             oplan = _trace.lookup(_out_plan_for_trace(self, struct, _trace_leaves(out_leaves), mesh, plan))
             return out_spec.unflatten(_exit_leaves(out, out_leaves, oplan, tracker, eager=False))
@@ -524,7 +523,7 @@ def _watched(params, used) -> list:
 
 def _recorded_sizes(spec, x, sizes):
     """``(sizes= for this leaf, the global shape recorded for it or None)``: a recorded global shape (the
-    spec's, from ``es.param_specs``, else the Parameter's own) names the sizes of the layout it arrives in."""
+    spec's, from ``es.params.param_specs``, else the Parameter's own) names the sizes of the layout it arrives in."""
     whole = getattr(spec.text, "global_shape", None)
     own = recorded_global_shape(x)
     if whole is None:
@@ -612,7 +611,7 @@ def _stored_under_compile(sm, args, kwargs, found):
               f"layout {state.layout!r}); its gather on entry is eager, so under torch.compile this call runs "
               "eagerly (a graph break; refused with fullgraph=True). Call it outside the compiled region, or "
               "register the parameter without store=")
-    torch._dynamo.graph_break(msg=reason)  # (loaded: dynamo is tracing) fullgraph=True: refused here, with the reason
+    _torch_compat.graph_break(reason)  # fullgraph=True: refused here, with the reason
     return torch.compiler.disable(_call_eagerly, reason=reason)(sm, args, kwargs)  # (a skipped call: eager)
 
 
@@ -724,7 +723,7 @@ def _output_vma(tracker, out, i, x, declared, spec):
         _trace.refuse(
             f"shard_map: output out{leaf_path(out, i)} varies over mesh dimension {dim!r}, but its "
             f"out_spec {spec.text!r} says it is replicated over {dim!r}. Reduce it first "
-            f"(es.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
+            f"(es.spmd.psum(x, {dim!r}), or es.einshard with '... // {dim} -> ...'), or declare it "
             f"sharded or partial over {dim!r} in out_specs"
         )
     return m, declared & ~m
@@ -856,7 +855,7 @@ def shard_map(f=_UNSET, in_specs=_UNSET, out_specs=_UNSET, *, mesh=None, shapes=
       varies over, pvary invariant values where they meet varying ones (so
       their gradients are summed), and check outputs against ``out_specs``.
       ``False`` runs the body at plain speed; mixing invariant and varying
-      values in plain torch ops is then the caller's job (``es.pvary``).
+      values in plain torch ops is then the caller's job (``es.spmd.pvary``).
 
     In the body the mesh and every split shape known from the specs are
     ambient: ``es.einshard`` needs no ``mesh=`` and no ``shapes=``. When an

@@ -77,11 +77,11 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
     """This rank's blocks of the whole tensors in ``tree``, laid out as ``specs``.
 
     ``tree`` may be a module (its ``state_dict(keep_vars=True)``); without
-    ``specs`` the parameters' registered layouts are used (``es.param_specs``).
+    ``specs`` the parameters' registered layouts are used (``es.params.param_specs``).
 
     >>> specs = {"w1": "f/tp c", "b1": "f/tp", "w2": "c f/tp", "b2": "c"}      # doctest: +SKIP
     >>> local = es.tree_shard(torch.load("ckpt.pt"), specs, mesh=mesh)        # doctest: +SKIP
-    >>> local = es.tree_shard(torch.load("ckpt.pt"), es.param_specs(model), mesh=mesh)  # doctest: +SKIP
+    >>> local = es.tree_shard(torch.load("ckpt.pt"), es.params.param_specs(model), mesh=mesh)  # doctest: +SKIP
     """
     mesh, leaves, treedef, per_leaf, names = prepare_tree(tree, specs, mesh, families, "tree_shard")
     records = _whole_shapes(leaves, per_leaf, names)  # checked before anything runs, recorded after
@@ -109,7 +109,7 @@ def tree_shard(tree, specs=None, *, mesh=None, shapes=None, sizes=None, families
 
 
 def _whole_shapes(leaves, per_leaf, names) -> list:
-    """``(parameter, whole shape)`` to record: the parameters the specs come from (``es.param_specs``) and
+    """``(parameter, whole shape)`` to record: the parameters the specs come from (``es.params.param_specs``) and
     the Parameter leaves with a layout; a whole value whose shape differs from a recorded one is an error."""
     records: list = []
     for k, (x, spec) in enumerate(zip(leaves, per_leaf)):
@@ -138,7 +138,7 @@ def tree_gather(tree, specs=None, *, mesh=None, shapes=None, sizes=None, familie
     """The whole tensors, on every rank, from this rank's blocks laid out as ``specs``.
 
     ``tree`` may be a module (its ``state_dict(keep_vars=True)``); without
-    ``specs`` the parameters' registered layouts are used (``es.param_specs``).
+    ``specs`` the parameters' registered layouts are used (``es.params.param_specs``).
 
     >>> whole = es.tree_gather(model_state, specs, mesh=mesh)   # doctest: +SKIP
     >>> whole = es.tree_gather(model, mesh=mesh)                # doctest: +SKIP

@@ -37,7 +37,7 @@ TOL = dict(rtol=0, atol=1e-12)
 # float32 through the fused kernel (CPU flash) against F.scaled_dot_product_attention on the whole tensors (the
 # same kernel): blocks merged in another order, so rounding differs; torch's own float32 default tolerance
 FUSED_TOL = dict(rtol=1.3e-6, atol=1e-5)
-LAYERS = {"ring": es.ring_attention, "ulysses": es.ulysses_attention}
+LAYERS = {"ring": es.attention.ring_attention, "ulysses": es.attention.ulysses_attention}
 # (causal, layout, uneven): every combination the layers support
 CASES = [(False, "contiguous", False), (False, "contiguous", True), (True, "contiguous", False),
          (True, "contiguous", True), (True, "zigzag", False), (True, "zigzag", True), (False, "zigzag", True)]
@@ -205,7 +205,7 @@ def test_2d_ring_over_one_dimension_ulysses_over_another():
             pos, shapes = _positions_2d(n, mesh, layout, uneven)
             q, k, v = (t[:, :, pos].clone().requires_grad_() for t in (Q, K, V))
             with es.use_mesh(mesh):
-                o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=causal, layout=layout, shapes=shapes,
+                o = es.attention.ring_attention(q, k, v, "cp", ulysses="sp", causal=causal, layout=layout, shapes=shapes,
                                       documents=documents)
             o.backward(G[:, :, pos])
             what = f"2-D {dtype} heads={heads} documents={documents} causal={causal} {layout} uneven={uneven}"
@@ -242,7 +242,7 @@ def test_2d_ring_compiles_fullgraph():
 
     def step(q, k, v):
         with es.use_mesh(mesh):
-            return es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag", shapes=shapes,
+            return es.attention.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag", shapes=shapes,
                                      documents=_documents(n))
 
     torch._dynamo.reset()
@@ -263,9 +263,9 @@ def test_2d_ring_in_shard_map(check_vma):
     q, k, v = (t[:, :, order].clone().requires_grad_() for t in (Q, K, V))
 
     def body(q, k, v):
-        o = es.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag")
+        o = es.attention.ring_attention(q, k, v, "cp", ulysses="sp", causal=True, layout="zigzag")
         if check_vma:
-            assert es.get_vma(o) == frozenset({"cp", "sp"})
+            assert es.spmd.get_vma(o) == frozenset({"cp", "sp"})
         return o
 
     attend = es.shard_map(body, in_specs=("b h n d -> b h n/cp-sp d",) * 3, out_specs="b h n/cp-sp d -> b h n d",
@@ -319,7 +319,7 @@ def _shard_map_run(mesh, check_vma, compile_=False):
         with torch.no_grad():
             o = fn(q, k, v)
         if weighted:  # sum(o * g) over the whole tensors
-            want = es.psum((o * g).sum((0, 1, 2)), mesh.names, mesh=mesh)
+            want = es.spmd.psum((o * g).sum((0, 1, 2)), mesh.names, mesh=mesh)
             torch.testing.assert_close(w.grad, want, **TOL)
         return o
 
@@ -345,7 +345,7 @@ def test_outputs_vary_over_the_sequence_dimension_and_the_batch_one():
     @es.shard_map(("b/dp h n/sp d", "h n/sp d"), "// dp-sp", mesh=mesh)
     def f(x, y):
         for t in (x, y):
-            seen.extend(es.get_vma(layer(t, t, t, "sp")) for layer in LAYERS.values())
+            seen.extend(es.spmd.get_vma(layer(t, t, t, "sp")) for layer in LAYERS.values())
         return x.sum()
 
     f(torch.randn(1, 2, 3, 4, dtype=DT), torch.randn(2, 3, 4, dtype=DT))
@@ -490,7 +490,7 @@ def test_zigzag_conversion_on_a_2d_mesh_in_shard_map():
     @es.shard_map("b n c -> b/dp n/sp c", "b/dp n/sp c -> b n c", mesh=mesh)
     def roundtrip(x):
         z = to_zigzag(x, "sp", axis=1)
-        assert es.get_vma(z) == frozenset({"dp", "sp"})
+        assert es.spmd.get_vma(z) == frozenset({"dp", "sp"})
         return from_zigzag(z * 2, "sp", axis=1)
 
     torch.testing.assert_close(roundtrip(X), 2 * X, rtol=0, atol=0)
@@ -564,12 +564,12 @@ def test_ring_transfers_overlap_the_block_computations(causal, layout, dtype):
     q, k, v = (torch.randn(1, 2, 8, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     with es.use_mesh(mesh):
         with _Trace() as forward:
-            o = es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+            o = es.attention.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
         names = [name for name, _ in forward.events]
         assert ("bmm" in names) == (dtype == DT) and (FLASH in names) == (dtype != DT), names  # which path
         if dtype != DT:  # the math backend chosen for F.sdpa: the ring's exact path
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), _Trace() as math:
-                es.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+                es.attention.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
             assert "bmm" in [name for name, _ in math.events]
         _check_overlap(forward.events, 3, final_exempt=False)  # P - 1 transfers of keys and values
         with _Trace() as backward:
@@ -585,7 +585,7 @@ def test_compiled_ring_waits_after_the_block_computations():
 
     def step(q, k, v):
         with es.use_mesh(mesh):
-            return es.ring_attention(q, k, v, "sp")
+            return es.attention.ring_attention(q, k, v, "sp")
 
     torch._dynamo.reset()
     torch.compile(step, backend=backend, fullgraph=True)(q, k, v).sum().backward()
@@ -630,9 +630,9 @@ def test_refusals_before_any_transfer():
             with pytest.raises(ValueError, match="fewer heads .* that divide q's"):
                 layer(q, q[:, :1].expand(1, 3, 4, 3), q[:, :1], "sp")
         with pytest.raises(ValueError, match="at least 3 dimensions"):
-            es.ulysses_attention(q[0, 0], q[0, 0], q[0, 0], "sp")
+            es.attention.ulysses_attention(q[0, 0], q[0, 0], q[0, 0], "sp")
         with pytest.raises(ValueError, match="must be a torch.Tensor"):
-            es.ring_attention(q, None, q, "sp")
+            es.attention.ring_attention(q, None, q, "sp")
 
 
 @pytest.mark.ranks(2)
@@ -656,7 +656,7 @@ def test_double_backward_through_the_ring_is_refused():
     mesh = es.wrap_mesh(MeshSpec((2,), ("sp",)).build())
     q = torch.randn(1, 2, 4, 3, dtype=DT, requires_grad=True)
     with es.use_mesh(mesh):
-        o = es.ring_attention(q, q, q, "sp")
+        o = es.attention.ring_attention(q, q, q, "sp")
     with pytest.raises(ValueError, match="double backward"):
         torch.autograd.grad(o.sum(), q, create_graph=True)
     (g,) = torch.autograd.grad(o.sum(), q)  # a first-order gradient still works after the refusal

@@ -224,8 +224,8 @@ def test_forms_come_from_the_entries():
                    "allgather_forward_reducescatter_backward", "alltoall_repartition", "ppermute"):
         assert callable(getattr(M, public)) and public in M.__all__
     for public in ("all_gather", "psum_scatter", "all_to_all", "ppermute"):
-        assert getattr(es, public) is getattr(named, public)
-    assert es.helpers.ppermute is C.ppermute is COLLECTIVES["ppermute"].raw
+        assert getattr(es.spmd, public) is getattr(named, public)
+    assert es.comm.helpers.ppermute is C.ppermute is COLLECTIVES["ppermute"].raw
 
 
 def _named_in(path: Path) -> set[str]:
@@ -256,7 +256,7 @@ def test_the_views_define_no_collective():
     for view in views:
         defined = _named_in(ROOT / "einshard" / view) & names
         if view == "comm/mappings.py":
-            defined -= {"ppermute"}  # 1.0's es.mappings.ppermute(x, group, perm, *, recv_shape, order)
+            defined -= {"ppermute"}  # 1.0's es.comm.mappings.ppermute(x, group, perm, *, recv_shape, order)
         if view == "spmd/named.py":
             assert defined >= _NOT_YET_ENTRIES[view], "an entry now defines one of them: shrink the list"
             defined -= _NOT_YET_ENTRIES[view]

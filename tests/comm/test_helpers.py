@@ -1,4 +1,4 @@
-"""``es.helpers``: split shapes and process-group start-up."""
+"""``es.comm.helpers``: split shapes and process-group start-up."""
 
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def test_split_shapes_reject_bad_arguments(call):
 
 
 def test_helpers_are_public():
-    assert es.helpers.compute_split_shapes is compute_split_shapes
+    assert es.comm.helpers.compute_split_shapes is compute_split_shapes
     for name in ("compute_split_shapes", "compute_split_shapes_for_factors", "resolve_split_shapes"):
-        assert name in es.helpers.__all__
+        assert name in es.comm.helpers.__all__
 
 
 # -- resolve_split_shapes ---------------------------------------------------------------------

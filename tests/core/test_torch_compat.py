@@ -4,6 +4,7 @@ Every test here states what the shim assumes about this torch release; a
 release that changes it fails here, not somewhere deep in a compiled step.
 """
 
+import ast
 import pathlib
 import re
 
@@ -76,6 +77,43 @@ def test_only_the_shims_ask_torch_whether_it_compiles():
     asking = [str(p.relative_to(root)) for p in sorted(root.rglob("*.py"))
               if p.name != "_torch_compat.py" and re.search(r"\bis_(dynamo_)?compiling\b", p.read_text())]
     assert asking == []
+
+
+def _private_torch_uses(tree) -> list[str]:
+    """``torch.a._b`` attributes and imports of ``torch`` modules with a private part, in one module's code
+    (strings and comments are not code)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                parts.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id == "torch":
+                path = ["torch", *reversed(parts)]
+                if any(p.startswith("_") and not p.startswith("__") for p in path[1:]):
+                    found.append(f"{node.lineno}: {'.'.join(path)}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if name.split(".")[0] == "torch" and any(p.startswith("_") for p in name.split(".")[1:]):
+                    found.append(f"{node.lineno}: import {name}")
+    return found
+
+
+def test_only_the_shims_use_torch_internals():
+    """Torch's private modules and attributes are named in ``_torch_compat`` (and in ``_trace``, dynamo's
+    trace-time machinery), nowhere else: a release that moves one breaks in one place."""
+    root = pathlib.Path(einshard.__file__).parent
+    uses = {}
+    for p in sorted(root.rglob("*.py")):
+        if p.name in ("_torch_compat.py", "_trace.py"):
+            continue
+        found = sorted(set(_private_torch_uses(ast.parse(p.read_text()))))
+        if found:
+            uses[str(p.relative_to(root))] = found
+    assert uses == {}
+    assert _private_torch_uses(ast.parse("import torch.utils._pytree as p\nx = torch.ops._c10d_functional"))
 
 
 def test_planners_get_objects_by_identity():

@@ -216,13 +216,13 @@ def _mlp_body(body):
 
 
 _BODIES = {
-    "transpose_T": lambda x, w1, w2: es.psum(F.gelu(x @ w1.T) @ w2.T, "tp"),
-    "transpose_mT": lambda x, w1, w2: es.psum(F.gelu(x @ w1.mT) @ w2.mT, "tp"),
-    "transpose_mH": lambda x, w1, w2: es.psum(F.gelu(x @ w1.mH) @ w2.mH, "tp"),
-    "transpose_of_x": lambda x, w1, w2: es.psum(F.gelu((w1 @ x.T).T) @ w2.T, "tp"),
-    "iterate_rows": lambda x, w1, w2: es.psum(F.gelu(torch.stack([x @ row for row in w1], -1)) @ w2.T, "tp"),
-    "unpack_rows": lambda x, w1, w2: es.psum(F.gelu(torch.stack([x @ r for r in [*w1]], -1)) @ w2.T, "tp"),
-    "builtin_abs": lambda x, w1, w2: es.psum(F.gelu(abs(x @ w1.T)) @ w2.T, "tp"),
+    "transpose_T": lambda x, w1, w2: es.spmd.psum(F.gelu(x @ w1.T) @ w2.T, "tp"),
+    "transpose_mT": lambda x, w1, w2: es.spmd.psum(F.gelu(x @ w1.mT) @ w2.mT, "tp"),
+    "transpose_mH": lambda x, w1, w2: es.spmd.psum(F.gelu(x @ w1.mH) @ w2.mH, "tp"),
+    "transpose_of_x": lambda x, w1, w2: es.spmd.psum(F.gelu((w1 @ x.T).T) @ w2.T, "tp"),
+    "iterate_rows": lambda x, w1, w2: es.spmd.psum(F.gelu(torch.stack([x @ row for row in w1], -1)) @ w2.T, "tp"),
+    "unpack_rows": lambda x, w1, w2: es.spmd.psum(F.gelu(torch.stack([x @ r for r in [*w1]], -1)) @ w2.T, "tp"),
+    "builtin_abs": lambda x, w1, w2: es.spmd.psum(F.gelu(abs(x @ w1.T)) @ w2.T, "tp"),
 }
 _REFERENCES = {"builtin_abs": lambda x, w1, w2: F.gelu(abs(x @ w1.T)) @ w2.T}
 
@@ -240,7 +240,7 @@ def _train_reference(x, w1, w2):
 
 
 def _train_body(x, w1, w2):
-    loss = es.psum(F.gelu(x @ w1.T) @ w2.T, "tp").square().mean()
+    loss = es.spmd.psum(F.gelu(x @ w1.T) @ w2.T, "tp").square().mean()
     g1, g2 = torch.autograd.grad(loss, [w1, w2])
     with torch.no_grad():
         return w1 - 0.1 * g1, w2 - 0.1 * g2, loss.detach()
@@ -323,19 +323,19 @@ def _halves(shapes, label, axis):
 
 
 _body_scenario("named_psum", DPTP, {"x": "a/dp b // tp", "w": "b"}, "a/dp b", lambda x, w: x * w,
-               lambda x, w: es.psum(x, "tp") * w)
+               lambda x, w: es.spmd.psum(x, "tp") * w)
 _body_scenario("named_pmean", DPTP, {"x": "a/dp b // tp", "w": "b"}, "a/dp b", lambda x, w: x / 2 * w,
-               lambda x, w: es.pmean(x, "tp") * w)
+               lambda x, w: es.spmd.pmean(x, "tp") * w)
 _body_scenario("named_pmax", DPTP, {"x": "t/tp a/dp b", "w": "b"}, "u a/dp b",
-               lambda x, w: x.amax(0, keepdim=True) * w, lambda x, w: es.pmax(x, "tp") * w)
+               lambda x, w: x.amax(0, keepdim=True) * w, lambda x, w: es.spmd.pmax(x, "tp") * w)
 _body_scenario("named_pmin", DPTP, {"x": "t/tp a/dp b", "w": "b"}, "u a/dp b",
-               lambda x, w: x.amin(0, keepdim=True) * w, lambda x, w: es.pmin(x, "tp") * w)
+               lambda x, w: x.amin(0, keepdim=True) * w, lambda x, w: es.spmd.pmin(x, "tp") * w)
 _body_scenario("named_ppermute", DPTP, {"x": "t/tp a/dp b", "w": "b"}, "t/tp a/dp b",
-               lambda x, w: x.roll(1, 0) * w, lambda x, w: es.ppermute(x, "tp", [(0, 1), (1, 0)]) * w)
+               lambda x, w: x.roll(1, 0) * w, lambda x, w: es.spmd.ppermute(x, "tp", [(0, 1), (1, 0)]) * w)
 _body_scenario("named_pvary", DPTP, {"x": "a/dp b", "w": "b"}, "a/dp b // tp", lambda x, w: 2 * x * w,
-               lambda x, w: es.pvary(w, "tp") * x)
+               lambda x, w: es.spmd.pvary(w, "tp") * x)
 _body_scenario("named_axis_index", DPTP, {"x": "a/dp b"}, "a/dp b // tp", lambda x: 3 * x,
-               lambda x: x * (es.axis_index("tp") + 1))
+               lambda x: x * (es.spmd.axis_index("tp") + 1))
 
 
 def _named_uneven(collective):
@@ -356,10 +356,10 @@ def _named_uneven_scenario(name, in_x, out, collective):
     scenario(name, DPTP, {"x": in_x, "w": "b"}, out, lambda x, w: x * w, EVEN_UNEVEN)(program)
 
 
-_named_uneven_scenario("named_all_gather", "a/tp b", "a b", es.all_gather)
-_named_uneven_scenario("named_psum_scatter", "a b // tp", "a/tp b", es.psum_scatter)
+_named_uneven_scenario("named_all_gather", "a/tp b", "a b", es.spmd.all_gather)
+_named_uneven_scenario("named_psum_scatter", "a b // tp", "a/tp b", es.spmd.psum_scatter)
 _body_scenario("named_all_to_all", TP2, {"x": "a/tp b", "w": "b"}, "a b/tp", lambda x, w: x * w,
-               lambda x, w: es.all_to_all(x * w, "tp", split_axis=1, concat_axis=0),
+               lambda x, w: es.spmd.all_to_all(x * w, "tp", split_axis=1, concat_axis=0),
                sizes={"even": EVEN_UNEVEN["even"]})  # (the named all-to-all takes equal blocks only)
 
 
@@ -371,7 +371,7 @@ def _inplace_body(x, w1, w2):
     acc = x.new_zeros(x.shape[0], w2.shape[0])  # invariant; the in-place sum makes it vary over tp
     acc += h @ w2.T
     acc[0] *= 2.0
-    return es.psum(acc, "tp")
+    return es.spmd.psum(acc, "tp")
 
 
 def _inplace_reference(x, w1, w2):
@@ -387,7 +387,7 @@ _LAYERS = {"x": "b c", "w1": "f/tp c", "w2": "c f/tp", "v1": "f/tp c", "v2": "c 
 
 def _layers_body(x, params):
     for layer in params["layers"]:
-        x = x + es.psum(F.gelu(x @ layer["w1"].T) @ layer["w2"].T, "tp")
+        x = x + es.spmd.psum(F.gelu(x @ layer["w1"].T) @ layer["w2"].T, "tp")
     return x
 
 
@@ -407,7 +407,7 @@ scenario("shard_map_layers_pytree", TP2, _LAYERS, "b c", _layers_reference, EVEN
 _body_scenario("shard_map_partial_out", TP2, _MLP_IN, "b c // tp", _mlp,
                lambda x, w1, w2: F.gelu(x @ w1.T) @ w2.T)
 _body_scenario("shard_map_varying_out", TP2, _MLP_IN, ("b f/tp", "b c"), lambda x, w1, w2: (x @ w1.T, _mlp(x, w1, w2)),
-               lambda x, w1, w2: (x @ w1.T, es.psum(F.gelu(x @ w1.T) @ w2.T, "tp")))
+               lambda x, w1, w2: (x @ w1.T, es.spmd.psum(F.gelu(x @ w1.T) @ w2.T, "tp")))
 _body_scenario("shard_map_formulas", DPTP, {"x": "b/dp n c", "w1": "f/tp c", "w2": "c f/tp", "g": "c"}, "b/dp n c",
                lambda x, w1, w2, g: F.gelu(x @ w1.T) @ w2.T * g,
                lambda x, w1, w2, g: es.einshard("b/dp n f/tp, c f/tp -> b/dp n c",
@@ -462,7 +462,7 @@ _body_scenario("shard_map_einroll", TP2, {"x": "a h/tp", "w": "h/tp"}, "a h/tp",
 def _inplace_grad_body(x, w1, w2, g):
     acc = g * 1.0  # invariant and requires grad: the in-place sum makes it vary, its old value is pvary-ed
     acc += F.gelu(x @ w1.T) @ w2.T
-    return es.psum(acc, "tp")
+    return es.spmd.psum(acc, "tp")
 
 
 scenario("shard_map_inplace_requires_grad", TP2, {**_MLP_IN, "g": "b c"}, "b c",
@@ -471,4 +471,4 @@ scenario("shard_map_inplace_requires_grad", TP2, {**_MLP_IN, "g": "b c"}, "b c",
 
 
 _body_scenario("shard_map_unflatten", TP2, _MLP_IN, "b c", _mlp,
-               lambda x, w1, w2: es.psum(F.gelu((x @ w1.T).unflatten(1, (1, -1)).flatten(1)) @ w2.T, "tp"))
+               lambda x, w1, w2: es.spmd.psum(F.gelu((x @ w1.T).unflatten(1, (1, -1)).flatten(1)) @ w2.T, "tp"))

@@ -192,21 +192,21 @@ def cases(mesh, device) -> dict:
     rows = _blocks(x, p)
     out["shard_map, whole in and out"] = (
         mapped(lambda a: torch.tanh(a), "b c -> b/tp c", "b/tp c -> b c", _leaf(x)), torch.tanh(x))
-    out["psum"] = (mapped(lambda a: es.psum(a, "tp"), "b/tp c", "b c", xb), rows.sum(0))
-    out["pmean"] = (mapped(lambda a: es.pmean(a, "tp"), "b/tp c", "b c", xb), rows.mean(0))
-    out["pmax"] = (mapped(lambda a: es.pmax(a, "tp"), "b/tp c", "b c", xb.detach()), rows.amax(0))
-    out["pmin"] = (mapped(lambda a: es.pmin(a, "tp"), "b/tp c", "b c", xb.detach()), rows.amin(0))
-    out["all_gather"] = (mapped(lambda a: es.all_gather(a, "tp"), "b/tp c", "b c", xb), x)
+    out["psum"] = (mapped(lambda a: es.spmd.psum(a, "tp"), "b/tp c", "b c", xb), rows.sum(0))
+    out["pmean"] = (mapped(lambda a: es.spmd.pmean(a, "tp"), "b/tp c", "b c", xb), rows.mean(0))
+    out["pmax"] = (mapped(lambda a: es.spmd.pmax(a, "tp"), "b/tp c", "b c", xb.detach()), rows.amax(0))
+    out["pmin"] = (mapped(lambda a: es.spmd.pmin(a, "tp"), "b/tp c", "b c", xb.detach()), rows.amin(0))
+    out["all_gather"] = (mapped(lambda a: es.spmd.all_gather(a, "tp"), "b/tp c", "b c", xb), x)
     z = _gen(p, 8, 4, seed=4, device=device)
-    out["psum_scatter"] = (mapped(lambda a: es.psum_scatter(a[0], "tp"), "p/tp b c", "b/tp c",
+    out["psum_scatter"] = (mapped(lambda a: es.spmd.psum_scatter(a[0], "tp"), "p/tp b c", "b/tp c",
                                   _leaf(block(z, "p/tp b c"))), block(z.sum(0), "b/tp c"))
-    out["all_to_all"] = (mapped(lambda a: es.all_to_all(a, "tp", 1, 0), "b/tp c", "b c/tp", xb), block(x, "b c/tp"))
+    out["all_to_all"] = (mapped(lambda a: es.spmd.all_to_all(a, "tp", 1, 0), "b/tp c", "b c/tp", xb), block(x, "b c/tp"))
     ring = [(i, (i + 1) % p) for i in range(p)]
-    out["ppermute"] = (mapped(lambda a: es.ppermute(a, "tp", ring), "b/tp c", "b/tp c", xb),
+    out["ppermute"] = (mapped(lambda a: es.spmd.ppermute(a, "tp", ring), "b/tp c", "b/tp c", xb),
                        block(rows.roll(1, 0).reshape(x.shape), "b/tp c"))
     v = _gen(4, seed=5, device=device)
     out["axis_index, axis_size, pvary"] = (
-        mapped(lambda a, q: a * es.pvary(q, "tp") * (es.axis_index("tp") + 1) / es.axis_size("tp"),
+        mapped(lambda a, q: a * es.spmd.pvary(q, "tp") * (es.spmd.axis_index("tp") + 1) / es.spmd.axis_size("tp"),
                ("b/tp c", "c"), "b/tp c", xb, _leaf(v)),
         block(x * v * (torch.arange(p, device=device).repeat_interleave(8 // p)[:, None] + 1) / p, "b/tp c"))
 
@@ -258,7 +258,7 @@ def cases(mesh, device) -> dict:
     # attention over a sequence split across the ranks
     q, k, vv = (_gen(1, 4, 8, 4, seed=13 + i, device=device) for i in range(3))
     whole = F.scaled_dot_product_attention(q, k, vv, is_causal=True)
-    for name, fn in (("ring_attention", es.ring_attention), ("ulysses_attention", es.ulysses_attention)):
+    for name, fn in (("ring_attention", es.attention.ring_attention), ("ulysses_attention", es.attention.ulysses_attention)):
         out[name] = (_fwd_bwd(lambda a, b, c, fn=fn: fn(a, b, c, "tp", causal=True, mesh=mesh),
                               *(_leaf(block(t, "b h n/tp d")) for t in (q, k, vv))), block(whole, "b h n/tp d"))
 
@@ -269,8 +269,8 @@ def cases(mesh, device) -> dict:
     # ZeRO-3: a weight stored sharded over tp, gathered before use by the module's hooks
     wz = _gen(5, 4, seed=16, device=device)
     net = _Stored(wz.clone())
-    es.register_module_parameter_layouts_(net, {"w": "f c"}, mesh=mesh, store={"w": "tp"}, sizes={"f": 5, "c": 4})
-    handle = es.register_native_grad_reduction_hooks_(net, mesh)
+    es.params.register_module_parameter_layouts_(net, {"w": "f c"}, mesh=mesh, store={"w": "tp"}, sizes={"f": 5, "c": 4})
+    handle = es.params.register_native_grad_reduction_hooks_(net, mesh)
     xr = x[:, :4]
 
     def zero_step():
@@ -282,7 +282,7 @@ def cases(mesh, device) -> dict:
 
     out["ZeRO gather"] = (zero_step, xr @ wz.T)
 
-    # the plain collectives of es.helpers and the autograd mappings of es.mappings
+    # the plain collectives of es.comm.helpers and the autograd mappings of es.comm.mappings
     group = mesh.group("tp")
     out["helpers.all_reduce"] = (_fwd_bwd(lambda a: helpers.all_reduce(a.detach().clone(), group), xb.detach()),
                                  block(x, "b/tp c") * 0 + rows.sum(0))

@@ -179,14 +179,14 @@ def _zero_collectives(mesh):
     """Every named collective on blocks with a zero-size axis: the shapes of size-1 blocks with that axis at 0."""
     out = {}
     ops = {
-        "psum": lambda x: es.psum(x, "tp"),
-        "pmean": lambda x: es.pmean(x, "tp"),
-        "pmax": lambda x: es.pmax(x, "tp"),
-        "pmin": lambda x: es.pmin(x, "tp"),
-        "all_gather": lambda x: es.all_gather(x, "tp", axis=1),
-        "psum_scatter": lambda x: es.psum_scatter(x, "tp", axis=1),
-        "all_to_all": lambda x: es.all_to_all(x, "tp", 1, 0),
-        "ppermute": lambda x: es.ppermute(x, "tp", [(i, (i + 1) % 4) for i in range(4)]),
+        "psum": lambda x: es.spmd.psum(x, "tp"),
+        "pmean": lambda x: es.spmd.pmean(x, "tp"),
+        "pmax": lambda x: es.spmd.pmax(x, "tp"),
+        "pmin": lambda x: es.spmd.pmin(x, "tp"),
+        "all_gather": lambda x: es.spmd.all_gather(x, "tp", axis=1),
+        "psum_scatter": lambda x: es.spmd.psum_scatter(x, "tp", axis=1),
+        "all_to_all": lambda x: es.spmd.all_to_all(x, "tp", 1, 0),
+        "ppermute": lambda x: es.spmd.ppermute(x, "tp", [(i, (i + 1) % 4) for i in range(4)]),
     }
     for name, op in ops.items():
         for rows in (0, 1):

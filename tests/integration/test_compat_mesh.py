@@ -140,14 +140,14 @@ def _check_drop_in(dm):
             label = "-".join(dims)
             n = sub.size()
             whole = torch.arange(2.0 * (n + 1)).reshape(n + 1, 2)
-            shapes = {label: es.helpers.compute_split_shapes(n + 1, n)}  # uneven
+            shapes = {label: es.comm.helpers.compute_split_shapes(n + 1, n)}  # uneven
             block = es.testing.local_block(whole, f"a/{label} b", sub, shapes=shapes)
             assert torch.equal(es.einshard(f"a/{label} b -> a b", block, mesh=sub, shapes=shapes), whole)
             assert torch.equal(es.einshard(f"a/{label} b -> a b", block, mesh=mesh, shapes=shapes), whole)
             # named collectives in a body over the sub-mesh name its compound dimension, in either order
             rank = torch.full((1, 2), float(dist.get_rank()))
             for vma, name in ((True, label), (False, "-".join(reversed(dims)))):
-                got = es.shard_map(lambda x, name=name: es.psum(x, name), f"a/{label} b", f"a/{label} b", mesh=sub,
+                got = es.shard_map(lambda x, name=name: es.spmd.psum(x, name), f"a/{label} b", f"a/{label} b", mesh=sub,
                                    check_vma=vma)(rank)
                 assert got.tolist() == [[float(sum(_expected_ranks(dm, dims)))] * 2], (vma, name, got)
             # a real DeviceMesh built from the parent's groups, on demand
@@ -172,7 +172,7 @@ def _check_async_all_reduce(dm):
     for group in groups:
         for op in ("sum", "mean"):
             x = torch.full((3,), float(dist.get_rank() + 1))
-            y, work = es.helpers.all_reduce(x, group, op=op, async_op=True)
+            y, work = es.comm.helpers.all_reduce(x, group, op=op, async_op=True)
             assert work.wait() in (True, None)
             ranks = _ranks(group)
             total = float(sum(r + 1 for r in ranks))

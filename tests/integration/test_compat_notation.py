@@ -158,7 +158,7 @@ def test_stationary_formulas_match_the_whole_computation(mesh_shape, names, form
         for axis, size in zip(spec.split(), s):
             if "/" in axis:
                 dim = axis.split("/")[1]
-                split[dim] = es.helpers.compute_split_shapes(size, 4 if "-" in dim else mesh_shape[names.index(dim)])
+                split[dim] = es.comm.helpers.compute_split_shapes(size, 4 if "-" in dim else mesh_shape[names.index(dim)])
     for coordinate in [(i,) for i in range(4)] if len(mesh_shape) == 1 else [(i, j) for i in range(2) for j in range(2)]:
         mesh = es.Mesh.virtual(mesh_shape, names, coordinate=coordinate)
         blocks = [local_block(w, spec, mesh, shapes=split).clone() for w, spec in zip(whole, in_specs)]
@@ -197,7 +197,7 @@ def test_local_reshape_of_a_sharded_factor(coordinate):
     """``(h/sp p)`` split locally, with uneven blocks of ``h``: no communication, so a virtual mesh runs it."""
     mesh = es.Mesh.virtual((4,), ("sp",), coordinate=(coordinate,))
     whole = torch.randn(2, 10, 3)  # b h p
-    shapes = {"sp": es.helpers.compute_split_shapes(10, 4)}
+    shapes = {"sp": es.comm.helpers.compute_split_shapes(10, 4)}
     block = local_block(whole, "b h/sp p", mesh, shapes=shapes).reshape(2, -1)  # (h/sp p) flattened
     out = es.einshard("b (h/sp p) -> b h/sp p", block, mesh=mesh, shapes=shapes, sizes={"p": 3})
     assert torch.equal(out, local_block(whole, "b h/sp p", mesh, shapes=shapes))

@@ -61,10 +61,10 @@ def test_parse_sharding_unpacks_into_input0_input1_output():
 def test_parse_sharding_elements_feed_the_parameter_api():
     x, w, out = es.parse_sharding("b/dp c, c d [param, grad=async] -> b/dp d")
     p = _p(3, 4)
-    state = es.parameter_operand_state(p, (x, w), out, 1, mesh_dim_names=("dp",))
+    state = es.params.parameter_operand_state(p, (x, w), out, 1, mesh_dim_names=("dp",))
     assert state.grad_comm == ParameterGradComm("inferred", ("dp",), "native", "async")
-    assert es.ParameterState.from_spec(w, mesh_dim_names=("dp",)).grad_comm.pending_inference
-    es.register_parameter_operand(p, (x, w), out, 1, mesh_dim_names=("dp",))
+    assert es.params.ParameterState.from_spec(w, mesh_dim_names=("dp",)).grad_comm.pending_inference
+    es.params.register_parameter_operand(p, (x, w), out, 1, mesh_dim_names=("dp",))
     assert state_of(p).reduce == ("dp",)
 
 
@@ -79,15 +79,15 @@ def test_parse_sharding_syntax_errors_are_value_errors():
 @pytest.mark.parametrize(
     "register, text",
     [
-        (lambda: es.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in").weight,
+        (lambda: es.params.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in").weight,
          "out / tp × in"),
-        (lambda: es.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out in/tp").weight,
+        (lambda: es.params.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out in/tp").weight,
          "out × in / tp"),
-        (lambda: es.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in").bias, "out / tp"),
-        (lambda: es.register_conv_parameters_(torch.nn.Conv2d(2, 4, 3)).weight, "out × in × kh × kw"),
-        (lambda: es.register_norm_parameters_(torch.nn.LayerNorm(4)).weight, "c"),
-        (lambda: es.register_parameter_layout(_p(1, 1, 1, 1, 1), "b t h/sp1 w/sp2 c"), "b × t × h / sp1 × w / sp2 × c"),
-        (lambda: es.register_parameter_layout(_p(2, 2), "a b/dp-sp"), "a × b / dp-sp"),
+        (lambda: es.params.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in").bias, "out / tp"),
+        (lambda: es.params.register_conv_parameters_(torch.nn.Conv2d(2, 4, 3)).weight, "out × in × kh × kw"),
+        (lambda: es.params.register_norm_parameters_(torch.nn.LayerNorm(4)).weight, "c"),
+        (lambda: es.params.register_parameter_layout(_p(1, 1, 1, 1, 1), "b t h/sp1 w/sp2 c"), "b × t × h / sp1 × w / sp2 × c"),
+        (lambda: es.params.register_parameter_layout(_p(2, 2), "a b/dp-sp"), "a × b / dp-sp"),
     ],
 )
 def test_repr_of_the_layout_axes(register, text):
@@ -111,13 +111,13 @@ def test_repr_of_groups_and_ellipsis_and_of_a_formula_state():
 def test_parse_sharding_accepts_layouts_that_the_states_reject():
     f = es.parse_sharding("b c, out/tp c/tp [param] -> b out")
     with pytest.raises(ValueError, match="same mesh dimension"):
-        es.ParameterState.from_spec(f[1])
+        es.params.ParameterState.from_spec(f[1])
     g = es.parse_sharding("b c, out/dp-sp c/sp-dp [param] -> b out")
     with pytest.raises(ValueError, match="same mesh dimension"):
-        es.ParameterState.from_spec(g[1], mesh_dim_names=("dp", "sp"))
+        es.params.ParameterState.from_spec(g[1], mesh_dim_names=("dp", "sp"))
     es.parse_sharding("out/dp-dp in")
     with pytest.raises(ValueError, match="repeated mesh"):
-        es.ParameterState.from_layout("out/dp-dp in")
+        es.params.ParameterState.from_layout("out/dp-dp in")
     with pytest.raises(ValueError, match="rejected by design"):  # es.einshard still rejects them by design
         es.einshard("b c, out/tp c/tp -> b out", torch.ones(2, 3), torch.ones(2, 3), mesh=MESH_TP)
 
@@ -130,11 +130,11 @@ def test_parse_sharding_accepts_layouts_that_the_states_reject():
         ("b/sp c, out/dp-sp c [param, grad=async] -> b/sp out/dp-sp", MESH_2D),
     ],
 )
-@pytest.mark.parametrize("op", ["einshard", "einshard_like"])
+@pytest.mark.parametrize("op", [es.einshard, es.params.einshard_like], ids=["einshard", "einshard_like"])
 def test_param_states_are_validated_before_the_formula_is_rejected(formula, mesh, op):
     w = _p(2, 3)
     with pytest.raises(ValueError, match="grad.*overlaps"):
-        getattr(es, op)(formula, torch.ones(2, 3), w, mesh=mesh)
+        op(formula, torch.ones(2, 3), w, mesh=mesh)
     assert state_of(w) is None
 
 
@@ -143,22 +143,22 @@ def test_param_states_are_validated_before_the_formula_is_rejected(formula, mesh
 
 def test_parameter_argument_messages():
     with pytest.raises(TypeError, match="string"):
-        es.ParameterState.from_layout("out in", grad=1)
+        es.params.ParameterState.from_layout("out in", grad=1)
     m = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match="mapping"):
-        es.register_module_parameter_layouts_(m, [])
+        es.params.register_module_parameter_layouts_(m, [])
     with pytest.raises(ValueError, match="must not be empty"):
-        es.register_module_parameter_layouts_(m, {})
+        es.params.register_module_parameter_layouts_(m, {})
 
 
 def test_validation_names_the_parameter_and_the_inferred_init_sync():
-    lin = es.register_linear_parameters_(torch.nn.Linear(2, 2), weight_layout="out in/tp",
+    lin = es.params.register_linear_parameters_(torch.nn.Linear(2, 2), weight_layout="out in/tp",
                                          mesh_dim_names=("dp", "sp", "tp"))
     state = state_of(lin.weight)
     assert state.init_sync.mesh_dims == ("dp", "sp")
-    lin.weight.einshard_state = replace(state, init_sync=es.ParameterInitSync("inferred", ("dp",)))
+    lin.weight.einshard_state = replace(state, init_sync=es.params.ParameterInitSync("inferred", ("dp",)))
     with pytest.raises(ValueError, match="'weight'.*inferred init_sync"):
-        es.validate_module_parameter_states_(lin)
+        es.params.validate_module_parameter_states_(lin)
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_einshard_like_formula_messages(formula, operands, kw, words):
     w = _p(3)
     operands = tuple(w if o == "w1" else o for o in operands)
     with pytest.raises(ValueError, match=words):
-        es.einshard_like(formula, *operands, **kw)
+        es.params.einshard_like(formula, *operands, **kw)
     assert state_of(w) is None
 
 
@@ -186,7 +186,7 @@ def test_the_missing_mesh_message_suggests_the_output_partial():
 
 def test_split_shape_and_factor_messages():
     with pytest.raises(ValueError, match="axis 'b'") as info:
-        es.helpers.resolve_split_shapes({"dp": {"a": [2, 3]}}, "dp", "b")
+        es.comm.helpers.resolve_split_shapes({"dp": {"a": [2, 3]}}, "dp", "b")
     assert "mesh dimension 'dp'" in str(info.value)
     with pytest.raises(ValueError, match="Cannot infer multiple factor sizes"):
         es.einshard("b (h p) c -> b h p c", torch.ones(2, 6, 3))
@@ -228,8 +228,8 @@ def test_wrap_mesh_of_an_object_with_only_mesh_and_names():
 
 def test_a_rank_tensor_without_names_has_zero_names():
     with pytest.raises(ValueError, match="mesh_dim_names"):
-        es.ParameterState.from_layout("out in", mesh=_Duck(torch.zeros(1, 1), None))
-    state = es.ParameterState.from_layout("out in", mesh=_Duck(torch.zeros(1), ("tp",)))
+        es.params.ParameterState.from_layout("out in", mesh=_Duck(torch.zeros(1, 1), None))
+    state = es.params.ParameterState.from_layout("out in", mesh=_Duck(torch.zeros(1), ("tp",)))
     assert state.mesh_dim_names == ("tp",)
 
 
@@ -245,15 +245,15 @@ def test_a_rank_tensor_without_names_has_zero_names():
 def test_einshard_like_checks_mesh_names_symbolically(mesh, formula, operands):
     w = _p(3)
     with pytest.raises(ValueError, match="unknown mesh dimensions"):
-        es.einshard_like(formula, *(w if o == "w" else o for o in operands), mesh=mesh)
+        es.params.einshard_like(formula, *(w if o == "w" else o for o in operands), mesh=mesh)
     assert state_of(w) is None
 
 
 def test_einshard_like_on_a_names_only_mesh_records_like_a_real_one():
     names = _Names("dp", "sp")
     w, v = _p(3), _p(3)
-    es.einshard_like("b/dp c, c [param] -> b/dp c", None, w, mesh=names)
-    es.einshard_like("b/dp c, c [param] -> b/dp c", None, v, mesh=MESH_2D)
+    es.params.einshard_like("b/dp c, c [param] -> b/dp c", None, w, mesh=names)
+    es.params.einshard_like("b/dp c, c [param] -> b/dp c", None, v, mesh=MESH_2D)
     assert state_of(w) == state_of(v) and state_of(w).reduce == ("dp",)
 
 
@@ -264,11 +264,11 @@ def test_einshard_like_on_a_names_only_mesh_records_like_a_real_one():
 
 
 def test_einshard_like_carries_the_compile_disable_mark_and_runs_eagerly_under_compile():
-    assert getattr(es.einshard_like, "_torchdynamo_disable", False) is True
+    assert getattr(es.params.einshard_like, "_torchdynamo_disable", False) is True
     w = _p(3, 4)
 
     def f(x):
-        es.einshard_like("b c, c d [param, grad=dp] -> b d", None, w, mesh=es.Mesh.virtual((2,), ("dp",)))
+        es.params.einshard_like("b c, c d [param, grad=dp] -> b d", None, w, mesh=es.Mesh.virtual((2,), ("dp",)))
         return x * 2
 
     assert torch.equal(torch.compile(f, backend="eager")(torch.ones(2)), torch.full((2,), 2.0))
@@ -280,11 +280,11 @@ def test_einshard_like_carries_the_compile_disable_mark_and_runs_eagerly_under_c
 
 def test_parameter_operand_state_gathers_shards_then_output_partials():
     f = expand("b/dp c, c [param, grad=async] -> b/dp c // sp")
-    state = es.parameter_operand_state(_p(3), f.inputs, f.output, 1, mesh_dim_names=("dp", "sp"))
+    state = es.params.parameter_operand_state(_p(3), f.inputs, f.output, 1, mesh_dim_names=("dp", "sp"))
     assert state.grad_comm == ParameterGradComm("inferred", ("dp", "sp"), "native", "async")
     g = expand("b/dp-sp c, c [param, grad=async] -> b/sp-dp c")
     with pytest.raises(ValueError, match="grad.*overlap"):
-        es.parameter_operand_state(_p(3), g.inputs, g.output, 1, mesh_dim_names=("dp", "sp"))
+        es.params.parameter_operand_state(_p(3), g.inputs, g.output, 1, mesh_dim_names=("dp", "sp"))
 
 
 # -- I. the names a cached local plan records --------------------------------------------------------

@@ -91,51 +91,51 @@ RING = [(0, 1), (1, 0)]
 
 ROWS = {
     # -- named collectives in shard_map (1-D mesh) --
-    "psum": Row(1, [((2, 3, 4), "p/tp n c")], _body(lambda x: es.psum(x[0], "tp"), "p/tp n c", "n c"), "n c",
+    "psum": Row(1, [((2, 3, 4), "p/tp n c")], _body(lambda x: es.spmd.psum(x[0], "tp"), "p/tp n c", "n c"), "n c",
                 lambda x: x.sum(0)),
-    "pmean": Row(1, [((2, 3, 4), "p/tp n c")], _body(lambda x: es.pmean(x[0], "tp"), "p/tp n c", "n c"), "n c",
+    "pmean": Row(1, [((2, 3, 4), "p/tp n c")], _body(lambda x: es.spmd.pmean(x[0], "tp"), "p/tp n c", "n c"), "n c",
                  lambda x: x.mean(0)),
-    "pmax": Row(1, [((2, 5), "p/tp n")], _body(lambda x: es.pmax(x[0], "tp"), "p/tp n", "n"), "n",
+    "pmax": Row(1, [((2, 5), "p/tp n")], _body(lambda x: es.spmd.pmax(x[0], "tp"), "p/tp n", "n"), "n",
                 lambda x: x.amax(0)),
-    "pmin": Row(1, [((2, 5), "p/tp n")], _body(lambda x: es.pmin(x[0], "tp"), "p/tp n", "n"), "n",
+    "pmin": Row(1, [((2, 5), "p/tp n")], _body(lambda x: es.spmd.pmin(x[0], "tp"), "p/tp n", "n"), "n",
                 lambda x: x.amin(0)),
-    "all_gather": Row(1, [((4, 3), "a/tp c")], _body(lambda x: es.all_gather(x, "tp", axis=0), "a/tp c", "a c"),
+    "all_gather": Row(1, [((4, 3), "a/tp c")], _body(lambda x: es.spmd.all_gather(x, "tp", axis=0), "a/tp c", "a c"),
                       "a c", lambda x: x),
     "all_gather uneven": Row(1, [((5, 3), "a/tp c")],
-                             _body(lambda x: es.all_gather(x, "tp", axis=0, shapes=[3, 2]), "a/tp c", "a c", TP2),
+                             _body(lambda x: es.spmd.all_gather(x, "tp", axis=0, shapes=[3, 2]), "a/tp c", "a c", TP2),
                              "a c", lambda x: x, TP2),
     "all_gather stacked": Row(1, [((2, 3), "p/tp n")],
-                              _body(lambda x: es.all_gather(x[0], "tp", axis=0, tiled=False), "p/tp n", "p n"),
+                              _body(lambda x: es.spmd.all_gather(x[0], "tp", axis=0, tiled=False), "p/tp n", "p n"),
                               "p n", lambda x: x),
     "psum_scatter uneven": Row(1, [((2, 5, 3), "p/tp a c")],
-                               _body(lambda x: es.psum_scatter(x[0], "tp", axis=0), "p/tp a c", "a/tp c",
+                               _body(lambda x: es.spmd.psum_scatter(x[0], "tp", axis=0), "p/tp a c", "a/tp c",
                                      {"tp": {"p": [1, 1], "a": [3, 2]}}),
                                "a/tp c", lambda x: x.sum(0), {"tp": {"p": [1, 1], "a": [3, 2]}}),
-    "all_to_all uneven": Row(1, [((4, 5), "a/tp b")], _body(lambda x: es.all_to_all(x, "tp", 1, 0), "a/tp b", "a b/tp"),
+    "all_to_all uneven": Row(1, [((4, 5), "a/tp b")], _body(lambda x: es.spmd.all_to_all(x, "tp", 1, 0), "a/tp b", "a b/tp"),
                              "a b/tp", lambda x: x),
     "psum_scatter untiled": Row(1, [((2, 2, 3), "p/tp q c")],
-                                _body(lambda x: es.psum_scatter(x[0], "tp", axis=0, tiled=False)[None], "p/tp q c",
+                                _body(lambda x: es.spmd.psum_scatter(x[0], "tp", axis=0, tiled=False)[None], "p/tp q c",
                                       "q/tp c"),
                                 "q/tp c", lambda x: x.sum(0)),
     "all_to_all untiled": Row(1, [((2, 2, 3), "p/tp q n")],
-                              _body(lambda x: es.all_to_all(x[0], "tp", 0, 0, tiled=False)[None], "p/tp q n",
+                              _body(lambda x: es.spmd.all_to_all(x[0], "tp", 0, 0, tiled=False)[None], "p/tp q n",
                                     "q/tp p n"),
                               "q/tp p n", lambda x: x.transpose(0, 1)),
-    "ppermute": Row(1, [((2, 3), "p/tp n")], _body(lambda x: es.ppermute(x, "tp", RING), "p/tp n", "p/tp n"),
+    "ppermute": Row(1, [((2, 3), "p/tp n")], _body(lambda x: es.spmd.ppermute(x, "tp", RING), "p/tp n", "p/tp n"),
                     "p/tp n", lambda x: x.roll(1, 0)),
     "pvary, axis_index": Row(
         1, [((3, 4), "n c"), ((2, 3, 4), "p/tp n c")],
-        _body(lambda w, x: es.pvary(w, "tp") * x * (1 + es.axis_index("tp")), ("n c", "p/tp n c"), "p/tp n c"),
+        _body(lambda w, x: es.spmd.pvary(w, "tp") * x * (1 + es.spmd.axis_index("tp")), ("n c", "p/tp n c"), "p/tp n c"),
         "p/tp n c", lambda w, x: w * x * torch.arange(1, 3, dtype=DT).view(2, 1, 1)),
     # -- named collectives, 2-D mesh --
     "psum over tp of dp x tp": Row(2, [((2, 2, 3), "d/dp t/tp n")],
-                                   _body(lambda x: es.psum(x[:, 0], "tp"), "d/dp t/tp n", "d/dp n"), "d/dp n",
+                                   _body(lambda x: es.spmd.psum(x[:, 0], "tp"), "d/dp t/tp n", "d/dp n"), "d/dp n",
                                    lambda x: x.sum(1)),
-    "psum compound": Row(2, [((4, 3), "p/dp-tp n")], _body(lambda x: es.psum(x[0], "dp-tp"), "p/dp-tp n", "n"), "n",
+    "psum compound": Row(2, [((4, 3), "p/dp-tp n")], _body(lambda x: es.spmd.psum(x[0], "dp-tp"), "p/dp-tp n", "n"), "n",
                          lambda x: x.sum(0)),
     "all_gather (dp, tp) uneven": Row(
         2, [((7, 3), "a/dp-tp c")],
-        _body(lambda x: es.all_gather(x, ("tp", "dp"), axis=0, shapes=[2, 2, 2, 1]), "a/dp-tp c", "a c",
+        _body(lambda x: es.spmd.all_gather(x, ("tp", "dp"), axis=0, shapes=[2, 2, 2, 1]), "a/dp-tp c", "a c",
               {"dp-tp": [2, 2, 2, 1]}),
         "a c", lambda x: x, {"dp-tp": [2, 2, 2, 1]}),
     # -- transitions and contractions of es.einshard --
@@ -340,7 +340,7 @@ def test_compiled_rank_local_error_is_agreed():
     raised on every rank, before any rank communicates; the group stays usable."""
     mesh = _mesh(1)
     r = dist.get_rank()
-    body = es.shard_map(lambda x: es.all_gather(x, "tp", axis=0, shapes=[3, 3]), in_specs="a/tp c", out_specs="a c",
+    body = es.shard_map(lambda x: es.spmd.all_gather(x, "tp", axis=0, shapes=[3, 3]), in_specs="a/tp c", out_specs="a c",
                         mesh=mesh, shapes=TP2, check_vma=False)
     x = _randn((5, 3), seed=0)[:3] if r == 0 else _randn((5, 3), seed=0)[3:]
     torch._dynamo.reset()

@@ -71,7 +71,7 @@ def test_a_compiled_refusal_raised_in_traced_code_is_einshards_error():
     m = es.wrap_mesh(MESH.build())
     holder = torch.nn.Module()
     holder.w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
-    es.register_module_parameter_layouts_(holder, {"w": "c"}, mesh=m, grad="dp")
+    es.params.register_module_parameter_layouts_(holder, {"w": "c"}, mesh=m, grad="dp")
 
     @es.shard_map(("c", "b c -> b/dp c"), "b/dp c", mesh=m)
     def body(w, x):

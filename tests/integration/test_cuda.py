@@ -106,7 +106,7 @@ def reduce_case(mesh, device) -> dict:
 
     @es.shard_map(("b/tp c", "c"), "", mesh=mesh)
     def loss_fn(xb, p):  # p is replicated: its gradient is summed over tp (pvary's all-reduce)
-        return es.psum((xb * p).square().sum(), "tp")
+        return es.spmd.psum((xb * p).square().sum(), "tp")
 
     u = gen(6, 6, seed=11, device=device)
     ul = local_block(u, "b/tp c", mesh)
@@ -213,7 +213,7 @@ def fused_kernel_case(device, dtype, n: int = 256, heads: int = 4, width: int = 
 
 
 def ring_on_one_gpu_case(mesh, device, dtype) -> dict:
-    """``es.ring_attention`` and ``es.ulysses_attention`` on ``mesh`` (one rank: the whole sequence one block)
+    """``es.attention.ring_attention`` and ``es.attention.ulysses_attention`` on ``mesh`` (one rank: the whole sequence one block)
     in ``dtype``, causal zigzag and grouped-query: error against float64 whole attention as a ratio to
     ``F.scaled_dot_product_attention``'s own in ``dtype``."""
     n, heads, kv_heads, width = 512, 8, 2, 64
@@ -223,7 +223,7 @@ def ring_on_one_gpu_case(mesh, device, dtype) -> dict:
     want, low, floor = _whole_and_floor(q, k, v, dout, dtype, is_causal=True, enable_gqa=True)
     ratios = {}
     with es.use_mesh(mesh):
-        for name, fn in (("ring", es.ring_attention), ("ulysses", es.ulysses_attention)):
+        for name, fn in (("ring", es.attention.ring_attention), ("ulysses", es.attention.ulysses_attention)):
             xs = [t.detach().clone().requires_grad_() for t in low]
             out = fn(*xs, "tp", causal=True, **({"layout": "zigzag"} if name == "ring" else {}))
             got = (out, *torch.autograd.grad(out, xs, dout.to(dtype)))

@@ -47,7 +47,7 @@ def test_shard_map_first_example_runs_as_pasted():
 def _uneven_mean(mesh):
     mesh = es.wrap_mesh(mesh)
     code = _python_blocks("shard_map.md")
-    note = next(c for c in code if "total = es.psum(block.sum()" in c)
+    note = next(c for c in code if "total = es.spmd.psum(block.sum()" in c)
     namespace = {"es": es, "torch": torch, "mesh": mesh}
     exec(note, namespace)  # defines global_mean and checks it on 5 rows over dp = 2
     whole = torch.arange(5.0 * 4).reshape(5, 4) ** 2
@@ -55,7 +55,7 @@ def _uneven_mean(mesh):
 
     @es.shard_map("b c -> b/dp c", "", mesh=mesh)
     def naive(block):
-        return es.pmean(block.mean(), "dp")
+        return es.spmd.pmean(block.mean(), "dp")
 
     assert not torch.allclose(naive(whole), whole.mean())  # the mean of the per-rank means is not the mean
     return True

@@ -45,7 +45,7 @@ def _device_formula(mesh, odd):
 
 
 def _device_psum(mesh, odd):
-    f = es.shard_map(lambda x: es.psum(x.to("meta") if dist.get_rank() == ODD else x, "tp"), "a b", "a b",
+    f = es.shard_map(lambda x: es.spmd.psum(x.to("meta") if dist.get_rank() == ODD else x, "tp"), "a b", "a b",
                      mesh=mesh, check_vma=False)
     f(torch.ones(2, 3))
 
@@ -103,23 +103,23 @@ def _named(op):
         n = 3 if dist.get_rank() == ODD else 2
         x = torch.ones(n * 2, 2)
         if op == "psum-dtype":
-            return es.psum(torch.ones(4, 2, dtype=torch.float64 if dist.get_rank() == ODD else torch.float32), "tp")
+            return es.spmd.psum(torch.ones(4, 2, dtype=torch.float64 if dist.get_rank() == ODD else torch.float32), "tp")
         if op == "psum":
-            return es.psum(x, "tp")
+            return es.spmd.psum(x, "tp")
         if op == "pmean":
-            return es.pmean(x, "tp")
+            return es.spmd.pmean(x, "tp")
         if op == "pmax":
-            return es.pmax(x, "tp")
+            return es.spmd.pmax(x, "tp")
         if op == "pmin":
-            return es.pmin(x, "tp")
+            return es.spmd.pmin(x, "tp")
         if op == "all_gather":
-            return es.all_gather(x, "tp", axis=1)
+            return es.spmd.all_gather(x, "tp", axis=1)
         if op == "psum_scatter":
-            return es.psum_scatter(x, "tp", axis=0)
+            return es.spmd.psum_scatter(x, "tp", axis=0)
         if op == "all_to_all":
-            return es.all_to_all(x, "tp", 0, 1)
+            return es.spmd.all_to_all(x, "tp", 0, 1)
         if op == "ppermute":
-            return es.ppermute(x, "tp", [(0, 1), (1, 0)])
+            return es.spmd.ppermute(x, "tp", [(0, 1), (1, 0)])
         raise AssertionError(op)
 
     return body
@@ -161,7 +161,7 @@ def _body_raises(where, who):
         if who == "all" or dist.get_rank() == ODD:
             raise RuntimeError(f"boom on rank {dist.get_rank()}")
         if where == "psum":
-            return es.psum(x, "tp")
+            return es.spmd.psum(x, "tp")
         if where == "einshard":
             return es.einshard("a/dp b -> a b", x)
         return x  # straight to shard_map's exit
@@ -177,7 +177,7 @@ def _interrupted(mesh, odd):
     def body(x):
         if dist.get_rank() == ODD:
             raise KeyboardInterrupt
-        return es.psum(x, "tp")
+        return es.spmd.psum(x, "tp")
 
     es.shard_map(body, "a/dp b", "a/dp b", mesh=mesh)(torch.ones(2, 3))
 
@@ -261,7 +261,7 @@ def run_case(mesh, name):
     dist.all_reduce(tp, group=mesh.get_group("tp"))
     # nothing the library pushed is left behind: the next shard_map call works
     ambient = es.current_mesh()
-    again = es.shard_map(lambda x: es.psum(x, "tp"), "a/dp b", "a/dp b", mesh=mesh)(torch.ones(1, 2))
+    again = es.shard_map(lambda x: es.spmd.psum(x, "tp"), "a/dp b", "a/dp b", mesh=mesh)(torch.ones(1, 2))
     return {
         "raised": raised,
         "is_value_error": isinstance(caught, ValueError),
@@ -315,14 +315,14 @@ def _outside_the_body(mesh):
     rank = dist.get_rank()
     x = torch.full((1, 2), float(rank))
     # fine everywhere: values, and a point-to-point exchange whose peer is outside the body's group
-    swapped = es.shard_map(lambda x: es.ppermute(x, "tp", [(0, 1), (1, 0)], mesh=mesh), "a b", "a b",
+    swapped = es.shard_map(lambda x: es.spmd.ppermute(x, "tp", [(0, 1), (1, 0)], mesh=mesh), "a b", "a b",
                            mesh=mesh["dp"], check_vma=False)(x)
-    summed = es.shard_map(lambda x: es.psum(x, "tp", mesh=mesh), "a b", "a b", mesh=mesh["dp"], check_vma=False)(x)
+    summed = es.shard_map(lambda x: es.spmd.psum(x, "tp", mesh=mesh), "a b", "a b", mesh=mesh["dp"], check_vma=False)(x)
     # a shape that differs on one rank: its tp group agrees on the error, the rest of each body hears of it
     start = time.monotonic()
     try:
         y = torch.ones(3 if rank == ODD else 2, 2)
-        es.shard_map(lambda x: es.psum(x, "tp", mesh=mesh), "a b", "a b", mesh=mesh["dp"], check_vma=False)(y)
+        es.shard_map(lambda x: es.spmd.psum(x, "tp", mesh=mesh), "a b", "a b", mesh=mesh["dp"], check_vma=False)(y)
     except Exception as exc:  # noqa: BLE001
         raised = (type(exc).__name__, str(exc), getattr(exc, "rank", None))
     else:

@@ -9,7 +9,7 @@ case here cuts whole tensors into blocks by mesh coordinates
 (``local_block``) and compares values and gradients with the same
 computation on whole tensors in one process: transitions and contractions of
 every planner kind, named collectives in ``shard_map``, the grid ops,
-``es.to_dtensor`` (whose DTensors live on the mesh's twin where DTensor's own
+``es.params.to_dtensor`` (whose DTensors live on the mesh's twin where DTensor's own
 gathers would permute the blocks), a DCP checkpoint, parameters stored sharded
 (``store=``, ZeRO: the hooks and ``shard_map`` bodies) and a compiled formula.
 """
@@ -109,7 +109,7 @@ def test_plain_collectives_take_an_order():
     whole = torch.arange(6.0 * 5).reshape(6, 5)
     mine = whole[offsets[me] : offsets[me] + sizes[me]]
     assert torch.equal(collectives.split(whole, group, 0, sizes, order), mine)
-    assert torch.equal(es.helpers.all_gather(mine, group, 0, sizes, order=order), whole)
+    assert torch.equal(es.comm.helpers.all_gather(mine, group, 0, sizes, order=order), whole)
     assert torch.equal(collectives.reduce_scatter(whole, group, 0, sizes, order), 4 * mine)
     even = torch.arange(8.0 * 4).reshape(8, 4)
     assert torch.equal(collectives.all_gather(even[2 * me : 2 * me + 2], group, 0, order=order), even)
@@ -402,7 +402,7 @@ def _model(mesh, values):
     model = torch.nn.Module()
     for k, layout in _layouts(mesh.names).items():
         model.register_parameter(k, torch.nn.Parameter(local_block(values[k], layout, mesh).clone()))
-        es.register_parameter_layout(getattr(model, k), layout, mesh=mesh)
+        es.params.register_parameter_layout(getattr(model, k), layout, mesh=mesh)
     return model
 
 
@@ -424,12 +424,12 @@ def test_to_dtensor_uneven_params(kind):
     mesh = permuted_mesh(kind)
     whole = _whole()
     model = _model(mesh, whole)
-    state = es.to_dtensor(model, mesh=mesh)  # hung in the exchange before
+    state = es.params.to_dtensor(model, mesh=mesh)  # hung in the exchange before
     for k, layout in _layouts(mesh.names).items():
         # the block at this rank's coordinate in the DeviceMesh the DTensor is on (a twin on "1d")
         assert torch.equal(state[k].to_local(), _chunk_block(whole[k], layout, es.wrap_mesh(state[k].device_mesh))), k
         assert torch.equal(state[k].full_tensor(), whole[k]), k
-    back = es.from_dtensor(state, model, mesh=mesh)
+    back = es.params.from_dtensor(state, model, mesh=mesh)
     for k, layout in _layouts(mesh.names).items():
         assert torch.equal(back[k], local_block(whole[k], layout, mesh)), k
 
@@ -442,7 +442,7 @@ def test_to_dtensor_full_tensor_on_permuted_2d_mesh(tmp_path):
     mesh = permuted_mesh("rev")
     whole = _whole(2)
     model = _model(mesh, whole)
-    state = es.to_dtensor(model, mesh=mesh)
+    state = es.params.to_dtensor(model, mesh=mesh)
     for k, layout in LAYOUTS.items():
         d = state[k]
         assert d.device_mesh.mesh.tolist() == [[0, 1], [2, 3]] and d.device_mesh.mesh_dim_names == ("dp", "tp")
@@ -450,9 +450,9 @@ def test_to_dtensor_full_tensor_on_permuted_2d_mesh(tmp_path):
         assert torch.equal(d.full_tensor(), whole[k]), k
         assert torch.equal(d.redistribute(placements=[Replicate(), Replicate()]).to_local(), whole[k]), k
         moved = d.redistribute(placements=[Replicate(), Shard(0)])  # another sharding, read back through the twin
-        assert torch.equal(es.from_dtensor({k: moved}, {k: layout}, mesh=mesh)[k], local_block(whole[k], layout,
+        assert torch.equal(es.params.from_dtensor({k: moved}, {k: layout}, mesh=mesh)[k], local_block(whole[k], layout,
                                                                                                   mesh)), k
-    back = es.from_dtensor(state, model, mesh=mesh)
+    back = es.params.from_dtensor(state, model, mesh=mesh)
     for k, layout in LAYOUTS.items():
         assert torch.equal(back[k], local_block(whole[k], layout, mesh)), k
     # autograd: a DTensor on the twin into shard_map and out again (a DTensor on the twin), gradients back
@@ -467,9 +467,9 @@ def test_to_dtensor_full_tensor_on_permuted_2d_mesh(tmp_path):
     loaded = {k: torch.zeros_like(v) for k, v in whole.items()}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "rev"))
     fresh = _model(mesh, {k: torch.zeros_like(v) for k, v in whole.items()})
-    target = es.to_dtensor(fresh, mesh=mesh)
+    target = es.params.to_dtensor(fresh, mesh=mesh)
     dcp.load(target, checkpoint_id=str(tmp_path / "rev"))
-    es.load_from_dtensor_(fresh, target, mesh=mesh)
+    es.params.load_from_dtensor_(fresh, target, mesh=mesh)
     for k, layout in LAYOUTS.items():
         assert torch.equal(loaded[k], whole[k]), k
         assert torch.equal(getattr(fresh, k).detach(), local_block(whole[k], layout, mesh)), k
@@ -481,28 +481,28 @@ def test_checkpoint_across_permuted_meshes(tmp_path):
     whole = _whole(1)
     plain = es.wrap_mesh(make_mesh((2, 2), ("dp", "tp")))
     first = str(tmp_path / "plain")
-    dcp.save(es.to_dtensor(_model(plain, whole), mesh=plain), checkpoint_id=first)
+    dcp.save(es.params.to_dtensor(_model(plain, whole), mesh=plain), checkpoint_id=first)
     zeros = {k: torch.zeros_like(v) for k, v in whole.items()}
     for kind in ("cols", "sub", "1d"):
         mesh = permuted_mesh(kind)
         model = _model(mesh, zeros)
-        state = es.to_dtensor(model, mesh=mesh)
+        state = es.params.to_dtensor(model, mesh=mesh)
         dcp.load(state, checkpoint_id=first)
-        es.load_from_dtensor_(model, state, mesh=mesh)
+        es.params.load_from_dtensor_(model, state, mesh=mesh)
         for k, layout in _layouts(mesh.names).items():
             assert torch.equal(getattr(model, k).detach(), local_block(whole[k], layout, mesh)), (kind, k)
     # saved on a permuted mesh, loaded unsharded and on the plain mesh
     mesh = permuted_mesh("cols")
     second = str(tmp_path / "cols")
-    dcp.save(es.to_dtensor(_model(mesh, whole), mesh=mesh), checkpoint_id=second)
+    dcp.save(es.params.to_dtensor(_model(mesh, whole), mesh=mesh), checkpoint_id=second)
     loaded = {k: torch.zeros_like(v) for k, v in whole.items()}
     dcp.load(loaded, checkpoint_id=second)
     for k in whole:
         assert torch.equal(loaded[k], whole[k]), k
     model = _model(plain, zeros)
-    state = es.to_dtensor(model, mesh=plain)
+    state = es.params.to_dtensor(model, mesh=plain)
     dcp.load(state, checkpoint_id=second)
-    es.load_from_dtensor_(model, state, mesh=plain)
+    es.params.load_from_dtensor_(model, state, mesh=plain)
     for k, layout in LAYOUTS.items():
         assert torch.equal(getattr(model, k).detach(), local_block(whole[k], layout, plain)), k
     dist.barrier()
@@ -586,7 +586,7 @@ class _ZeroNet(torch.nn.Module):
         for k, v in whole.items():
             self.register_parameter(k, torch.nn.Parameter(local_block(v, ZERO_LAYOUTS[k], mesh).clone()))
         C, F_ = whole["w1"].shape[1], whole["w1"].shape[0]
-        es.register_module_parameter_layouts_(self, ZERO_LAYOUTS, mesh=mesh, grad=group, store=group,
+        es.params.register_module_parameter_layouts_(self, ZERO_LAYOUTS, mesh=mesh, grad=group, store=group,
                                               sizes={"c": C, "f": F_})
 
     def forward(self, x):
@@ -609,8 +609,8 @@ def _zero_step(kind, style, sizes):
     x = torch.randn(B, C, generator=torch.Generator().manual_seed(12), dtype=DT)
     want, grads = _zero_reference(whole, x)
     net = _ZeroNet(mesh, group, whole)
-    specs = es.param_specs(net)
-    state = es.to_dtensor(net, mesh=mesh)  # the storage blocks as DTensors (a checkpoint's view)
+    specs = es.params.param_specs(net)
+    state = es.params.to_dtensor(net, mesh=mesh)  # the storage blocks as DTensors (a checkpoint's view)
     for k in ZERO_LAYOUTS:
         assert torch.equal(state[k].full_tensor(), whole[k]), k
     xb = local_block(x, f"b/{group} c", mesh)
@@ -620,7 +620,7 @@ def _zero_step(kind, style, sizes):
             torch.testing.assert_close(g, local_block(grads[k], specs[k], mesh), rtol=1e-10, atol=1e-12)
 
     if style == "hooks":
-        handle = es.register_native_grad_reduction_hooks_(net, mesh)
+        handle = es.params.register_native_grad_reduction_hooks_(net, mesh)
         forward = net
     else:
         body = es.shard_map((specs, f"b/{group} c"), f"b/{group} c", mesh=mesh, check_vma=style == "vma")(

@@ -137,7 +137,7 @@ def test_policy_scope():
 @pytest.mark.ranks(2)
 def test_communication_counting():
     mesh = _mesh()
-    assert _every_exit_path(es.count_communication, lambda: es.psum(torch.ones(1), "tp", mesh=mesh)) == []
+    assert _every_exit_path(es.count_communication, lambda: es.spmd.psum(torch.ones(1), "tp", mesh=mesh)) == []
 
 
 @pytest.mark.ranks(2)

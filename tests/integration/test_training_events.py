@@ -79,7 +79,7 @@ class Net(torch.nn.Module):
         for k in NAMES:
             setattr(self, k, torch.nn.Parameter(local_block(whole[k], self.layouts[k], m, sizes=SIZES).clone()))
         if grad is not None:
-            es.register_module_parameter_layouts_(self, self.layouts, mesh=m, grad=grad, sizes={"c": C, "f": F},
+            es.params.register_module_parameter_layouts_(self, self.layouts, mesh=m, grad=grad, sizes={"c": C, "f": F},
                                                   store={k: "dp" for k in NAMES} if store else None)
 
     def forward(self, xb):
@@ -106,7 +106,7 @@ def _body_loss(net, m, x, probe=None):
         whole = OnBackward.apply(whole.requires_grad_(), probe)
     shapes = {"tp": {"f": compute_split_shapes(F, 2)}} if "tp" in m.names else None
 
-    @es.shard_map((es.param_specs(net), "b c -> b/dp c"), "", mesh=m, check_vma=True, shapes=shapes)
+    @es.shard_map((es.params.param_specs(net), "b c -> b/dp c"), "", mesh=m, check_vma=True, shapes=shapes)
     def body(params, xb):
         y = torch.func.functional_call(net, params, (xb,))
         return es.einshard(f"b/dp {net.f} -> ", y * y)
@@ -129,12 +129,12 @@ def _setup(mesh, mechanism):
     m = es.wrap_mesh(mesh)
     net_kw, hooks, loss = MECHANISMS[mechanism]
     net = Net(m, **net_kw)
-    handle = None if hooks is None else es.register_native_grad_reduction_hooks_(net, m, **hooks)
+    handle = None if hooks is None else es.params.register_native_grad_reduction_hooks_(net, m, **hooks)
     return m, net, handle, loss
 
 
 def _check(got: dict, m, net, ref: dict) -> None:
-    specs = es.param_specs(net) if any(es.get_parameter_state(getattr(net, k)) for k in NAMES) else net.layouts
+    specs = es.params.param_specs(net) if any(es.params.get_parameter_state(getattr(net, k)) for k in NAMES) else net.layouts
     for k in NAMES:
         want = local_block(ref[k], specs[k], m, sizes=SIZES)
         torch.testing.assert_close(got[k], want, rtol=1e-12, atol=1e-12, msg=k)

@@ -258,12 +258,12 @@ class Sharded:
         blocks = {k: local_block(v, layouts[k], mesh, sizes=sizes).clone() for k, v in params.items()}
         hooks_style = mech.style == "hooks"
         self.net = Net(blocks, names, sizes if hooks_style else None, mech.parent)
-        es.register_module_parameter_layouts_(self.net, layouts, mesh=mesh, grad=mech.grad,
+        es.params.register_module_parameter_layouts_(self.net, layouts, mesh=mesh, grad=mech.grad,
                                               store="dp" if mech.store else None,
                                               sizes={"c": sizes["c"], "f": sizes["f"]})
-        self.specs = dict(es.param_specs(self.net))
+        self.specs = dict(es.params.param_specs(self.net))
         units = [self.net] if mech.units else None
-        self.handle = es.register_native_grad_reduction_hooks_(self.net, mesh, units=units) if mech.hooks else None
+        self.handle = es.params.register_native_grad_reduction_hooks_(self.net, mesh, units=units) if mech.hooks else None
         if not hooks_style:
             shapes = {"tp": {"f": compute_split_shapes(sizes["f"], mesh.size("tp"))}} if "tp" in names else None
             t = _tp(names)
@@ -491,26 +491,26 @@ class Loop:
         path = os.path.join(self.ckpt_dir, f"save{self.saves}")
         self.saves += 1
         s = self.sharded
-        saved = es.to_dtensor(s.net, mesh=s.mesh)
+        saved = es.params.to_dtensor(s.net, mesh=s.mesh)
         problems = [p for k, v in self.whole.state_dict().items()  # the DTensors handed out agree with the whole
-                    for p in [_close(saved[k].full_tensor(), v, f"es.to_dtensor of {k}: full_tensor()")] if p]
+                    for p in [_close(saved[k].full_tensor(), v, f"es.params.to_dtensor of {k}: full_tensor()")] if p]
         dcp.save(saved, checkpoint_id=path)
         other_mesh = build_mesh(OTHER[self.mesh_kind])
         layouts = compute_layouts(other_mesh.names)
         zeros = {k: torch.zeros_like(local_block(v, layouts[k], other_mesh, sizes=self.sizes))
                  for k, v in self.whole.state_dict().items()}
         other = Net(zeros, other_mesh.names, self.sizes)
-        es.register_module_parameter_layouts_(other, layouts, mesh=other_mesh,
+        es.params.register_module_parameter_layouts_(other, layouts, mesh=other_mesh,
                                               sizes={"c": self.sizes["c"], "f": self.sizes["f"]})
-        state = es.to_dtensor(other, mesh=other_mesh)
+        state = es.params.to_dtensor(other, mesh=other_mesh)
         dcp.load(state, checkpoint_id=path)
-        es.load_from_dtensor_(other, state, mesh=other_mesh)
+        es.params.load_from_dtensor_(other, state, mesh=other_mesh)
         for k, v in self.whole.state_dict().items():
             want = local_block(v, layouts[k], other_mesh, sizes=self.sizes)
             problems += [p for p in [_close(other.get_parameter(k), want, f"{k} loaded on the other mesh")] if p]
-        state = es.to_dtensor(s.net, mesh=s.mesh)
+        state = es.params.to_dtensor(s.net, mesh=s.mesh)
         dcp.load(state, checkpoint_id=path)
-        es.load_from_dtensor_(s.net, state, mesh=s.mesh)
+        es.params.load_from_dtensor_(s.net, state, mesh=s.mesh)
         self.whole.load_state_dict(self.whole.state_dict())  # the same values, copied in (as the load does)
         return problems
 

@@ -365,7 +365,7 @@ def _ambient_shapes_stay_with_their_mesh(mesh_2x4, mesh_8):
         y = es.einshard("b n -> b/tp n", torch.ones(10, 2), mesh=m8)
         with es.use_mesh(m8):
             z = es.einshard("b n -> b/tp n", torch.ones(10, 2))
-        assert y.shape == z.shape == (es.helpers.compute_split_shapes(10, 8)[m8.index("tp")], 2)
+        assert y.shape == z.shape == (es.comm.helpers.compute_split_shapes(10, 8)[m8.index("tp")], 2)
         return x * 2
 
     out = body(torch.arange(20.0).reshape(10, 2))

@@ -24,7 +24,7 @@ def _model(mesh, values):
     model = torch.nn.Module()
     for k, layout in LAYOUTS.items():
         model.register_parameter(k, torch.nn.Parameter(local_block(values[k], layout, mesh).clone()))
-        es.register_parameter_layout(getattr(model, k), layout, mesh=mesh)
+        es.params.register_parameter_layout(getattr(model, k), layout, mesh=mesh)
     return model
 
 
@@ -33,14 +33,14 @@ def test_save_on_2x4_load_on_other_meshes(mesh_2x4, tmp_path):
     whole = _whole()
     path = str(tmp_path / "ckpt")
     src = es.wrap_mesh(mesh_2x4)
-    dcp.save(es.to_dtensor(_model(src, whole), mesh=src), checkpoint_id=path)
+    dcp.save(es.params.to_dtensor(_model(src, whole), mesh=src), checkpoint_id=path)
     zeros = {k: torch.zeros_like(v) for k, v in whole.items()}
     for shape in ((4, 2), (8, 1)):
         mesh = es.wrap_mesh(make_mesh(shape, ("dp", "tp")))
         model = _model(mesh, zeros)
-        state = es.to_dtensor(model, mesh=mesh)
+        state = es.params.to_dtensor(model, mesh=mesh)
         dcp.load(state, checkpoint_id=path)
-        es.load_from_dtensor_(model, state, mesh=mesh)
+        es.params.load_from_dtensor_(model, state, mesh=mesh)
         for k, layout in LAYOUTS.items():
             assert torch.equal(getattr(model, k).detach(), local_block(whole[k], layout, mesh)), (shape, k)
     plain = {k: torch.zeros_like(v) for k, v in whole.items()}  # an unsharded model: whole tensors

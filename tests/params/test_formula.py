@@ -132,7 +132,7 @@ def test_annotations_record_after_success_and_hooks_reduce_once(mesh):
         assert state.source == "formula" and state.layout == fw
         assert set(state.reduce) == {group} or set(state.reduce) == set(mesh.dims(group))
         assert state.grad_comm.schedule == ("async" if "async" in grad else "backend_default")
-        handle = es.register_native_grad_reduction_hooks_(_Holder(w), mesh)
+        handle = es.params.register_native_grad_reduction_hooks_(_Holder(w), mesh)
         y.pow(2).sum().backward()
         handle.wait().remove()
         torch.testing.assert_close(w.grad, ref, rtol=1e-12, atol=1e-12)
@@ -155,7 +155,7 @@ def test_pending_duty_resolved_by_the_planner(mesh_2x4):
     state = get_parameter_state(w)
     assert state.grad_comm.mesh_dims == ("dp",) and state.grad_comm.backend == "native"
     y.pow(2).sum().backward()
-    es.reduce_grad_(w, state, mesh)
+    es.params.reduce_grad_(w, state, mesh)
     torch.testing.assert_close(w.grad, ref, rtol=1e-12, atol=1e-12)
     duty = es.explain(f"{fx}, {fw} -> {fy}", local_block(x, fx, mesh), w, mesh=mesh)
     assert duty.grad_partials == ((1, "dp"),) and duty.collectives < plain.collectives
@@ -199,7 +199,7 @@ def test_inside_shard_map_the_duty_is_satisfied_by_vma(mesh_2x4):
     body(local_block(x, fx, mesh), w).pow(2).sum().backward()
     state = get_parameter_state(w)
     assert state.grad_comm.backend == "vma" and state.reduce == ("dp",)
-    es.reduce_module_grads_(_Holder(w), mesh)  # skipped: already reduced in the body
+    es.params.reduce_module_grads_(_Holder(w), mesh)  # skipped: already reduced in the body
     torch.testing.assert_close(w.grad, ref, rtol=1e-12, atol=1e-12)
     dist.barrier()
 
@@ -257,8 +257,8 @@ def local_use_case(kind, schedule, annotated):
     duty = group + (f":{schedule}" if schedule else "")
     handle = None
     if not annotated:
-        es.register_parameter_layout(g, "c", mesh=mesh, grad=duty)
-        handle = es.register_native_grad_reduction_hooks_(holder, mesh)
+        es.params.register_parameter_layout(g, "c", mesh=mesh, grad=duty)
+        handle = es.params.register_native_grad_reduction_hooks_(holder, mesh)
     xb = local_block(x, f"b/{group} c", mesh)
     spec = f"c [param, grad={duty}]" if annotated else "c"
     with es.use_mesh(mesh):
@@ -269,7 +269,7 @@ def local_use_case(kind, schedule, annotated):
             if handle is not None:
                 handle.wait()
             else:
-                es.reduce_module_grads_(holder, mesh)
+                es.params.reduce_module_grads_(holder, mesh)
             torch.testing.assert_close(g.grad, want, rtol=1e-12, atol=1e-12, msg=f"step {step}")
             g.grad = None
     if handle is not None:
@@ -288,7 +288,7 @@ def test_a_local_formula_on_a_replicated_parameter_counts_its_gradient_once(kind
 
 def test_a_local_formula_needs_a_mesh_for_a_duty_that_needs_a_gradient():
     g = torch.nn.Parameter(torch.ones(3, dtype=DT))
-    es.register_parameter_layout(g, "c", grad="dp")
+    es.params.register_parameter_layout(g, "c", grad="dp")
     with torch.no_grad():  # no gradient: nothing to keep
         assert es.einshard("c, c ->", g, g).item() == 3
     with pytest.raises(es.EinshardError, match=r"operand 0 has a gradient duty over \['dp'\].*use_mesh"):
@@ -308,7 +308,7 @@ def annotated_once_case(perm):
     y = es.einshard("b/dp c, c [param, grad=dp], c -> b/dp", local_block(x, "b/dp c", mesh), g, g, mesh=mesh,
                     sizes={"b": B})
     (y**2).sum().backward()
-    es.reduce_module_grads_(holder, mesh)
+    es.params.reduce_module_grads_(holder, mesh)
     torch.testing.assert_close(g.grad, gw.grad, rtol=1e-12, atol=1e-12)
     dist.barrier()
 

@@ -82,7 +82,7 @@ class Model(torch.nn.Module):
         layouts = _layouts(mesh, names)
         for k in names:
             setattr(self, k, torch.nn.Parameter(local_block(whole[k], layouts[k], mesh, sizes=SIZES).clone()))
-        es.register_module_parameter_layouts_(self, layouts, mesh=mesh, grad=grad)
+        es.params.register_module_parameter_layouts_(self, layouts, mesh=mesh, grad=grad)
 
     def scale(self):
         out = self.g
@@ -106,7 +106,7 @@ def _shard_map_loss(model, mesh, check_vma=True):
     f = _f(mesh)
     shapes = {"tp": {"f": compute_split_shapes(F, 2)}} if "tp" in mesh.names else None
 
-    @es.shard_map((es.param_specs(model), "b c -> b/dp c"), "", mesh=mesh, check_vma=check_vma, shapes=shapes)
+    @es.shard_map((es.params.param_specs(model), "b c -> b/dp c"), "", mesh=mesh, check_vma=check_vma, shapes=shapes)
     def body(params, x):
         y = es.einshard(f"b/dp c, {f} c -> b/dp {f}", x * params["g"], params["w"]) + params["b"]
         return es.einshard(f"b/dp {f} -> ", y * y)
@@ -171,7 +171,7 @@ def test_shard_map_micro_batches_with_unused_and_frozen_parameters(mesh, grad):
     f = _f(m)
     shapes = {"tp": {"f": compute_split_shapes(F, 2)}} if "tp" in m.names else None
 
-    @es.shard_map((es.param_specs(model), "b c -> b/dp c"), "", mesh=m, shapes=shapes)
+    @es.shard_map((es.params.param_specs(model), "b c -> b/dp c"), "", mesh=m, shapes=shapes)
     def body(params, x):
         y = es.einshard(f"b/dp c, {f} c -> b/dp {f}", x * params["g"] * params["s"], params["w"]) + params["b"]
         return es.einshard(f"b/dp {f} -> ", y * y)
@@ -200,17 +200,17 @@ def test_reducing_a_gradient_a_shard_map_body_summed_raises(mesh, grad):
     _shard_map_loss(model, m)().backward()
     before = {k: getattr(model, k).grad.clone() for k in model.names}
     with es.count_communication() as stats, pytest.raises(ValueError, match="summed by the es.shard_map body"):
-        es.reduce_module_grads_(model, m)
+        es.params.reduce_module_grads_(model, m)
     assert _reduces(stats) == 0  # refused before any collective
     for k in model.names:
         assert torch.equal(getattr(model, k).grad, before[k]), k
     with pytest.raises(ValueError, match="summed by the es.shard_map body"):
-        es.reduce_grad_(model.b, es.get_parameter_state(model.b), m)
+        es.params.reduce_grad_(model.b, es.params.get_parameter_state(model.b), m)
     _check_grads(model, m, _reference())
     # a new gradient (zero_grad sets .grad to None) computed outside shard_map is reduced as usual
     model.zero_grad(set_to_none=True)
     _formula_loss(model, m).backward()
-    es.reduce_module_grads_(model, m)
+    es.params.reduce_module_grads_(model, m)
     _check_grads(model, m, _reference())
     dist.barrier()
 
@@ -222,7 +222,7 @@ def test_shard_map_refuses_parameters_that_hooks_sum(mesh, grad):
     _use("uneven")
     m = es.wrap_mesh(mesh)
     model = Model(m, grad)
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
     with es.count_communication() as stats, pytest.raises(ValueError, match="live gradient hooks") as err:
         _shard_map_loss(model, m)()
     assert "args[0]['b']" in str(err.value) and "handle.remove()" in str(err.value)  # the first leaf
@@ -239,7 +239,7 @@ def test_shard_map_refuses_parameters_that_hooks_sum(mesh, grad):
     # check_vma=False and reduce_module_grads_ after backward: also once
     model.zero_grad(set_to_none=True)
     _shard_map_loss(model, m, check_vma=False)().backward()
-    es.reduce_module_grads_(model, m)
+    es.params.reduce_module_grads_(model, m)
     _check_grads(model, m, _reference())
     dist.barrier()
 
@@ -250,7 +250,7 @@ def test_shard_map_refuses_ddp_and_external_duties(grad, who):
     _use("uneven")
     m = es.wrap_mesh(MeshSpec((4,), ("dp",)).build())
     model = Model(m)
-    es.register_parameter_layout(model.b, "f", mesh=m, grad=grad)
+    es.params.register_parameter_layout(model.b, "f", mesh=m, grad=grad)
     with pytest.raises(ValueError, match=f"args\\[0\\]\\['b'\\] has the gradient duty '{grad}' \\({who} sums it\\)"):
         _shard_map_loss(model, m)()
     dist.barrier()
@@ -262,7 +262,7 @@ def test_a_captured_parameter_with_hooks_is_refused():
     _use("uneven")
     m = es.wrap_mesh(MeshSpec((4,), ("dp",)).build())
     model = Model(m, "dp")
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
 
     @es.shard_map("b c -> b/dp c", "", mesh=m)
     def body(x):
@@ -275,7 +275,7 @@ def test_a_captured_parameter_with_hooks_is_refused():
     body(_whole()["x"] * ref["g"].detach()).backward()  # captured, without hooks: summed by the body, once
     _check_grads(model, m, ref, names=("w", "b"))
     with pytest.raises(ValueError, match="summed by the es.shard_map body"):
-        es.reduce_module_grads_(model, m)
+        es.params.reduce_module_grads_(model, m)
     dist.barrier()
 
 
@@ -292,7 +292,7 @@ def test_hooks_micro_batches_with_unused_and_frozen_parameters(mesh, grad, size)
     m = es.wrap_mesh(mesh)
     names = ("g", "w", "b", "s", "z")
     model = Model(m, grad, names)
-    handle = es.register_native_grad_reduction_hooks_(model, m, bucket_bytes=2**20)  # one bucket for all
+    handle = es.params.register_native_grad_reduction_hooks_(model, m, bucket_bytes=2**20)  # one bucket for all
     model.s.requires_grad_(False)
     _formula_loss(model, m).backward()
     _formula_loss(model, m, "x2").backward()
@@ -320,7 +320,7 @@ def test_hooks_sum_what_torch_autograd_grad_returns(mesh, grad, size):
     _use(size)
     m = es.wrap_mesh(mesh)
     model = Model(m, grad)
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
     ref = _reference()
     params = [model.g, model.w, model.b]
     for zeroed in (False, True):
@@ -348,7 +348,7 @@ def test_hooks_take_parameters_frozen_at_registration_once_unfrozen(mesh, grad):
     names = ("g", "w", "b", "t")
     model = Model(m, grad, names)
     model.t.requires_grad_(False)
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
     _formula_loss(model, m).backward()
     handle.wait()
     _check_grads(model, m, _reference(names=names, frozen=("t",)))
@@ -370,7 +370,7 @@ def test_no_sync_accumulates_without_communicating(mesh, grad):
     _use("uneven")
     m = es.wrap_mesh(mesh)
     model = Model(m, grad)
-    handle = es.register_native_grad_reduction_hooks_(model, m, bucket_bytes=2**20)
+    handle = es.params.register_native_grad_reduction_hooks_(model, m, bucket_bytes=2**20)
 
     def sums(stats):  # all-reduces in backward: the formulas' own (over tp) and the gradient sums
         return sum(r.calls for r in stats.filter(kind="all_reduce", direction="backward").records.values())
@@ -401,12 +401,12 @@ def test_hooks_and_reduce_helpers_do_not_both_sum():
     _use("uneven")
     m = es.wrap_mesh(MeshSpec((4,), ("dp",)).build())
     model = Model(m, "dp:async")
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
     with pytest.raises(ValueError, match="already has gradient hooks"):
-        es.register_native_grad_reduction_hooks_(model, m)
+        es.params.register_native_grad_reduction_hooks_(model, m)
     _formula_loss(model, m).backward()
     with pytest.raises(ValueError, match="summed by live gradient hooks"):
-        es.reduce_module_grads_(model, m)
+        es.params.reduce_module_grads_(model, m)
     handle.wait()
     _check_grads(model, m, _reference())
     handle.remove()
@@ -423,7 +423,7 @@ def _whole_model(mesh):
     model.names = ("g", "w", "b")
     for k in model.names:
         setattr(model, k, torch.nn.Parameter(whole[k].clone()))
-    return es.register_module_parameter_layouts_(model, _layouts(mesh), mesh=mesh)
+    return es.params.register_module_parameter_layouts_(model, _layouts(mesh), mesh=mesh)
 
 
 @pytest.mark.ranks(4)
@@ -436,7 +436,7 @@ def test_tree_shard_records_global_shapes_and_a_whole_tensor_raises(mesh, size):
     model = _whole_model(m)
     blocks = es.tree_shard(model, mesh=m)  # whole values: their shapes are recorded on the parameters
 
-    @es.shard_map((es.param_specs(model), "b c -> b/dp c"), "", mesh=m)
+    @es.shard_map((es.params.param_specs(model), "b c -> b/dp c"), "", mesh=m)
     def loss_fn(params, x):
         y = es.einshard(f"b/dp c, {f} c -> b/dp {f}", x * params["g"], params["w"]) + params["b"]
         return es.einshard(f"b/dp {f} -> ", y * y)
@@ -449,7 +449,7 @@ def test_tree_shard_records_global_shapes_and_a_whole_tensor_raises(mesh, size):
         with pytest.raises(ValueError, match=f"operand 1 holds {F} elements of axis 'f'"):
             es.einshard(f"b/dp c, {f} c -> b/dp {f}", local_block(x, "b/dp c", m, sizes=SIZES), model.w,
                         mesh=m, sizes={"b": B})
-    assert es.get_parameter_state(model.w).global_shape == (F, C)
+    assert es.params.get_parameter_state(model.w).global_shape == (F, C)
     with torch.no_grad():
         for k in model.names:
             getattr(model, k).data = blocks[k]
@@ -459,12 +459,12 @@ def test_tree_shard_records_global_shapes_and_a_whole_tensor_raises(mesh, size):
     torch.testing.assert_close(loss, _loss_whole(ref, x, model.names).detach(), rtol=1e-12, atol=1e-12)
     loss.backward()
     _check_grads(model, m, ref)
-    # a whole tensor given for a spec es.param_specs made is caught too (the spec carries the shape)
+    # a whole tensor given for a spec es.params.param_specs made is caught too (the spec carries the shape)
     if "tp" in m.names:
         with pytest.raises(ValueError, match=r"It is the whole tensor: pass this rank's block, or convert on entry"):
             loss_fn({**dict(model.named_parameters()), "w": _whole()["w"]}, x)
         with pytest.raises(ValueError, match="recorded global shape"):
-            es.tree_shard({"w": _whole()["w"][:F - 1]}, {"w": es.param_specs(model)["w"]}, mesh=m)
+            es.tree_shard({"w": _whole()["w"][:F - 1]}, {"w": es.params.param_specs(model)["w"]}, mesh=m)
     dist.barrier()
 
 
@@ -475,16 +475,16 @@ def test_registered_sizes_record_the_global_shape(mesh):
     m = es.wrap_mesh(mesh)
     f = _f(m)
     model = _whole_model(m)  # whole parameters registered as blocks, with the whole sizes given
-    es.register_module_parameter_layouts_(model, _layouts(m), mesh=m, sizes={"f": F})
-    assert es.get_parameter_state(model.b).global_shape == (F,)
+    es.params.register_module_parameter_layouts_(model, _layouts(m), mesh=m, sizes={"f": F})
+    assert es.params.get_parameter_state(model.b).global_shape == (F,)
     x = local_block(_whole()["x"], "b/dp c", m, sizes=SIZES)
     if "tp" in m.names:
         with pytest.raises(ValueError, match="operand 1 holds 5 elements of axis 'f' on this rank"):
             es.einshard(f"b/dp c, {f} c -> b/dp {f}", x, model.w, mesh=m, sizes={"b": B})
     # this rank's blocks, registered with the sizes: the formulas need no sizes= for f
     block = Model(m, "dp:async")
-    es.register_module_parameter_layouts_(block, _layouts(m), mesh=m, sizes={"f": F})
-    handle = es.register_native_grad_reduction_hooks_(block, m)
+    es.params.register_module_parameter_layouts_(block, _layouts(m), mesh=m, sizes={"f": F})
+    handle = es.params.register_native_grad_reduction_hooks_(block, m)
     with es.use_mesh(m):
         y = es.einshard(f"b/dp c, {f} c -> b/dp {f}", x * block.g, block.w, sizes={"b": B}) + block.b
         loss = es.einshard(f"b/dp {f} -> ", y * y, sizes=SIZES)
@@ -522,7 +522,7 @@ def test_compiled_shard_map_refuses_parameters_with_duties():
     m = es.wrap_mesh(MeshSpec((2,), ("dp",)).build())
 
     def step_of(model):
-        @es.shard_map((es.param_specs(model), "b c -> b/dp c"), "", mesh=m)
+        @es.shard_map((es.params.param_specs(model), "b c -> b/dp c"), "", mesh=m)
         def step(params, x):
             return es.einshard("b/dp f -> ", (es.einshard("b/dp c, f c -> b/dp f", x * params["g"], params["w"])
                                                + params["b"]) ** 2)
@@ -536,7 +536,7 @@ def test_compiled_shard_map_refuses_parameters_with_duties():
         torch.compile(step_of(model), fullgraph=True, backend="aot_eager")(dict(model.named_parameters()), x)
     # without duties the compiled step sums every gradient in the body (the recorded shapes give the splits)
     plain = Model(m)
-    es.tree_shard({k: _whole()[k] for k in plain.names}, es.param_specs(plain), mesh=m)
+    es.tree_shard({k: _whole()[k] for k in plain.names}, es.params.param_specs(plain), mesh=m)
     torch._dynamo.reset()
     torch.compile(step_of(plain), backend="aot_eager")(dict(plain.named_parameters()), x).backward()
     _check_grads(plain, m, _reference())
@@ -549,31 +549,31 @@ def test_compiled_shard_map_refuses_parameters_with_duties():
 
 def test_global_shapes_merge_and_validate():
     p = torch.nn.Parameter(torch.zeros(3, 4))
-    es.register_parameter_layout(p, "f/tp c", sizes={"f": 6})
-    assert es.get_parameter_state(p).global_shape == (6, 4)
-    es.register_parameter_layout(p, "f/tp c")  # no sizes: the recorded shape stays
-    assert es.get_parameter_state(p).global_shape == (6, 4)
+    es.params.register_parameter_layout(p, "f/tp c", sizes={"f": 6})
+    assert es.params.get_parameter_state(p).global_shape == (6, 4)
+    es.params.register_parameter_layout(p, "f/tp c")  # no sizes: the recorded shape stays
+    assert es.params.get_parameter_state(p).global_shape == (6, 4)
     with pytest.raises(ValueError, match="different global shape"):
-        es.register_parameter_layout(p, "f/tp c", sizes={"f": 7})
+        es.params.register_parameter_layout(p, "f/tp c", sizes={"f": 7})
     with pytest.raises(ValueError, match="does not shard it"):
-        es.register_parameter_layout(torch.nn.Parameter(torch.zeros(3, 4)), "f/tp c", sizes={"f": 6, "c": 5})
+        es.params.register_parameter_layout(torch.nn.Parameter(torch.zeros(3, 4)), "f/tp c", sizes={"f": 6, "c": 5})
     with pytest.raises(ValueError, match="which no layout has"):
-        es.register_parameter_layout(torch.nn.Parameter(torch.zeros(3, 4)), "f/tp c", sizes={"q": 6})
+        es.params.register_parameter_layout(torch.nn.Parameter(torch.zeros(3, 4)), "f/tp c", sizes={"q": 6})
     with pytest.raises(TypeError, match="Mapping"):
-        es.register_parameter_layout(torch.nn.Parameter(torch.zeros(3, 4)), "f/tp c", sizes=[6])
+        es.params.register_parameter_layout(torch.nn.Parameter(torch.zeros(3, 4)), "f/tp c", sizes=[6])
     q = torch.nn.Parameter(torch.zeros(3, 4))
-    es.register_parameter_layout(q, "f/tp c")  # the sharded axis without a size: nothing recorded
-    assert es.get_parameter_state(q).global_shape is None
+    es.params.register_parameter_layout(q, "f/tp c")  # the sharded axis without a size: nothing recorded
+    assert es.params.get_parameter_state(q).global_shape is None
     with pytest.raises(ValueError, match="global_shape"):
-        es.register_parameter_state(q, replace(es.get_parameter_state(q), global_shape=(6, -1)))
+        es.params.register_parameter_state(q, replace(es.params.get_parameter_state(q), global_shape=(6, -1)))
     with pytest.raises(ValueError, match="rank"):
-        es.register_parameter_state(q, replace(es.get_parameter_state(q), global_shape=(6,)))
+        es.params.register_parameter_state(q, replace(es.params.get_parameter_state(q), global_shape=(6,)))
 
 
 def test_param_specs_carry_the_global_shape():
     lin = torch.nn.Linear(4, 3)
-    es.register_linear_parameters_(lin, weight_layout="out/tp in", mesh_dim_names=("tp",), sizes={"out": 6})
-    specs = es.param_specs(lin)
+    es.params.register_linear_parameters_(lin, weight_layout="out/tp in", mesh_dim_names=("tp",), sizes={"out": 6})
+    specs = es.params.param_specs(lin)
     assert specs == {"weight": "out/tp in", "bias": "out/tp"}
     assert specs["weight"].global_shape == (6, 4) and specs["weight"].param is lin.weight
     again = pickle.loads(pickle.dumps(specs["bias"]))
@@ -587,7 +587,7 @@ def test_one_backward_from_a_body_and_from_outside_is_refused_by_the_reducer(bod
     outside (which leaves it partial) in one backward: summing it again would count the body's part twice."""
     m = es.wrap_mesh(MeshSpec((2,), ("dp",)).build())
     w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
-    es.register_parameter_layout(w, "c", mesh=m, grad="dp")
+    es.params.register_parameter_layout(w, "c", mesh=m, grad="dp")
     x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(m.index("dp")))
     body = es.shard_map(lambda w, x: es.einshard("b/dp c, c -> ", x, w), in_specs=("c", "b/dp c"), out_specs="",
                         mesh=m)
@@ -596,4 +596,4 @@ def test_one_backward_from_a_body_and_from_outside_is_refused_by_the_reducer(bod
         loss = sum(f() for f in (parts if body_first else parts[::-1]))
     loss.backward()
     with pytest.raises(ValueError, match="shard_map"):
-        es.reduce_module_grads_(torch.nn.ParameterList([w]), m)
+        es.params.reduce_module_grads_(torch.nn.ParameterList([w]), m)

@@ -21,10 +21,10 @@ def _state(layout, names=NAMES):
 
 
 def test_shard_dims():
-    p = es.register_parameter_layout(torch.nn.Parameter(torch.zeros(2, 3)), "a/tp b/dp-sp")
-    assert es.param_shard_dims(p) == ("tp", "dp-sp") == es.param_shard_dims(es.get_parameter_state(p))
+    p = es.params.register_parameter_layout(torch.nn.Parameter(torch.zeros(2, 3)), "a/tp b/dp-sp")
+    assert es.params.param_shard_dims(p) == ("tp", "dp-sp") == es.params.param_shard_dims(es.params.get_parameter_state(p))
     with pytest.raises(ValueError, match="ParameterState"):
-        es.param_shard_dims(torch.nn.Parameter(torch.zeros(1)))
+        es.params.param_shard_dims(torch.nn.Parameter(torch.zeros(1)))
 
 
 @pytest.mark.parametrize("shape", [(8, 6), (7, 5), (3, 2)])
@@ -35,8 +35,8 @@ def test_slices_tile_the_tensor_on_every_coordinate(shape):
         for coord in itertools.product(range(2), repeat=3):
             mesh = es.Mesh.virtual((2, 2, 2), NAMES, coordinate=coord)
             s = _state(layout)
-            slices = es.param_local_slices(s, shape, mesh)
-            shape_local = es.param_local_shape(s, shape, mesh)
+            slices = es.params.param_local_slices(s, shape, mesh)
+            shape_local = es.params.param_local_shape(s, shape, mesh)
             assert all(isinstance(n, int) for n in shape_local)
             block = seen[slices]
             assert tuple(block.shape) == shape_local
@@ -54,8 +54,8 @@ def test_slices_tile_the_tensor_on_every_coordinate(shape):
 def test_factors_and_metadata():
     mesh = es.Mesh.virtual((1, 1, 4), NAMES, coordinate=(0, 0, 3))
     s = _state("a/tp b")
-    assert es.param_local_slices(s, (721, 2), mesh, factors={"a": 4}) == (slice(540, 721), slice(None))
-    m = es.param_shard_metadata(s, (10, 2), mesh)
+    assert es.params.param_local_slices(s, (721, 2), mesh, factors={"a": 4}) == (slice(540, 721), slice(None))
+    m = es.params.param_shard_metadata(s, (10, 2), mesh)
     assert m == ParamShardMetadata((10, 2), (slice(9, 10), slice(None)), (1, 2), ("tp",))
     with pytest.raises(Exception):
         m.local_shape = (1,)
@@ -64,18 +64,18 @@ def test_factors_and_metadata():
 def test_errors():
     mesh = es.Mesh.virtual((2, 2, 2), NAMES)
     with pytest.raises(ValueError, match="layout-free"):
-        es.param_local_slices(ParameterState(None), (2,), mesh)
+        es.params.param_local_slices(ParameterState(None), (2,), mesh)
     with pytest.raises(ValueError, match="rank"):
-        es.param_local_slices(_state("a b"), (2,), mesh)
+        es.params.param_local_slices(_state("a b"), (2,), mesh)
     with pytest.raises(ValueError, match=r"\.\.\."):
-        es.param_local_slices(ParameterState.from_spec("... a"), (2, 2), mesh)
+        es.params.param_local_slices(ParameterState.from_spec("... a"), (2, 2), mesh)
     with pytest.raises(ValueError, match="'xx'"):
-        es.param_local_slices(_state("a/xx", ()), (2,), mesh)
+        es.params.param_local_slices(_state("a/xx", ()), (2,), mesh)
     with pytest.raises(NotImplementedError, match="factored-axis"):
-        es.param_local_slices(ParameterState.from_spec("(a/tp b) c"), (4, 2), mesh)
-    assert es.param_local_slices(ParameterState.from_spec("(a b) c"), (4, 2), mesh) == (slice(None), slice(None))
+        es.params.param_local_slices(ParameterState.from_spec("(a/tp b) c"), (4, 2), mesh)
+    assert es.params.param_local_slices(ParameterState.from_spec("(a b) c"), (4, 2), mesh) == (slice(None), slice(None))
     with pytest.raises(TypeError, match="mesh"):
-        es.param_local_slices(_state("a/tp"), (4,), object())
+        es.params.param_local_slices(_state("a/tp"), (4,), object())
 
 
 @pytest.mark.ranks(8)
@@ -92,20 +92,20 @@ def test_local_slices_match_tree_shard_on_device_meshes(mesh):
         s = ParameterState.from_layout(layout, mesh_dim_names=names)
         compound = any("-" in d for d in s.layout_shard_dims)
         for m in ([wrapped] if compound else [wrapped, mesh]):
-            block = whole[es.param_local_slices(s, whole.shape, m)]
+            block = whole[es.params.param_local_slices(s, whole.shape, m)]
             assert torch.equal(block, local_block(whole, layout, wrapped)), (layout, m)
-            assert tuple(block.shape) == es.param_local_shape(s, whole.shape, m)
+            assert tuple(block.shape) == es.params.param_local_shape(s, whole.shape, m)
         if compound:
             with pytest.raises(ValueError, match="wrap_mesh"):
-                es.param_local_slices(s, whole.shape, mesh)
+                es.params.param_local_slices(s, whole.shape, mesh)
     # a raw DeviceMesh without a process group: unsharded layouts work, sharded ones say why not
     real = dist.is_initialized
     dist.is_initialized = lambda: False
     try:
         s = ParameterState.from_layout("a b", mesh_dim_names=names)
-        assert es.param_local_slices(s, (4, 2), mesh) == (slice(None), slice(None))
+        assert es.params.param_local_slices(s, (4, 2), mesh) == (slice(None), slice(None))
         with pytest.raises(RuntimeError, match="initialized process group"):
-            es.param_local_slices(ParameterState.from_layout("a/tp b", mesh_dim_names=names), (4, 2), mesh)
+            es.params.param_local_slices(ParameterState.from_layout("a/tp b", mesh_dim_names=names), (4, 2), mesh)
     finally:
         dist.is_initialized = real
     dist.barrier()

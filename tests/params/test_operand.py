@@ -21,7 +21,7 @@ def _p(*shape):
 def _state(formula, index, p=None, names=NAMES, **kw):
     f = expand(formula)
     p = p if p is not None else _p(*([2] * len(f.inputs[index].items)))
-    return es.parameter_operand_state(p, f.inputs, f.output, index, mesh_dim_names=names, **kw)
+    return es.params.parameter_operand_state(p, f.inputs, f.output, index, mesh_dim_names=names, **kw)
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_explicit_forms_stay_and_infer_grad_modes():
 def test_einshard_like_keeps_pending_duties_of_formulas_that_are_not_rank_local(formula):
     """es.einshard infers only on rank-local formulas; the others stay pending (the planner resolves them)."""
     w = _p(2)
-    es.einshard_like(formula, *([None] * (len(expand(formula).inputs) - 1) + [w]), mesh=MESH)
+    es.params.einshard_like(formula, *([None] * (len(expand(formula).inputs) - 1) + [w]), mesh=MESH)
     state = state_of(w)
     assert state.grad_comm.pending_inference and state.grad_comm.schedule == "async"
 
@@ -106,32 +106,32 @@ def test_operand_errors():
 def test_register_parameter_operand_checks_rank_and_merges():
     f = expand("b/dp c, c d [param] -> b/dp d")
     w = _p(3, 4)
-    assert es.register_parameter_operand(w, f.inputs, f.output, 1, mesh_dim_names=NAMES) is w
+    assert es.params.register_parameter_operand(w, f.inputs, f.output, 1, mesh_dim_names=NAMES) is w
     assert state_of(w).reduce == ("dp",)
     with pytest.raises(ValueError, match="rank"):
-        es.register_parameter_operand(_p(3), f.inputs, f.output, 1)
+        es.params.register_parameter_operand(_p(3), f.inputs, f.output, 1)
     g = expand("b/sp c, c d [param] -> b/sp d")
     with pytest.raises(ValueError, match="different grad groups"):
-        es.register_parameter_operand(w, g.inputs, g.output, 1, mesh_dim_names=NAMES)
+        es.params.register_parameter_operand(w, g.inputs, g.output, 1, mesh_dim_names=NAMES)
     assert state_of(w).reduce == ("dp",)
 
 
 # -- einshard_like ----------------------------------------------------------------------------------
 def test_einshard_like_records_without_values():
     w, b = _p(3, 4), _p(4)
-    assert es.einshard_like("x/dp c, c d [param], d [param, grad=dp:async] -> x/dp d", None, w, b, mesh=MESH) is None
+    assert es.params.einshard_like("x/dp c, c d [param], d [param, grad=dp:async] -> x/dp d", None, w, b, mesh=MESH) is None
     assert state_of(w).reduce == ("dp",) and state_of(w).mesh_dim_names == NAMES
     assert state_of(b).grad_comm.schedule == "async" and state_of(b).source == "formula"
     # families expand; the same parameter twice in one call merges in order
     v = _p(3, 3)
-    es.einshard_like("*s c, c e [param], e e2 -> *s e2", None, v, None, mesh=MESH, families={"s": ["b/dp"]})
+    es.params.einshard_like("*s c, c e [param], e e2 -> *s e2", None, v, None, mesh=MESH, families={"s": ["b/dp"]})
     assert state_of(v).reduce == ("dp",)
     u = _p(2, 2)
-    es.einshard_like("a b [param], a b [param] -> a b", u, u)
+    es.params.einshard_like("a b [param], a b [param] -> a b", u, u)
     assert state_of(u).grad_comm == ParameterGradComm()
     with es.use_mesh(MESH):  # the ambient mesh counts for the names
         z = _p(2)
-        es.einshard_like("b/dp c, c [param] -> b/dp", None, z)
+        es.params.einshard_like("b/dp c, c [param] -> b/dp", None, z)
         assert state_of(z).mesh_dim_names == NAMES
 
 
@@ -153,7 +153,7 @@ def test_einshard_like_errors_attach_nothing(formula, operands, kw, exc, words):
     params = {"p1": _p(2, 2), "p2": _p(2, 2)}
     operands = tuple(params.get(o, o) if isinstance(o, str) and o in params else o for o in operands)
     with pytest.raises(exc, match=words):
-        es.einshard_like(formula, *operands, **kw)
+        es.params.einshard_like(formula, *operands, **kw)
     assert all(state_of(p) is None for p in params.values())
 
 
@@ -161,4 +161,4 @@ def test_einshard_like_ignores_mesh_names_without_param():
     class Bad:
         mesh_dim_names = ("a", "a")
 
-    es.einshard_like("b c, c d -> b d", None, None, mesh=Bad())  # a local formula, no [param]: nothing read
+    es.params.einshard_like("b c, c d -> b d", None, None, mesh=Bad())  # a local formula, no [param]: nothing read

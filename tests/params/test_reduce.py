@@ -58,9 +58,9 @@ class Block(torch.nn.Module):
 
     def register(self, mesh, schedule=""):
         suffix = f":{schedule}" if schedule else ""
-        es.register_parameter_layout(self.g, "c", mesh=mesh, grad=self.duty_g + suffix)
+        es.params.register_parameter_layout(self.g, "c", mesh=mesh, grad=self.duty_g + suffix)
         for p, layout in ((self.w, "c f/tp"), (self.b, "f/tp")):
-            es.register_parameter_layout(p, layout, mesh=mesh, grad=None if self.duty_wb is None else self.duty_wb + suffix)
+            es.params.register_parameter_layout(p, layout, mesh=mesh, grad=None if self.duty_wb is None else self.duty_wb + suffix)
         return self
 
     def forward(self, x=None):
@@ -93,15 +93,15 @@ def test_reduce_helpers_and_hooks_match_single_process(mesh):
     block = Block(m).register(m)
     block.loss().backward()
     for p in (block.g, block.w, block.b):
-        es.reduce_grad_(p, es.get_parameter_state(p), m)
+        es.params.reduce_grad_(p, es.params.get_parameter_state(p), m)
     _check(block, m)
     block = Block(m).register(m)
     block.loss().backward()
-    es.reduce_module_grads_(block, m)
+    es.params.reduce_module_grads_(block, m)
     _check(block, m)
     # synchronous hooks: each contribution summed before accumulation, so repeated backward is exact
     block = Block(m).register(m)
-    handle = es.register_native_grad_reduction_hooks_(block, m)
+    handle = es.params.register_native_grad_reduction_hooks_(block, m)
     block.loss().backward()
     assert handle.pending == 0
     _check(block, m)
@@ -118,12 +118,12 @@ def test_reduce_helpers_and_hooks_match_single_process(mesh):
     block.loss().backward()
     if "-" in block.duty_g:
         with pytest.raises(ValueError, match="wrap_mesh"):
-            es.reduce_module_grads_(block, mesh)
+            es.params.reduce_module_grads_(block, mesh)
         with pytest.raises(ValueError, match="wrap_mesh"):
-            es.register_native_grad_reduction_hooks_(block, mesh)
+            es.params.register_native_grad_reduction_hooks_(block, mesh)
         assert not block.g._backward_hooks and not block.w._backward_hooks
     if block.duty_wb is not None and "-" not in block.duty_wb:
-        es.reduce_grad_(block.w, es.get_parameter_state(block.w), mesh)
+        es.params.reduce_grad_(block.w, es.params.get_parameter_state(block.w), mesh)
         torch.testing.assert_close(block.w.grad, _expected(m)["w"], rtol=1e-12, atol=1e-12)
     dist.barrier()
 
@@ -133,10 +133,10 @@ def test_async_hooks_are_bucketed_overlap_backward_and_equal_synchronous(mesh):
     m = es.wrap_mesh(mesh)
     sync_block = Block(m).register(m)
     sync_block.loss().backward()
-    es.reduce_module_grads_(sync_block, m)
+    es.params.reduce_module_grads_(sync_block, m)
     block = Block(m).register(m, schedule="async")
-    assert es.get_parameter_state(block.g).grad_comm.schedule == "async"
-    handle = es.register_native_grad_reduction_hooks_(block, m, bucket_bytes=1)  # one bucket per parameter
+    assert es.params.get_parameter_state(block.g).grad_comm.schedule == "async"
+    handle = es.params.register_native_grad_reduction_hooks_(block, m, bucket_bytes=1)  # one bucket per parameter
     box = {"handle": handle}
     x = OnBackward.apply(block.x.clone().requires_grad_(True), lambda: box.update(pending_at_end=box["handle"].pending))
     block.loss(x).backward()
@@ -161,14 +161,14 @@ def _ddp_case(mesh):
     wb_extra = "-".join(n for n in rest if n != "tp") or None
     for combined in (False, True):
         block = Block(m)
-        es.register_parameter_layout(block.g, "c", mesh=m, grad=g_extra)
-        es.register_parameter_layout(block.w, "c f/tp", mesh=m, grad=wb_extra and f"{wb_extra}:ddp")
+        es.params.register_parameter_layout(block.g, "c", mesh=m, grad=g_extra)
+        es.params.register_parameter_layout(block.w, "c f/tp", mesh=m, grad=wb_extra and f"{wb_extra}:ddp")
         kw = {"combined_reduce_group": "-".join(reversed(m.names)), "combined_reduce": (g_extra,)} if combined else {}
         if combined:  # every parameter of the only bucket reduces over g_extra alone: the fast path
             block.w.requires_grad_(False)
             block.b.requires_grad_(False)
         ddp = DDP(block, process_group=m.group("dp"))
-        assert es.register_grad_reduction_hook_(ddp, m, ddp_group="dp", **kw) is ddp
+        assert es.params.register_grad_reduction_hook_(ddp, m, ddp_group="dp", **kw) is ddp
         (ddp(block.x) ** 2).sum().backward()
         want = _expected(m, scale=0.5)  # DDP averages over dp (size 2)
         torch.testing.assert_close(block.g.grad, want["g"], rtol=1e-12, atol=1e-12)
@@ -208,12 +208,12 @@ def test_gradient_reductions_are_counted(mesh_2x4):
     block.loss().backward()
     with es.count_communication() as stats:
         for p in (block.g, block.w, block.b):
-            es.reduce_grad_(p, es.get_parameter_state(p), m)
+            es.params.reduce_grad_(p, es.params.get_parameter_state(p), m)
     assert _reduces(stats) == each
     block.zero_grad(set_to_none=True)
     block.loss().backward()
     with es.count_communication() as stats:
-        es.reduce_module_grads_(block, m)
+        es.params.reduce_module_grads_(block, m)
     assert _reduces(stats) == each
     _check(block, m)
     for schedule, bucket_bytes, want in (
@@ -223,7 +223,7 @@ def test_gradient_reductions_are_counted(mesh_2x4):
     ):
         block = Block(m).register(m, schedule=schedule)
         with es.count_communication() as stats:
-            handle = es.register_native_grad_reduction_hooks_(block, m, bucket_bytes=bucket_bytes)
+            handle = es.params.register_native_grad_reduction_hooks_(block, m, bucket_bytes=bucket_bytes)
             block.loss().backward()
             handle.wait().remove()
         assert _reduces(stats) == want, (schedule, bucket_bytes)
@@ -233,9 +233,9 @@ def test_gradient_reductions_are_counted(mesh_2x4):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     block = Block(m)
-    es.register_parameter_layout(block.g, "c", mesh=m, grad="tp")
+    es.params.register_parameter_layout(block.g, "c", mesh=m, grad="tp")
     ddp = DDP(block, process_group=m.group("dp"))
-    es.register_grad_reduction_hook_(ddp, m, ddp_group="dp")
+    es.params.register_grad_reduction_hook_(ddp, m, ddp_group="dp")
     with es.count_communication() as stats:
         (ddp(block.x) ** 2).sum().backward()
     assert _reduces(stats) == (2, _ring(2, sum(nbytes.values())) + _ring(4, nbytes["g"]))
@@ -250,17 +250,17 @@ VMESH = es.Mesh.virtual((2, 4), ("dp", "tp"))
 def test_reduce_grad_rules():
     p = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(TypeError):
-        es.reduce_grad_(p, "c", VMESH)
-    assert es.reduce_grad_(p, ParameterState.from_spec("c [param]"), VMESH) is p  # no grad: returns at once
+        es.params.reduce_grad_(p, "c", VMESH)
+    assert es.params.reduce_grad_(p, ParameterState.from_spec("c [param]"), VMESH) is p  # no grad: returns at once
     p.grad = torch.ones(2)
     with pytest.raises(ValueError, match="pending inference"):
-        es.reduce_grad_(p, ParameterState.from_spec("c [param]"), VMESH)
+        es.params.reduce_grad_(p, ParameterState.from_spec("c [param]"), VMESH)
     with pytest.raises(ValueError, match="pending inference"):
-        es.reduce_grad_(p, ParameterState.from_spec("c [param, grad=ddp]"), VMESH)
+        es.params.reduce_grad_(p, ParameterState.from_spec("c [param, grad=ddp]"), VMESH)
     for grad in ("dp:ddp", "dp:external", "none", None, "external"):
-        es.reduce_grad_(p, ParameterState.from_layout("c", grad=grad), VMESH)  # nothing to do: no groups needed
+        es.params.reduce_grad_(p, ParameterState.from_layout("c", grad=grad), VMESH)  # nothing to do: no groups needed
     vma = replace(ParameterState.from_layout("c"), grad_comm=ParameterGradComm("inferred", ("dp",), "vma"))
-    es.reduce_grad_(p, vma, VMESH)
+    es.params.reduce_grad_(p, vma, VMESH)
     assert torch.equal(p.grad, torch.ones(2))
 
 
@@ -272,14 +272,14 @@ def test_module_checks_come_first():
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.ones(2))
     m.b = torch.nn.Parameter(torch.ones(2))
-    es.register_parameter_layout(m.a, "c", grad="dp")
-    es.register_parameter_state(m.b, ParameterState.from_spec("c [param]"))
+    es.params.register_parameter_layout(m.a, "c", grad="dp")
+    es.params.register_parameter_state(m.b, ParameterState.from_spec("c [param]"))
     m.a.grad = torch.ones(2)
     m.b.grad = torch.ones(2)
     with pytest.raises(ValueError, match="pending inference"):
-        es.reduce_module_grads_(m, VMESH)  # the virtual mesh would fail at the first collective
+        es.params.reduce_module_grads_(m, VMESH)  # the virtual mesh would fail at the first collective
     with pytest.raises(ValueError, match="pending inference"):
-        es.register_native_grad_reduction_hooks_(m, VMESH)
+        es.params.register_native_grad_reduction_hooks_(m, VMESH)
     assert not _hooks_of(m.a) and not _hooks_of(m.b)
 
 
@@ -287,21 +287,21 @@ def test_hook_registration_errors_add_nothing():
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.ones(2))
     m.b = torch.nn.Parameter(torch.ones(2), requires_grad=False)  # frozen: accepted, hooked when unfrozen
-    es.register_parameter_layout(m.a, "c", grad="dp")
-    es.register_parameter_layout(m.b, "c", grad="dp")
+    es.params.register_parameter_layout(m.a, "c", grad="dp")
+    es.params.register_parameter_layout(m.b, "c", grad="dp")
     with pytest.raises(ValueError, match="virtual mesh has no process groups"):
-        es.register_native_grad_reduction_hooks_(m, VMESH)
+        es.params.register_native_grad_reduction_hooks_(m, VMESH)
     assert not _hooks_of(m.a) and hooked_by(m.a) is None and hooked_by(m.b) is None
     n = torch.nn.Module()
     n.a = torch.nn.Parameter(torch.ones(2))
-    es.register_parameter_layout(n.a, "c", grad="sp")
+    es.params.register_parameter_layout(n.a, "c", grad="sp")
     with pytest.raises(ValueError, match="'sp'"):
-        es.register_native_grad_reduction_hooks_(n, VMESH)
+        es.params.register_native_grad_reduction_hooks_(n, VMESH)
     # only native duties count; external/ddp ones need no hooks and no groups
     k = torch.nn.Module()
     k.a = torch.nn.Parameter(torch.ones(2))
-    es.register_parameter_layout(k.a, "c", grad="sp:external")
-    handle = es.register_native_grad_reduction_hooks_(k, VMESH)
+    es.params.register_parameter_layout(k.a, "c", grad="sp:external")
+    handle = es.params.register_native_grad_reduction_hooks_(k, VMESH)
     assert handle.pending == 0 and not _hooks_of(k.a)
 
 
@@ -329,7 +329,7 @@ class _FakeDDP:
 def test_ddp_hook_argument_errors(kw, words):
     ddp = _FakeDDP(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=words):
-        es.register_grad_reduction_hook_(ddp, VMESH, **kw)
+        es.params.register_grad_reduction_hook_(ddp, VMESH, **kw)
     assert not ddp.hooks
 
 
@@ -338,10 +338,10 @@ def test_ddp_hook_argument_errors(kw, words):
 def test_ddp_hook_state_errors(grad, words):
     lin = torch.nn.Linear(2, 2)
     if grad is None:
-        es.register_parameter_state(lin.weight, ParameterState.from_spec("o i [param, grad=ddp]"))
+        es.params.register_parameter_state(lin.weight, ParameterState.from_spec("o i [param, grad=ddp]"))
     else:
-        es.register_parameter_layout(lin.weight, "o i", grad=grad)
+        es.params.register_parameter_layout(lin.weight, "o i", grad=grad)
     ddp = _FakeDDP(lin)
     with pytest.raises(ValueError, match=words):
-        es.register_grad_reduction_hook_(ddp, VMESH, ddp_group="dp")
+        es.params.register_grad_reduction_hook_(ddp, VMESH, ddp_group="dp")
     assert not ddp.hooks

@@ -19,17 +19,17 @@ def _nothing_attached(module):
 # -- register_parameter_layout ---------------------------------------------------------------
 def test_parameter_layout():
     p = torch.nn.Parameter(torch.zeros(4, 3))
-    assert es.register_parameter_layout(p, "out/tp in", mesh=MESH, grad="dp:async", init_sync="dp") is p
+    assert es.params.register_parameter_layout(p, "out/tp in", mesh=MESH, grad="dp:async", init_sync="dp") is p
     s = state_of(p)
     assert s.layout == "out/tp in" and s.source == "layout" and s.mesh_dim_names == NAMES
     assert s.grad_comm == ParameterGradComm("explicit", ("dp",), "native", "async")
     assert s.init_sync.mode == "explicit"
     with pytest.raises(ValueError, match="rank"):
-        es.register_parameter_layout(torch.nn.Parameter(torch.zeros(4)), "out in")
+        es.params.register_parameter_layout(torch.nn.Parameter(torch.zeros(4)), "out in")
     with pytest.raises(TypeError):
-        es.register_parameter_layout(torch.zeros(4), "c")
+        es.params.register_parameter_layout(torch.zeros(4), "c")
     with pytest.raises(TypeError):
-        es.register_parameter_layout(torch.nn.Parameter(torch.zeros(4)), None)
+        es.params.register_parameter_layout(torch.nn.Parameter(torch.zeros(4)), None)
 
 
 # -- modules -----------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ def _mlp():
 
 def test_module_layouts_with_per_name_values():
     m = _mlp()
-    es.register_module_parameter_layouts_(
+    es.params.register_module_parameter_layouts_(
         m,
         {"0.weight": "f/tp c", "0.bias": "f/tp", "2.weight": "c f/tp", "2.bias": "c"},
         mesh=MESH,
@@ -70,15 +70,15 @@ def test_module_layouts_with_per_name_values():
 def test_module_layout_errors_attach_nothing(layouts, kw, exc, words):
     m = _mlp()
     with pytest.raises(exc, match=words):
-        es.register_module_parameter_layouts_(m, layouts, **kw)
+        es.params.register_module_parameter_layouts_(m, layouts, **kw)
     assert _nothing_attached(m)
 
 
 def test_module_layouts_merge_conflict_attaches_nothing():
     m = _mlp()
-    es.register_parameter_layout(m[2].bias, "c", grad="dp")
+    es.params.register_parameter_layout(m[2].bias, "c", grad="dp")
     with pytest.raises(ValueError, match="incompatible metadata"):
-        es.register_module_parameter_layouts_(m, {"0.weight": "f c", "2.bias": "c"}, grad="tp")
+        es.params.register_module_parameter_layouts_(m, {"0.weight": "f c", "2.bias": "c"}, grad="tp")
     assert state_of(m[0].weight) is None
 
 
@@ -87,27 +87,27 @@ def test_alias_merges_within_one_call():
     m = torch.nn.Module()
     m.a, m.b = lin, lin
     # the same Parameter twice in one call: uses merge in order
-    es.register_module_parameter_layouts_(m, {"a.weight": "o i", "b.weight": "o i"}, grad={"b.weight": "dp"})
+    es.params.register_module_parameter_layouts_(m, {"a.weight": "o i", "b.weight": "o i"}, grad={"b.weight": "dp"})
     assert state_of(lin.weight).reduce == ("dp",)
     with pytest.raises(ValueError, match="different layout"):
-        es.register_module_parameter_layouts_(torch.nn.ModuleDict({"a": lin, "b": lin}),
+        es.params.register_module_parameter_layouts_(torch.nn.ModuleDict({"a": lin, "b": lin}),
                                               {"a.bias": "o", "b.bias": "p"})
 
 
 # -- linear ----------------------------------------------------------------------------------
 def test_linear_defaults_and_values():
-    lin = es.register_linear_parameters_(torch.nn.Linear(3, 4))
+    lin = es.params.register_linear_parameters_(torch.nn.Linear(3, 4))
     assert state_of(lin.weight).layout == "out in" and state_of(lin.bias).layout == "out"
     assert state_of(lin.weight).source == "linear"
-    lin = es.register_linear_parameters_(
+    lin = es.params.register_linear_parameters_(
         torch.nn.Linear(3, 4), weight_layout="out/tp in", mesh=MESH, weight_grad="dp", bias_grad="dp:async",
         init_sync="dp", bias_init_sync="none",
     )
     assert state_of(lin.bias).layout == "out/tp" and state_of(lin.bias).grad_comm.schedule == "async"
     assert state_of(lin.weight).init_sync.mesh_dims == ("dp",) and state_of(lin.bias).explicit_init_sync_none
-    row = es.register_linear_parameters_(torch.nn.Linear(8, 3), weight_layout="out in/tp", bias_layout="out")
+    row = es.params.register_linear_parameters_(torch.nn.Linear(8, 3), weight_layout="out in/tp", bias_layout="out")
     assert state_of(row.bias).layout == "out"
-    nob = es.register_linear_parameters_(torch.nn.Linear(3, 4, bias=False), weight_layout="o/tp i")
+    nob = es.params.register_linear_parameters_(torch.nn.Linear(3, 4, bias=False), weight_layout="o/tp i")
     assert state_of(nob.weight).layout == "o/tp i"
 
 
@@ -135,7 +135,7 @@ class _Odd(torch.nn.Module):
 )
 def test_linear_errors_attach_nothing(module, kw, exc, words):
     with pytest.raises(exc, match=words):
-        es.register_linear_parameters_(module, **kw)
+        es.params.register_linear_parameters_(module, **kw)
     assert _nothing_attached(module)
 
 
@@ -143,7 +143,7 @@ def test_linear_errors_attach_nothing(module, kw, exc, words):
 @pytest.mark.parametrize("cls, layout", [(torch.nn.Conv1d, "out in k"), (torch.nn.Conv2d, "out in kh kw"),
                                          (torch.nn.Conv3d, "out in kd kh kw")])
 def test_conv_defaults(cls, layout):
-    conv = es.register_conv_parameters_(cls(2, 4, 3), grad="dp", bias_grad="dp:async")
+    conv = es.params.register_conv_parameters_(cls(2, 4, 3), grad="dp", bias_grad="dp:async")
     assert state_of(conv.weight).layout == layout and state_of(conv.bias).layout == "out"
     assert state_of(conv.weight).reduce == ("dp",) and state_of(conv.bias).grad_comm.schedule == "async"
     assert state_of(conv.weight).source == "conv"
@@ -151,53 +151,53 @@ def test_conv_defaults(cls, layout):
 
 def test_conv_errors():
     with pytest.raises(NotImplementedError, match="ConvTranspose"):
-        es.register_conv_parameters_(torch.nn.ConvTranspose2d(2, 4, 3))
+        es.params.register_conv_parameters_(torch.nn.ConvTranspose2d(2, 4, 3))
     with pytest.raises(NotImplementedError, match="groups"):
-        es.register_conv_parameters_(torch.nn.Conv2d(2, 4, 3, groups=2))
+        es.params.register_conv_parameters_(torch.nn.Conv2d(2, 4, 3, groups=2))
     conv = torch.nn.Conv2d(2, 4, 3)
     with pytest.raises(ValueError, match="bias layout"):
-        es.register_conv_parameters_(conv, weight_layout="out/tp in kh kw", bias_layout="out")
+        es.params.register_conv_parameters_(conv, weight_layout="out/tp in kh kw", bias_layout="out")
     with pytest.raises(ValueError, match="rank"):
-        es.register_conv_parameters_(conv, weight_layout="out in k")
+        es.params.register_conv_parameters_(conv, weight_layout="out in k")
     assert _nothing_attached(conv)
 
 
 # -- norm ------------------------------------------------------------------------------------------
 def test_norm():
-    ln = es.register_norm_parameters_(torch.nn.LayerNorm(4), mesh=MESH, grad="tp", weight_grad="dp")
+    ln = es.params.register_norm_parameters_(torch.nn.LayerNorm(4), mesh=MESH, grad="tp", weight_grad="dp")
     assert state_of(ln.weight).layout == "c" and state_of(ln.bias).layout == "c"
     assert state_of(ln.weight).reduce == ("dp",) and state_of(ln.bias).reduce == ("tp",)
     assert state_of(ln.weight).source == "norm"
     bn = torch.nn.BatchNorm1d(4)
-    es.register_norm_parameters_(bn, layout="c/tp", mesh=MESH)
+    es.params.register_norm_parameters_(bn, layout="c/tp", mesh=MESH)
     assert state_of(bn.bias).layout == "c/tp" and not hasattr(bn.running_mean, "einshard_state")
-    ln2 = es.register_norm_parameters_(torch.nn.LayerNorm(4), weight_layout="h", bias_layout="h")
+    ln2 = es.params.register_norm_parameters_(torch.nn.LayerNorm(4), weight_layout="h", bias_layout="h")
     assert state_of(ln2.bias).layout == "h"
     with pytest.raises(ValueError, match="differ"):
-        es.register_norm_parameters_(torch.nn.LayerNorm(4), layout="a", weight_layout="b")
+        es.params.register_norm_parameters_(torch.nn.LayerNorm(4), layout="a", weight_layout="b")
     with pytest.raises(TypeError):
-        es.register_norm_parameters_(torch.nn.LayerNorm(4), layout=None)
+        es.params.register_norm_parameters_(torch.nn.LayerNorm(4), layout=None)
     with pytest.raises(ValueError, match="no weight"):
-        es.register_norm_parameters_(torch.nn.LayerNorm(4, elementwise_affine=False))
+        es.params.register_norm_parameters_(torch.nn.LayerNorm(4, elementwise_affine=False))
     bad = _Odd(torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3)))
     with pytest.raises(ValueError, match="bias shape"):
-        es.register_norm_parameters_(bad)
+        es.params.register_norm_parameters_(bad)
     assert _nothing_attached(bad)
     with pytest.raises(ValueError, match="rank"):
-        es.register_norm_parameters_(torch.nn.LayerNorm((2, 4)))
+        es.params.register_norm_parameters_(torch.nn.LayerNorm((2, 4)))
 
 
 def test_shared_grad_and_init_sync_are_defaults_that_a_biasless_module_takes_on_its_weight():
-    conv = es.register_conv_parameters_(torch.nn.Conv2d(2, 4, 3, bias=False), grad="dp", init_sync="dp",
+    conv = es.params.register_conv_parameters_(torch.nn.Conv2d(2, 4, 3, bias=False), grad="dp", init_sync="dp",
                                         mesh_dim_names=("dp",))
     assert state_of(conv.weight).reduce == ("dp",) and state_of(conv.weight).shared == ("dp",)
-    ln = es.register_norm_parameters_(torch.nn.LayerNorm(4, bias=False), grad="dp", mesh_dim_names=("dp",))
+    ln = es.params.register_norm_parameters_(torch.nn.LayerNorm(4, bias=False), grad="dp", mesh_dim_names=("dp",))
     assert state_of(ln.weight).reduce == ("dp",)
-    lin = es.register_linear_parameters_(torch.nn.Linear(3, 4, bias=False), init_sync="none")
+    lin = es.params.register_linear_parameters_(torch.nn.Linear(3, 4, bias=False), init_sync="none")
     assert state_of(lin.weight).init_sync.mode == "none"
-    for register, module in ((es.register_conv_parameters_, lambda: torch.nn.Conv2d(2, 4, 3, bias=False)),
-                             (es.register_norm_parameters_, lambda: torch.nn.LayerNorm(4, bias=False)),
-                             (es.register_linear_parameters_, lambda: torch.nn.Linear(3, 4, bias=False))):
+    for register, module in ((es.params.register_conv_parameters_, lambda: torch.nn.Conv2d(2, 4, 3, bias=False)),
+                             (es.params.register_norm_parameters_, lambda: torch.nn.LayerNorm(4, bias=False)),
+                             (es.params.register_linear_parameters_, lambda: torch.nn.Linear(3, 4, bias=False))):
         for kw in ({"bias_grad": "dp"}, {"bias_init_sync": "none"}, {"bias_layout": "out"}):
             m = module()
             with pytest.raises(ValueError, match="bias"):
@@ -208,36 +208,36 @@ def test_shared_grad_and_init_sync_are_defaults_that_a_biasless_module_takes_on_
 def test_norm_layout_none_is_not_omitted_and_the_bias_layout_must_match():
     ln = torch.nn.LayerNorm(4)
     with pytest.raises(TypeError, match="layout"):
-        es.register_norm_parameters_(ln, layout=None, weight_layout="hidden")
+        es.params.register_norm_parameters_(ln, layout=None, weight_layout="hidden")
     with pytest.raises(ValueError, match="bias.*layout"):
-        es.register_norm_parameters_(ln, layout="c", bias_layout="d")
+        es.params.register_norm_parameters_(ln, layout="c", bias_layout="d")
     with pytest.raises(ValueError, match="bias.*layout"):
-        es.register_norm_parameters_(ln, layout="c/tp", bias_layout="c", mesh_dim_names=("tp",))
+        es.params.register_norm_parameters_(ln, layout="c/tp", bias_layout="c", mesh_dim_names=("tp",))
     assert _nothing_attached(ln)
-    es.register_norm_parameters_(ln, layout="c/tp", bias_layout="c/tp", mesh_dim_names=("tp",))
+    es.params.register_norm_parameters_(ln, layout="c/tp", bias_layout="c/tp", mesh_dim_names=("tp",))
     assert state_of(ln.bias).layout == "c/tp"
 
 
 # -- finalisation ------------------------------------------------------------------------------------
 def _pending(shape=(3,), ann="c [param]", names=NAMES):
     p = torch.nn.Parameter(torch.zeros(shape))
-    es.register_parameter_state(p, ParameterState.from_spec(ann, mesh_dim_names=names))
+    es.params.register_parameter_state(p, ParameterState.from_spec(ann, mesh_dim_names=names))
     return p
 
 
 def test_finalize():
     p = _pending()
-    assert es.finalize_parameter_grad_comm_(p, "dp", mesh=MESH) is p
+    assert es.params.finalize_parameter_grad_comm_(p, "dp", mesh=MESH) is p
     assert state_of(p).grad_comm == ParameterGradComm("explicit", ("dp",), "native")
     with pytest.raises(ValueError, match="not pending"):
-        es.finalize_parameter_grad_comm_(p, "tp")
+        es.params.finalize_parameter_grad_comm_(p, "tp")
     q = _pending(ann="c [param, grad=async]")
-    es.finalize_parameter_grad_comm_(q, "dp")
+    es.params.finalize_parameter_grad_comm_(q, "dp")
     assert state_of(q).grad_comm.schedule == "async"  # the pending schedule is kept
     r = _pending(ann="c [param, grad=ddp]")
     with pytest.raises(ValueError, match="backend"):
-        es.finalize_parameter_grad_comm_(r, "dp")
-    es.finalize_parameter_grad_comm_(r, "dp:ddp")
+        es.params.finalize_parameter_grad_comm_(r, "dp")
+    es.params.finalize_parameter_grad_comm_(r, "dp:ddp")
     assert state_of(r).grad_comm.backend == "ddp"
 
 
@@ -257,21 +257,21 @@ def test_finalize_errors(grad, kw, exc, words):
     p = _pending(shape=(3,), ann="c/tp [param]")
     before = state_of(p)
     with pytest.raises(exc, match=words):
-        es.finalize_parameter_grad_comm_(p, grad, **kw)
+        es.params.finalize_parameter_grad_comm_(p, grad, **kw)
     assert state_of(p) is before
 
 
 def test_finalize_resolves_on_mesh():
     p = _pending(names=(), ann="c [param]")
     with pytest.raises(ValueError, match="'sp'.* not in the mesh"):
-        es.finalize_parameter_grad_comm_(p, "dp-sp", mesh=MESH)
+        es.params.finalize_parameter_grad_comm_(p, "dp-sp", mesh=MESH)
     assert state_of(p).grad_comm.pending_inference
-    es.finalize_parameter_grad_comm_(p, "dp-tp", mesh=MESH)
+    es.params.finalize_parameter_grad_comm_(p, "dp-tp", mesh=MESH)
     assert state_of(p).mesh_dim_names == NAMES  # the given names are used
     with pytest.raises(ValueError, match="no ParameterState"):
-        es.finalize_parameter_grad_comm_(torch.nn.Parameter(torch.zeros(1)), "dp")
+        es.params.finalize_parameter_grad_comm_(torch.nn.Parameter(torch.zeros(1)), "dp")
     with pytest.raises(TypeError):
-        es.finalize_parameter_grad_comm_(torch.zeros(1), "dp")
+        es.params.finalize_parameter_grad_comm_(torch.zeros(1), "dp")
 
 
 def test_finalize_module_all_or_nothing():
@@ -279,44 +279,44 @@ def test_finalize_module_all_or_nothing():
     m.a = _pending()
     m.b = _pending(ann="c/tp [param]")
     with pytest.raises(ValueError, match="'b'"):
-        es.finalize_module_parameter_grad_comm_(m, {"a": "dp", "b": "tp"})
+        es.params.finalize_module_parameter_grad_comm_(m, {"a": "dp", "b": "tp"})
     assert state_of(m.a).grad_comm.pending_inference
-    es.finalize_module_parameter_grad_comm_(m, {"a": "dp", "b": "dp:async"})
+    es.params.finalize_module_parameter_grad_comm_(m, {"a": "dp", "b": "dp:async"})
     assert state_of(m.b).grad_comm.schedule == "async"
     with pytest.raises(TypeError):
-        es.finalize_module_parameter_grad_comm_(m, "dp")
+        es.params.finalize_module_parameter_grad_comm_(m, "dp")
     with pytest.raises(ValueError, match="empty"):
-        es.finalize_module_parameter_grad_comm_(m, {})
+        es.params.finalize_module_parameter_grad_comm_(m, {})
     with pytest.raises(ValueError, match="unknown parameter"):
-        es.finalize_module_parameter_grad_comm_(m, {"zz": "dp"})
+        es.params.finalize_module_parameter_grad_comm_(m, {"zz": "dp"})
 
 
 # -- validation ---------------------------------------------------------------------------------------
 def test_validate():
-    lin = es.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in", mesh=MESH, weight_grad="dp")
-    assert es.validate_module_parameter_states_(lin, MESH) is lin
+    lin = es.params.register_linear_parameters_(torch.nn.Linear(3, 4), weight_layout="out/tp in", mesh=MESH, weight_grad="dp")
+    assert es.params.validate_module_parameter_states_(lin, MESH) is lin
     m = torch.nn.Module()
     m.p = _pending()
     with pytest.raises(ValueError, match="Invalid parameter metadata for 'p': .*pending inference"):
-        es.validate_module_parameter_states_(m)
-    es.validate_module_parameter_states_(m, allow_pending=True)
+        es.params.validate_module_parameter_states_(m)
+    es.params.validate_module_parameter_states_(m, allow_pending=True)
     with pytest.raises(ValueError, match="Invalid parameter metadata for 'p'"):
-        es.validate_module_parameter_states_(m, es.Mesh.virtual((2,), ("dp",)), allow_pending=True)
+        es.params.validate_module_parameter_states_(m, es.Mesh.virtual((2,), ("dp",)), allow_pending=True)
     q = torch.nn.Module()
     q.w = torch.nn.Parameter(torch.zeros(3))
-    es.set_parameter_state(q.w, "c")
+    es.params.set_parameter_state(q.w, "c")
     with pytest.raises(ValueError, match="Invalid parameter metadata for 'w'"):
-        es.validate_module_parameter_states_(q)
-    es.set_parameter_state(q.w, ParameterState.from_layout("a b"))  # raw overwrite: wrong rank
+        es.params.validate_module_parameter_states_(q)
+    es.params.set_parameter_state(q.w, ParameterState.from_layout("a b"))  # raw overwrite: wrong rank
     with pytest.raises(ValueError, match="Invalid parameter metadata for 'w': .*rank"):
-        es.validate_module_parameter_states_(q)
+        es.params.validate_module_parameter_states_(q)
     from dataclasses import replace
 
     stale = replace(ParameterState.from_layout("a/tp"), layout_shard_dims=())
-    es.set_parameter_state(q.w, stale)
+    es.params.set_parameter_state(q.w, stale)
     with pytest.raises(ValueError, match="stale"):
-        es.validate_module_parameter_states_(q)
+        es.params.validate_module_parameter_states_(q)
     # resolution on the mesh: a group missing from the mesh is named
-    es.set_parameter_state(q.w, ParameterState.from_layout("a/sp"))
+    es.params.set_parameter_state(q.w, ParameterState.from_layout("a/sp"))
     with pytest.raises(ValueError, match="'sp'"):
-        es.validate_module_parameter_states_(q, MESH)
+        es.params.validate_module_parameter_states_(q, MESH)

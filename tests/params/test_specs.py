@@ -1,4 +1,4 @@
-"""``es.param_specs``: registered layouts as a spec pytree, read by shard_map, tree_shard and tree_gather."""
+"""``es.params.param_specs``: registered layouts as a spec pytree, read by shard_map, tree_shard and tree_gather."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class Block(torch.nn.Module):
         self.extra = torch.nn.Parameter(torch.ones(2, dtype=dtype))  # never registered
 
     def register(self, names=("dp", "tp")):
-        es.register_linear_parameters_(self.up, weight_layout="f/tp c", mesh_dim_names=names)
-        es.register_parameter_layout(self.down.weight, "c f/tp", mesh_dim_names=names)
-        es.register_parameter_layout(self.down.bias, "c", mesh_dim_names=names)
-        es.register_norm_parameters_(self.norm, mesh_dim_names=names)
+        es.params.register_linear_parameters_(self.up, weight_layout="f/tp c", mesh_dim_names=names)
+        es.params.register_parameter_layout(self.down.weight, "c f/tp", mesh_dim_names=names)
+        es.params.register_parameter_layout(self.down.bias, "c", mesh_dim_names=names)
+        es.params.register_norm_parameters_(self.norm, mesh_dim_names=names)
         return self
 
 
@@ -39,13 +39,13 @@ SPECS = {
 
 def test_param_specs_of_modules_and_trees():
     block = Block().register()
-    assert es.param_specs(block) == SPECS
+    assert es.params.param_specs(block) == SPECS
     sd = block.state_dict(keep_vars=True)
-    specs = es.param_specs(sd)
+    specs = es.params.param_specs(sd)
     assert specs == {**SPECS, "steps": None}
     nested = {"model": dict(block.named_parameters()), "step": 3}
-    assert es.param_specs(nested) == {"model": SPECS, "step": None}
-    assert es.param_specs(Block()) == {k: None for k in SPECS}
+    assert es.params.param_specs(nested) == {"model": SPECS, "step": None}
+    assert es.params.param_specs(Block()) == {k: None for k in SPECS}
     with pytest.raises(ValueError, match="no parameter in the tree has a registered layout"):
         es.tree_gather(Block().state_dict(), mesh=es.Mesh.virtual((2, 4), ("dp", "tp")))
 
@@ -74,7 +74,7 @@ def test_tree_shard_and_gather_use_the_registered_layouts(mesh_2x4):
     # the same specs as a shard_map in-spec
     x = torch.randn(4, 6, dtype=DT, generator=torch.Generator().manual_seed(1))
 
-    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp f/tp", mesh=mesh, sizes={"b": 4, "f": 10})
+    @es.shard_map((es.params.param_specs(model), "b/dp c"), "b/dp f/tp", mesh=mesh, sizes={"b": 4, "f": 10})
     def up(params, xb):
         return es.einshard("b/dp c, f/tp c -> b/dp f/tp", xb, params["up.weight"], sizes={"f": 10}) + params["up.bias"]
 

@@ -20,26 +20,26 @@ def _p(*shape):
 
 # -- single process: building, validating, merging (no communication) -----------------------
 def test_init_param_states():
-    p = es.init_param_(_p(2), ONE, sharded="tp")
+    p = es.params.init_param_(_p(2), ONE, sharded="tp")
     s = state_of(p)
     assert s.spec is None and s.layout_shard_dims == ("tp",) and s.source == "init"
     assert s.init_sync == ParameterInitSync("inferred", ("dp",))
-    q = es.init_param_(_p(2), None, sync="none", mesh_dim_names=("dp", "tp"))  # nothing shared: no mesh needed
+    q = es.params.init_param_(_p(2), None, sync="none", mesh_dim_names=("dp", "tp"))  # nothing shared: no mesh needed
     assert state_of(q).explicit_init_sync_none
-    assert state_of(es.init_param_(_p(2), None, sync="external")).init_sync.mode == "external"
-    r = es.init_param_(_p(2), ONE, sync=("dp",), sharded=None, source="mine")
+    assert state_of(es.params.init_param_(_p(2), None, sync="external")).init_sync.mode == "external"
+    r = es.params.init_param_(_p(2), ONE, sync=("dp",), sharded=None, source="mine")
     with pytest.raises(ValueError, match="virtual mesh"):
-        es.init_param_(_p(2), VMESH, sync="dp")
+        es.params.init_param_(_p(2), VMESH, sync="dp")
     assert state_of(r).init_sync == ParameterInitSync("explicit", ("dp",)) and state_of(r).source == "mine"
 
 
 def test_init_after_layout_keeps_the_layout():
-    p = es.register_parameter_layout(_p(4, 2), "out/tp in", mesh=VMESH, grad="dp")
-    es.init_param_(p, ONE, sharded="tp")
+    p = es.params.register_parameter_layout(_p(4, 2), "out/tp in", mesh=VMESH, grad="dp")
+    es.params.init_param_(p, ONE, sharded="tp")
     s = state_of(p)
     assert s.layout == "out/tp in" and s.reduce == ("dp",) and s.shared == ("dp",)
     with pytest.raises(ValueError, match="footprint"):
-        es.init_param_(p, VMESH, sharded="dp")
+        es.params.init_param_(p, VMESH, sharded="dp")
 
 
 @pytest.mark.parametrize(
@@ -58,42 +58,42 @@ def test_init_after_layout_keeps_the_layout():
 def test_init_param_errors_attach_nothing(kw, exc, words):
     p = _p(2)
     with pytest.raises(exc, match=words):
-        es.init_param_(p, VMESH, **kw)
+        es.params.init_param_(p, VMESH, **kw)
     assert state_of(p) is None
 
 
 def test_init_param_needs_a_mesh_and_resolvable_groups():
     p = _p(2)
     with pytest.raises(ValueError, match="requires mesh"):
-        es.init_param_(p, None, mesh_dim_names=("dp",))
+        es.params.init_param_(p, None, mesh_dim_names=("dp",))
     with pytest.raises(ValueError, match="'sp'"):
-        es.init_param_(p, VMESH, sync="sp")
+        es.params.init_param_(p, VMESH, sync="sp")
     assert state_of(p) is None
     with pytest.raises(TypeError):
-        es.init_param_(torch.zeros(2), VMESH)
+        es.params.init_param_(torch.zeros(2), VMESH)
 
 
 def test_init_params_validates_all_before_attaching():
     lin = torch.nn.Linear(3, 4)
     with pytest.raises(ValueError, match="'bias'"):
-        es.init_params_(lin, None, sync={"bias": "tp"}, sharded={"bias": "tp"}, mesh_dim_names=("dp", "tp"))
+        es.params.init_params_(lin, None, sync={"bias": "tp"}, sharded={"bias": "tp"}, mesh_dim_names=("dp", "tp"))
     assert state_of(lin.weight) is None and state_of(lin.bias) is None
     with pytest.raises(ValueError, match="unknown parameter names"):
-        es.init_params_(lin, VMESH, sync={"nope": "dp"})
+        es.params.init_params_(lin, VMESH, sync={"nope": "dp"})
     with pytest.raises(TypeError):
-        es.init_params_([lin.weight], VMESH)
-    p = es.init_params_(_p(2), None, sync="none")  # a Parameter delegates
+        es.params.init_params_([lin.weight], VMESH)
+    p = es.params.init_params_(_p(2), None, sync="none")  # a Parameter delegates
     assert state_of(p).explicit_init_sync_none
 
 
 def test_sync_param_type_errors():
     with pytest.raises(TypeError):
-        es.sync_param_(_p(2), "c", VMESH)
+        es.params.sync_param_(_p(2), "c", VMESH)
     m = torch.nn.Module()
     m.p = _p(2)
-    es.set_parameter_state(m.p, "c")
+    es.params.set_parameter_state(m.p, "c")
     with pytest.raises(TypeError):
-        es.sync_module_params_(m, VMESH)
+        es.params.sync_module_params_(m, VMESH)
 
 
 # -- multi-rank ----------------------------------------------------------------------------------
@@ -136,11 +136,11 @@ def _check_init_params(mesh):
     m = es.wrap_mesh(mesh)
     names = m.names
     model = Model(m)
-    es.register_linear_parameters_(model.up, weight_layout="f/tp c", mesh=m)
-    es.register_linear_parameters_(model.down, weight_layout="c f/tp", bias_layout="c", mesh=m)
-    es.register_norm_parameters_(model.norm, mesh=m)
+    es.params.register_linear_parameters_(model.up, weight_layout="f/tp c", mesh=m)
+    es.params.register_linear_parameters_(model.down, weight_layout="c f/tp", bias_layout="c", mesh=m)
+    es.params.register_norm_parameters_(model.norm, mesh=m)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    es.init_params_(model, m, sync={"scale": "external"})
+    es.params.init_params_(model, m, sync={"scale": "external"})
     for name, p in model.named_parameters():
         shared = state_of(p).shared
         if name == "scale":
@@ -156,7 +156,7 @@ def _check_init_params(mesh):
         q.copy_(torch.randn(4))
     start = q.detach().clone()
     group = "-".join(reversed(names))  # every mesh dimension, in reverse order: one compound group
-    es.init_param_(q, m, sync=group)
+    es.params.init_param_(q, m, sync=group)
     assert torch.equal(q.detach(), _origin_value(m, start, list(names)))
 
 
@@ -166,16 +166,16 @@ def test_sync_module_params_and_raw_device_mesh(mesh_2x2x2):
     with torch.random.fork_rng():
         torch.manual_seed(dist.get_rank())
         lin = torch.nn.Linear(2, 3)
-    es.register_linear_parameters_(lin, weight_layout="o/tp i", mesh=m, init_sync="dp-sp")
+    es.params.register_linear_parameters_(lin, weight_layout="o/tp i", mesh=m, init_sync="dp-sp")
     before = {n: p.detach().clone() for n, p in lin.named_parameters()}
-    es.sync_module_params_(lin, m)
+    es.params.sync_module_params_(lin, m)
     for n, p in lin.named_parameters():
         assert torch.equal(p.detach(), _origin_value(m, before[n], ["dp", "sp"]))
     # a compound group on a raw DeviceMesh: ValueError naming wrap_mesh, before any broadcast
     r = _p(2)
     with pytest.raises(ValueError, match="wrap_mesh"):
-        es.init_param_(r, mesh_2x2x2, sync="dp-sp")
+        es.params.init_param_(r, mesh_2x2x2, sync="dp-sp")
     assert state_of(r) is None
-    es.init_param_(r, mesh_2x2x2, sync=("dp", "sp"))  # atomic groups one after the other work
+    es.params.init_param_(r, mesh_2x2x2, sync=("dp", "sp"))  # atomic groups one after the other work
     assert state_of(r).init_sync.mesh_dims == ("dp", "sp")
     dist.barrier()

@@ -111,11 +111,11 @@ def _setup(mesh, sizes, dtype=DT, **hooks):
     layouts = _layouts(m)
     rows = "dp-sp" if "sp" in m.names else "dp"
     stored = [k for k in layouts if not (k == "mlp.b1" and "tp" in m.names)]  # f/tp: no axis left for dp
-    es.register_module_parameter_layouts_(
+    es.params.register_module_parameter_layouts_(
         net, layouts, mesh=m, grad={k: rows if k in stored else f"{rows}:async" for k in layouts},
         store={k: "dp" for k in stored}, sizes={"c": C, "f": F_},
     )
-    handle = es.register_native_grad_reduction_hooks_(net, m, **hooks)
+    handle = es.params.register_native_grad_reduction_hooks_(net, m, **hooks)
     return m, whole, net, handle, stored
 
 
@@ -148,9 +148,9 @@ def test_stored_parameters_train_like_one_process_3d(mesh_2x2x2, sizes):
 def _train_and_compare(mesh, sizes, **hooks):
     m, whole, net, handle, stored = _setup(mesh, sizes, **hooks)
     layouts = _layouts(m)
-    specs = es.param_specs(net)
+    specs = es.params.param_specs(net)
     for k in layouts:  # the parameters hold their storage blocks; the specs say so
-        want = layouts[k] if k not in stored else es.get_parameter_state(net.get_parameter(k)).layout
+        want = layouts[k] if k not in stored else es.params.get_parameter_state(net.get_parameter(k)).layout
         assert specs[k] == want
         assert net.get_parameter(k).shape == local_block(whole[k], specs[k], m).shape
     batches = _batches(sizes[0], sizes[2])
@@ -190,7 +190,7 @@ def test_no_gathered_parameter_outlives_its_use(mesh, reshard):
 
     def capture(module, args):  # runs after the gather: the module's parameters are the gathered blocks
         for name, p in module.named_parameters(recurse=False):
-            if isinstance(p, es.GatheredParameter):  # the block, and its memory (views of it keep that alive)
+            if isinstance(p, es.params.GatheredParameter):  # the block, and its memory (views of it keep that alive)
                 seen.append((name, weakref.ref(p)))
                 storages.append(weakref.ref(p.untyped_storage()))
 
@@ -246,9 +246,9 @@ def test_gathers_and_reduce_scatters_are_counted(mesh, bucket_bytes):
     assert bwd.filter(kind="all_reduce").calls == 1  # the one unstored parameter (b1, f/tp), bucketed
     # started during backward: one bucket per parameter is in flight before the input's gradient exists
     assert box["pending"] >= (len(stored) - 1 if bucket_bytes == 1 else 0)
-    state = es.get_parameter_state(net.mlp.w1)
-    assert es.gather_formula(state) == "f/tp c/dp -> f/tp c // dp"
-    text = str(es.explain(es.gather_formula(state), net.mlp.w1, mesh=m, sizes={"f": SIZES[0][1], "c": SIZES[0][0]}))
+    state = es.params.get_parameter_state(net.mlp.w1)
+    assert es.params.gather_formula(state) == "f/tp c/dp -> f/tp c // dp"
+    text = str(es.explain(es.params.gather_formula(state), net.mlp.w1, mesh=m, sizes={"f": SIZES[0][1], "c": SIZES[0][0]}))
     assert "all-gather" in text and "reduce-scatter" in text
     # a formula that uses it: explained as its module runs it, the gather first (rows "operand 1: gather")
     used = es.explain("b/dp n c, f/tp c -> b/dp n f/tp", (4, 2, SIZES[0][0]), net.mlp.w1, mesh=m,
@@ -268,39 +268,39 @@ def test_bad_storage_raises_before_any_collective(mesh):
     w = lambda *shape: torch.nn.Parameter(torch.zeros(*shape, dtype=DT))  # noqa: E731
     with es.count_communication() as stats:
         with pytest.raises(ValueError, match="splits over \\['tp'\\] already"):  # a dimension the layout uses
-            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="tp")
+            es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="tp")
         with pytest.raises(ValueError, match="every axis .* is split already"):
-            es.register_parameter_layout(w(3), "f/tp", mesh=m, store="dp")
+            es.params.register_parameter_layout(w(3), "f/tp", mesh=m, store="dp")
         with pytest.raises(ValueError, match="'f' is not an unsplit axis"):
-            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="f/dp")
+            es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="f/dp")
         with pytest.raises(ValueError, match="ddp backend would sum it a second time"):  # reduce twice
-            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="dp:ddp")
+            es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="dp:ddp")
         with pytest.raises(ValueError, match="external backend would sum it a second time"):
-            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="dp:external")
+            es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="dp:external")
         with pytest.raises(ValueError, match="name those groups in grad="):
-            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="tp")
+            es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", grad="tp")
         with pytest.raises(ValueError, match="needs the mesh"):  # stored without a mesh
-            es.register_parameter_layout(w(3, 5), "f/tp c", mesh_dim_names=("dp", "tp"), store="dp")
+            es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh_dim_names=("dp", "tp"), store="dp")
         with pytest.raises(ValueError, match="unevenly over 'dp'"):  # no global shape: blocks unknown
-            es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp")
-        q = es.register_parameter_layout(w(4, 5), "g c", mesh=m, store="dp")  # the first axis dp divides
-        assert es.get_parameter_state(q).layout == "g/dp c" and q.shape == (2, 5)
-        p = es.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", sizes={"f": 6})
+            es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp")
+        q = es.params.register_parameter_layout(w(4, 5), "g c", mesh=m, store="dp")  # the first axis dp divides
+        assert es.params.get_parameter_state(q).layout == "g/dp c" and q.shape == (2, 5)
+        p = es.params.register_parameter_layout(w(3, 5), "f/tp c", mesh=m, store="dp", sizes={"f": 6})
         assert p.shape == ((3, 3) if m.coordinate[0] == 0 else (3, 2))
         with pytest.raises(ValueError, match="used without its gather"):  # no hooks: the shard itself
             es.einshard("b/dp c, f/tp c -> b/dp f/tp", torch.zeros(2, 5, dtype=DT), p, mesh=m)
         with pytest.raises(ValueError, match="used without its gather"):  # outside a mesh: a local formula
             es.einshard("f c -> c f", p)
         with pytest.raises(ValueError, match="reduce-scatters this gradient"):
-            es.register_parameter_layout(p, "f/tp c", mesh=m, store="dp", grad="dp:ddp")
-        es.register_parameter_layout(p, "f/tp c", mesh=m, grad="dp:async")  # the compute layout again: merged
+            es.params.register_parameter_layout(p, "f/tp c", mesh=m, store="dp", grad="dp:ddp")
+        es.params.register_parameter_layout(p, "f/tp c", mesh=m, grad="dp:async")  # the compute layout again: merged
         assert p.shape == ((3, 3) if m.coordinate[0] == 0 else (3, 2))  # not cut twice
         with pytest.raises(ValueError, match="DDP would all-reduce it a second time"):
-            es.register_grad_reduction_hook_(_Holder(p), m)
+            es.params.register_grad_reduction_hook_(_Holder(p), m)
     assert stats.data.calls == 0
-    hooks = es.register_native_grad_reduction_hooks_(torch.nn.ModuleDict({"p": _Holder(p)}), m)
+    hooks = es.params.register_native_grad_reduction_hooks_(torch.nn.ModuleDict({"p": _Holder(p)}), m)
     with pytest.raises(ValueError, match="installed already"):
-        es.register_native_grad_reduction_hooks_(torch.nn.ModuleDict({"p": _Holder(p)}), m)
+        es.params.register_native_grad_reduction_hooks_(torch.nn.ModuleDict({"p": _Holder(p)}), m)
     hooks.remove()
 
 
@@ -313,7 +313,7 @@ class _Holder(torch.nn.Module):
 def _shard_map_step(net, m, x, vma):
     _, rows, _ = _names(m)
 
-    @es.shard_map((es.param_specs(net), f"{rows.replace('/dp', '').replace('/sp', '')} -> {rows}"), rows, mesh=m,
+    @es.shard_map((es.params.param_specs(net), f"{rows.replace('/dp', '').replace('/sp', '')} -> {rows}"), rows, mesh=m,
                   check_vma=vma)
     def forward(params, x):  # the model code runs unchanged on the compute blocks
         return torch.func.functional_call(net, params, (x,))
@@ -326,7 +326,7 @@ def _shard_map_step(net, m, x, vma):
 @pytest.mark.parametrize("sizes", SIZES, ids=["even", "uneven"])
 @pytest.mark.parametrize("vma", [True, False], ids=["vma", "per-rank"])
 def test_stored_parameters_in_shard_map_train_like_one_process(mesh, sizes, vma):
-    """es.param_specs gives the storage specs; shard_map gathers stored parameters on entry. With
+    """es.params.param_specs gives the storage specs; shard_map gathers stored parameters on entry. With
     check_vma=True the body's pvary of a gathered block leaves its contribution partial for the gather,
     which reduce-scatters it; a per-rank body leaves them partial too; both reduce-scatter, as the hooks do."""
     _shard_map_train(mesh, sizes, vma)
@@ -341,7 +341,7 @@ def test_stored_parameters_in_shard_map_3d(mesh_2x2x2, sizes):
 def _shard_map_train(mesh, sizes, vma):
     m, whole, net, handle, stored = _setup(mesh, sizes)
     handle.remove()  # the shard_map body gathers and sums: no hooks
-    layouts, specs = _layouts(m), es.param_specs(net)
+    layouts, specs = _layouts(m), es.params.param_specs(net)
     batches = _batches(sizes[0], sizes[2])
     losses, grads, final = _reference(whole, batches, 2)
     opt = torch.optim.Adam(net.parameters(), lr=0.05)
@@ -352,7 +352,7 @@ def _shard_map_train(mesh, sizes, vma):
         back = stats.data.backward
         back = back.filter(label="dp") if len(m.names) > 1 else back  # (on (4,): the world, however labelled)
         if not vma:
-            es.reduce_module_grads_(net, m)  # the unstored parameters' duties (stored ones: reduce-scattered)
+            es.params.reduce_module_grads_(net, m)  # the unstored parameters' duties (stored ones: reduce-scattered)
             # uneven blocks: summed by an all-reduce, then cut
             assert back.filter(kind="reduce_scatter").calls + back.filter(kind="all_reduce").calls == len(stored)
         else:  # the body's pvary of a gathered block leaves it partial: reduce-scattered, never all-reduced
@@ -409,7 +409,7 @@ def test_mixed_precision_matches_the_same_recipe_in_one_process(mesh):
         assert gathered.calls + stats.data.forward.filter(kind="all_to_all_v").calls >= 1
         want_loss, want = _mixed_reference(whole, x)
         assert abs(_total(loss, m) - want_loss) < 2e-2 * abs(want_loss)
-        specs = es.param_specs(net)
+        specs = es.params.param_specs(net)
         for k in want:
             got = net.get_parameter(k).grad
             assert got.dtype == torch.float32
@@ -462,7 +462,7 @@ def test_gathers_are_prefetched_in_the_recorded_order(mesh):
             assert abs(_total(loss, m) - losses[step]) < 1e-9 * max(1.0, abs(losses[step]))
             opt.step()
             opt.zero_grad()
-    specs = es.param_specs(net)
+    specs = es.params.param_specs(net)
     for k in final:
         torch.testing.assert_close(net.get_parameter(k).detach(), local_block(final[k], specs[k], m),
                                    rtol=1e-9, atol=1e-11)
@@ -490,7 +490,7 @@ def test_micro_batches_accumulate_in_both_modes(mesh, mode):
         handle.wait()
     scatters = stats.data.backward.filter(kind="reduce_scatter").calls
     assert scatters == len(stored) * (len(batches) if mode == "every" else 1)
-    specs = es.param_specs(net)
+    specs = es.params.param_specs(net)
     for k in whole:
         torch.testing.assert_close(net.get_parameter(k).grad, local_block(p[k].grad, specs[k], m),
                                    rtol=1e-10, atol=1e-12)
@@ -508,23 +508,23 @@ def test_checkpoint_saved_stored_loads_unstored_and_whole(tmp_path):
         _local_loss(net, m, _batches(SIZES[1][0], SIZES[1][2])[0]).backward()
     handle.wait()
     opt.step()
-    specs = es.param_specs(net)
+    specs = es.params.param_specs(net)
     moments = {k: {s: opt.state[p][s] for s in ("exp_avg", "exp_avg_sq")} for k, p in net.named_parameters()}
     saved = es.tree_gather(net, mesh=m)
     saved_moments = es.tree_gather(moments, {k: {s: specs[k] for s in ("exp_avg", "exp_avg_sq")} for k in specs},
                                    mesh=m)
     path = str(tmp_path / "zero")
-    dcp.save({"model": es.to_dtensor(net, mesh=m), "adam": es.to_dtensor(moments, specs, mesh=m)}, checkpoint_id=path)
+    dcp.save({"model": es.params.to_dtensor(net, mesh=m), "adam": es.params.to_dtensor(moments, specs, mesh=m)}, checkpoint_id=path)
     handle.remove()
     other = es.wrap_mesh(make_mesh((2, 2, 2), ("x", "dp", "tp")))  # dp 2 x tp 2, replicated over x
     plain = Net(other, {k: torch.zeros_like(v) for k, v in whole.items()})
-    es.register_module_parameter_layouts_(plain, _layouts(other), mesh=other)
-    pspecs = es.param_specs(plain)
+    es.params.register_module_parameter_layouts_(plain, _layouts(other), mesh=other)
+    pspecs = es.params.param_specs(plain)
     zeros = {k: {s: torch.zeros_like(p) for s in ("exp_avg", "exp_avg_sq")} for k, p in plain.named_parameters()}
-    state = {"model": es.to_dtensor(plain, mesh=other), "adam": es.to_dtensor(zeros, pspecs, mesh=other)}
+    state = {"model": es.params.to_dtensor(plain, mesh=other), "adam": es.params.to_dtensor(zeros, pspecs, mesh=other)}
     dcp.load(state, checkpoint_id=path)
-    es.load_from_dtensor_(plain, state["model"], mesh=other)
-    loaded = es.from_dtensor(state["adam"], pspecs, mesh=other)
+    es.params.load_from_dtensor_(plain, state["model"], mesh=other)
+    loaded = es.params.from_dtensor(state["adam"], pspecs, mesh=other)
     for k, layout in _layouts(other).items():
         assert torch.equal(plain.get_parameter(k).detach(), local_block(saved[k], layout, other)), k
         for s in ("exp_avg", "exp_avg_sq"):
@@ -561,8 +561,8 @@ def test_units_gather_a_subtree(mesh):
     W, X = torch.randn(7, 5, generator=g, dtype=DT), torch.randn(4, 5, generator=g, dtype=DT)
     for units in (None, "model"):
         model = _Parent(local_block(W, "f/tp c", m))
-        es.register_parameter_layout(model.up.weight, "f/tp c", mesh=m, store="dp", sizes={"f": 7})
-        handle = es.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
+        es.params.register_parameter_layout(model.up.weight, "f/tp c", mesh=m, store="dp", sizes={"f": 7})
+        handle = es.params.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
         x = local_block(X, "b/dp c", m)
         with es.use_mesh(m):
             if units is None:
@@ -583,7 +583,7 @@ class _Failing(torch.nn.Module):
         self.w = torch.nn.Parameter(w)
 
     def forward(self, x):
-        assert isinstance(self.w, es.GatheredParameter)
+        assert isinstance(self.w, es.params.GatheredParameter)
         if x.dim() == 2:  # a [param] annotation on the gathered block: refused, naming why
             return es.einshard("b c, f c [param] -> b f", x, self.w)
         raise RuntimeError("the forward fails")
@@ -596,17 +596,17 @@ def test_a_failing_forward_leaves_the_shards_in_place(mesh):
     and no saved-tensor hook stays installed; the next forward works."""
     m = es.wrap_mesh(mesh)
     model = _Failing(torch.ones(4, 6, dtype=DT))
-    es.register_parameter_layout(model.w, "f c", mesh=m, store="dp")
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    es.params.register_parameter_layout(model.w, "f c", mesh=m, store="dp")
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="the forward fails"):
             model(torch.ones(1))
-        assert type(model.w) is es.StoredParameter and model.w.shape == (2, 6)
+        assert type(model.w) is es.params.StoredParameter and model.w.shape == (2, 6)
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         assert _alive(es.params.zero.units_of(model.w).live) == []
     with pytest.raises(ValueError, match="drop the annotation"):
         model(torch.ones(1, 6, dtype=DT))
-    assert type(model.w) is es.StoredParameter
+    assert type(model.w) is es.params.StoredParameter
     handle.remove()
 
 
@@ -622,7 +622,7 @@ def test_shard_map_frees_the_blocks_it_gathered(mesh, vma):
 
     def capture(module, args):  # functional_call has put the gathered blocks in: the blocks and their memory
         for p in module.parameters(recurse=False):
-            if isinstance(p, es.GatheredParameter):
+            if isinstance(p, es.params.GatheredParameter):
                 seen.extend((weakref.ref(p), weakref.ref(p.untyped_storage())))
 
     net.mlp.register_forward_pre_hook(capture)
@@ -633,9 +633,9 @@ def test_shard_map_frees_the_blocks_it_gathered(mesh, vma):
     loss.backward()
     assert _alive(seen) == []
     if not vma:
-        es.reduce_module_grads_(net, m)
+        es.params.reduce_module_grads_(net, m)
     _, grads, _ = _reference(whole, [x], 1)
-    specs = es.param_specs(net)
+    specs = es.params.param_specs(net)
     for k in whole:
         torch.testing.assert_close(net.get_parameter(k).grad, local_block(grads[k], specs[k], m), rtol=1e-10,
                                    atol=1e-12)

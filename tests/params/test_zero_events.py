@@ -59,9 +59,9 @@ def _reference(whole):
 def _stored(mesh, whole, **hooks):
     m = es.wrap_mesh(mesh.build() if isinstance(mesh, MeshSpec) else mesh)
     model = Two(whole)
-    es.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
+    es.params.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
                                           store="dp", sizes={"c": C, "f": F})
-    return m, model, es.register_native_grad_reduction_hooks_(model, m, **hooks)
+    return m, model, es.params.register_native_grad_reduction_hooks_(model, m, **hooks)
 
 
 def _shard_map_model(mesh, whole, vma):
@@ -70,7 +70,7 @@ def _shard_map_model(mesh, whole, vma):
     m, model, handle = _stored(mesh, whole)
     handle.remove()
 
-    @es.shard_map((es.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
+    @es.shard_map((es.params.param_specs(model), "b/dp c"), "b/dp c", mesh=m, check_vma=vma)
     def body(params, x):
         return torch.func.functional_call(model, params, (x,))
 
@@ -78,7 +78,7 @@ def _shard_map_model(mesh, whole, vma):
 
 
 def _layout(p):
-    return es.get_parameter_state(p).layout
+    return es.params.get_parameter_state(p).layout
 
 
 def _assert_step(m, y, grads, want_y, want_grads):
@@ -274,14 +274,14 @@ def test_a_stored_parameter_read_outside_its_unit_is_refused_or_gathered_by_unit
     x = local_block(whole["x"], "b/dp c", m)
     for units in (None, "model"):
         model = TiedHead(whole)
-        es.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
+        es.params.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
                                               store="dp", sizes={"c": C, "f": F})
-        handle = es.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
+        handle = es.params.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
         if units is None:
             with pytest.raises(es.EinshardError, match=r"torch op 'matmul' combines a parameter stored sharded "
                                                        r"over 'dp' \(store=, layout 'f/dp c', storage block of shape"):
                 model(x)
-            assert type(model.a.weight) is es.StoredParameter  # the shards are back
+            assert type(model.a.weight) is es.params.StoredParameter  # the shards are back
         else:
             got = model(x)
             (got**2).sum().backward()
@@ -320,8 +320,8 @@ def test_a_parent_reading_a_childs_stored_scale_is_refused_or_gathered_by_units(
     x = local_block(X, "b/dp c", m)
     for units in (None, "model"):
         model = ScaledParent(scale)
-        es.register_parameter_layout(model.child.scale, "c", mesh=m, grad="dp", store="dp")
-        handle = es.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
+        es.params.register_parameter_layout(model.child.scale, "c", mesh=m, grad="dp", store="dp")
+        handle = es.params.register_native_grad_reduction_hooks_(model, m, units=None if units is None else [model])
         if units is None:
             with pytest.raises(es.EinshardError, match=r"torch op 'mul' combines a parameter stored sharded over "
                                                        r"'dp' \(store=, layout 'c/dp', storage block of shape \(1,\)\) "
@@ -347,26 +347,26 @@ def test_the_tensors_passed_to_functional_call_are_guarded_as_the_stored_paramet
     scale, X = torch.randn(2, generator=g, dtype=DT), torch.randn(4, 2, generator=g, dtype=DT)
     m = es.wrap_mesh(MESHES[0].build())
     model = ScaledParent(scale)
-    es.register_parameter_layout(model.child.scale, "c", mesh=m, grad="dp", store="dp")
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    es.params.register_parameter_layout(model.child.scale, "c", mesh=m, grad="dp", store="dp")
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
     passed = local_block(scale, "c/dp", m).requires_grad_()
     with pytest.raises(es.EinshardError, match=r"torch op 'mul' combines a parameter stored sharded over 'dp' "
                                                r"\(store=, layout 'c/dp', storage block of shape \(1,\)\)"):
         torch.func.functional_call(model, {"child.scale": passed}, (local_block(X, "b/dp c", m),))
     assert type(passed) is torch.Tensor and passed.is_leaf and passed.grad is None and not vars(passed)
-    assert type(model.child.scale) is es.StoredParameter
+    assert type(model.child.scale) is es.params.StoredParameter
     handle.remove()
     whole = _whole(1)
     model = TiedHead(whole)
-    es.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
+    es.params.register_module_parameter_layouts_(model, {"a.weight": "f c", "b.weight": "c f"}, mesh=m, grad="dp",
                                           store="dp", sizes={"c": C, "f": F})
-    handle = es.register_native_grad_reduction_hooks_(model, m)
+    handle = es.params.register_native_grad_reduction_hooks_(model, m)
     passed = {k: local_block(whole[k], _layout(p), m).requires_grad_() for k, p in model.named_parameters()}
     with pytest.raises(es.EinshardError, match=r"torch op 'matmul' combines a parameter stored sharded over 'dp' "
                                                r"\(store=, layout 'f/dp c'"):
         torch.func.functional_call(model, passed, (local_block(whole["x"], "b/dp c", m),))
     assert all(type(t) is torch.Tensor and not vars(t) for t in passed.values())
-    assert all(type(p) is es.StoredParameter for p in model.parameters())
+    assert all(type(p) is es.params.StoredParameter for p in model.parameters())
     handle.remove()
 
 

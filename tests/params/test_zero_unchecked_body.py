@@ -26,16 +26,16 @@ def _setup(C, F_, B, shape=(2,), names=("dp",), grad="dp"):
     g = torch.Generator().manual_seed(21)
     w, x = torch.randn(F_, C, generator=g, dtype=DT), torch.randn(B, C, generator=g, dtype=DT)
     p = torch.nn.Parameter(w.clone())
-    es.register_parameter_layout(p, "f c", mesh=mesh, grad=grad, store="dp", sizes={"c": C, "f": F_})
+    es.params.register_parameter_layout(p, "f c", mesh=mesh, grad=grad, store="dp", sizes={"c": C, "f": F_})
     return mesh, w, x, p
 
 
 def _stored_grad(mesh, p, whole_grad):
-    return local_block(whole_grad, es.get_parameter_state(p).layout, mesh)
+    return local_block(whole_grad, es.params.get_parameter_state(p).layout, mesh)
 
 
 def _run(mesh, p, x, out_spec, check_vma, fn):
-    spec = es.get_parameter_state(p).layout
+    spec = es.params.get_parameter_state(p).layout
     body = es.shard_map((spec, "b/dp c"), out_spec, mesh=mesh, check_vma=check_vma)(fn)
     return body(p, local_block(x, "b/dp c", mesh))
 

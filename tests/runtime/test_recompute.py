@@ -125,7 +125,7 @@ def _body_case(mesh, reentrant, check_vma, uneven):
         def block(xs):  # a, w, bias captured: their vma must be the body's in the recompute too
             h = torch.tanh(es.einshard(f"b/dp n c, {f} c -> b/dp n {f}", xs, a))  # no mesh=, no shapes=
             y = es.einshard(f"b/dp n {f}, c {f} -> b/dp n c", h, w)
-            return y + (bias if check_vma else es.pvary(bias, "dp"))  # the bias's gradient sum, in the block
+            return y + (bias if check_vma else es.spmd.pvary(bias, "dp"))  # the bias's gradient sum, in the block
 
         y = checkpoint(block, xb, reentrant=reentrant)
         return es.einshard("b/dp n c -> // dp", y * y)
@@ -167,8 +167,8 @@ def _psum_case(mesh, reentrant, check_vma, uneven):
     @es.shard_map(("b n -> b/dp n", "n"), "", mesh=mesh, check_vma=check_vma)
     def step(xb, p):
         def block(xs, q):
-            q = q if check_vma else es.pvary(q, "dp")
-            return es.psum((xs * q).sum(), "dp") ** 2
+            q = q if check_vma else es.spmd.pvary(q, "dp")
+            return es.spmd.psum((xs * q).sum(), "dp") ** 2
 
         return checkpoint(block, xb, p, reentrant=reentrant)
 
@@ -240,7 +240,7 @@ def _rank_dependent(x, mesh):
     """Even ranks save their tensors before the psum, odd ranks after it."""
     odd = dist.get_rank() % 2
     h = x + 1 if odd else x * x
-    s = es.psum(h, "dp", mesh=mesh)
+    s = es.spmd.psum(h, "dp", mesh=mesh)
     return s * s if odd else s + 1
 
 
@@ -303,7 +303,7 @@ class _PsumInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return es.psum(grad, "dp")  # no mesh= and no ambient mesh in backward
+        return es.spmd.psum(grad, "dp")  # no mesh= and no ambient mesh in backward
 
 
 def test_missing_mesh_in_backward_says_so():
@@ -311,5 +311,5 @@ def test_missing_mesh_in_backward_says_so():
     with pytest.raises(es.EinshardError, match="runs during backward"):
         y.sum().backward()
     with pytest.raises(es.EinshardError) as info:
-        es.psum(torch.ones(2), "dp")
+        es.spmd.psum(torch.ones(2), "dp")
     assert "backward" not in str(info.value)

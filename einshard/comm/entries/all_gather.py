@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-import torch.distributed._functional_collectives as fc
 
+from ...core._torch_compat import functional_collectives as fc
 from ...errors import EinshardError
 from .. import checks as _checks
 from .. import comm_stats as _stats
@@ -124,7 +124,7 @@ def _named(x, axes, *, axis: int = 0, tiled: bool = True, shapes=None):
     rank holds as much as this one. Backward: this rank's block of the
     cotangent.
 
-    >>> w = es.all_gather(w_block, "tp", axis=0)  # doctest: +SKIP
+    >>> w = es.spmd.all_gather(w_block, "tp", axis=0)  # doctest: +SKIP
     """
     group = axes.group
     if tiled:

@@ -7,8 +7,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed._functional_collectives as fc
 
+from ...core._torch_compat import functional_collectives as fc
 from ...errors import EinshardError
 from .. import checks as _checks
 from .. import comm_stats as _stats
@@ -209,7 +209,7 @@ def _named(x, axes, split_axis: int, concat_axis: int, *, tiled: bool = True):
     axis of that size at ``concat_axis`` (of the result). The output varies
     over ``dim_name``; backward: the inverse all-to-all.
 
-    >>> y = es.all_to_all(x, "sp", split_axis=2, concat_axis=1)  # doctest: +SKIP
+    >>> y = es.spmd.all_to_all(x, "sp", split_axis=2, concat_axis=1)  # doctest: +SKIP
     """
     s = norm_axis(split_axis, x.dim(), "all_to_all")
     c = norm_axis(concat_axis, x.dim(), "all_to_all")

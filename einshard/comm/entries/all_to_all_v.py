@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed._functional_collectives as fc
 
+from ...core._torch_compat import functional_collectives as fc
 from ...errors import EinshardError
 from .. import checks as _checks
 from .. import comm_stats as _stats

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fc
 
+from ...core._torch_compat import functional_collectives as fc
 from ...errors import EinshardError
 from .. import checks as _checks
 from .. import comm_stats as _stats

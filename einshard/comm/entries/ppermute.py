@@ -142,8 +142,8 @@ def _named(x, axes, perm):
     JAX's ``ppermute``: a rank that receives nothing gets zeros. The output
     varies over ``dim_name``; backward: the inverse permutation.
 
-    >>> n = es.axis_size("sp")                                             # doctest: +SKIP
-    >>> right = es.ppermute(x, "sp", [(i, (i + 1) % n) for i in range(n)])  # doctest: +SKIP
+    >>> n = es.spmd.axis_size("sp")                                             # doctest: +SKIP
+    >>> right = es.spmd.ppermute(x, "sp", [(i, (i + 1) % n) for i in range(n)])  # doctest: +SKIP
     """
     order = axes.order
     pairs = [tuple(p) for p in perm]

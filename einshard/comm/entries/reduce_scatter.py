@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fc
 
+from ...core._torch_compat import functional_collectives as fc
 from ...errors import EinshardError
 from .. import checks as _checks
 from .. import comm_stats as _stats
@@ -114,7 +114,7 @@ def _named(x, axes, *, axis: int = 0, tiled: bool = True, shapes=None):
     ``compute_split_shapes``: uneven sizes allowed); ``tiled=False`` needs
     ``x.shape[axis] == size`` and removes ``axis``. Backward: all-gather.
 
-    >>> g_block = es.psum_scatter(g, "dp", axis=0)  # doctest: +SKIP
+    >>> g_block = es.spmd.psum_scatter(g, "dp", axis=0)  # doctest: +SKIP
     """
     a = norm_axis(axis, x.dim(), "psum_scatter")
     group = axes.group
