@@ -41,7 +41,8 @@ plain torch op costs one Python call; what the mode machinery costs per op is
 the floor. What repeats from call to call is replayed: a formula op's decision
 (output variance, operands to pvary) is kept per mesh under the formula and its
 operands' variance, and a ``shard_map`` keeps the pvary-ed aliases of the
-parameters its body uses (:mod:`einshard.runtime.vma_aliases`). Nothing is added to backward: over mesh dimensions of size 1 no
+parameters its body uses (:mod:`einshard.runtime.vma_aliases`).
+Nothing is added to backward: over mesh dimensions of size 1 no
 pvary (no autograd node, no alias) is inserted, so the graph is the untracked
 one there.
 """
