@@ -15,13 +15,13 @@ On the mesh ``tp`` (``world_size`` ranks):
   the tensor-parallel region) around ``F.linear``: the baseline;
 - ``formulas``: two ``es.einshard`` formulas per layer;
 - ``shard_map_vma`` / ``shard_map``: the same body in ``es.shard_map`` with
-  ``check_vma=True`` / ``False``; the body captures the layer's parameters,
-  which variance tracking takes as invariant (the same on every rank), so it
-  pvary-s the three it meets with per-rank data (``w1``, ``b1``, ``w2``) and
-  sums their gradients over ``tp`` (24 sums per step, no-ops on the fake group);
-- ``shard_map_args``: ``check_vma=True`` with the parameters passed as
-  arguments with their specs (``f/tp c``, ...): each varies as its spec says,
-  nothing is pvary-ed or summed, and what is left is the cost of tracking;
+  ``check_vma=True`` / ``False``, the layer's parameters passed as arguments
+  with their specs (``f/tp c``, ...): each varies as its spec says, so nothing
+  is pvary-ed or summed, and what ``shard_map_vma`` adds over ``shard_map`` is
+  the cost of tracking. (A body that captured the parameters instead would
+  declare them the same on every rank: tracking would pvary them and sum their
+  gradients over ``tp``, which is wrong for blocks that differ by rank; see
+  ``docs/shard_map.md``.)
 - ``dtensor``: ``nn.Linear`` layers parallelised with DTensor's
   ``ColwiseParallel`` / ``RowwiseParallel``.
 
@@ -151,18 +151,14 @@ def _tp_variants(weights, mesh, x):
             return step()
 
     variants["formulas"] = formulas
+    # the parameters as arguments with their specs: each varies as its spec says, so nothing is pvary-ed
     for name, vma in (("shard_map_vma", True), ("shard_map", False)):
         m = models[name] = _model(weights, "formulas")
         for layer in m:
-            layer.forward = es.shard_map(Layer.forward.__get__(layer), in_specs=("b n c",), out_specs="b n c",
-                                         mesh=mesh, check_vma=vma)
+            body = es.shard_map(_layer_body, in_specs=("b n c", *_SPECS.values()), out_specs="b n c", mesh=mesh,
+                                check_vma=vma)
+            layer.forward = functools.partial(_with_parameters, body, layer)
         variants[name] = _step(m, x)
-    # the parameters as arguments with their specs: each varies as its spec says, so nothing is pvary-ed
-    m = models["shard_map_args"] = _model(weights, "formulas")
-    for layer in m:
-        body = es.shard_map(_layer_body, in_specs=("b n c", *_SPECS.values()), out_specs="b n c", mesh=mesh)
-        layer.forward = functools.partial(_with_parameters, body, layer)
-    variants["shard_map_args"] = _step(m, x)
     variants["dtensor"], models["dtensor"] = _dtensor(weights, mesh, x)
     return variants, models
 
