@@ -65,10 +65,12 @@ class Transition:
         self.traced_steps: tuple | None = None  # built by prepare_traced (when a plan is first traced)
         self._reverse: Transition | None = None
         self._owning: Transition | None = None
-        back_steps = plan_transition(dst, src, self.shape)
-        # no forward steps and no reverse steps: autograd needs nothing either
-        self.trivial = (not self.steps and not back_steps
-                        and self.back.essential(self.shape) == src.essential(self.shape))
+        # the steps of the backward: the reverse transition, or the gradient left partial for its duty
+        back_steps = (plan_transition(dst, src, self.shape) if self.back == src
+                      else plan_gradient(dst, self.back, self.shape))
+        # no forward steps and no backward steps: autograd needs nothing either (the gradient passes as it is,
+        # also where it stays partial for a duty: ``w -> w // dp`` with the duty over dp)
+        self.trivial = not self.steps and not back_steps
         # no forward steps and one all-reduce back (a replicated operand used as per-rank data, ``w -> w // dp``):
         # a pvary, whose sum into a leaf may wait for the end of backward (einshard.comm.grad_sums.leaf_sum)
         self.sum_dims = None
