@@ -154,6 +154,12 @@ def _replayed_on_ranks(mesh):
         assert len(_ops._REPLAYS) == kept
         check_formula(mesh, formula, shapes, shapes=None, sizes={"p": 3} if "(h" in formula else None)
     assert _ops._REPLAYS  # (the ranks run with checks off: the calls above replayed)
+    h, w = torch.randn(2, 3, 5), torch.randn(4, 5)
+    es.einshard("b n f/tp, c f/tp -> b n c", h, w, mesh=mesh)  # planned, its replay kept
+    before = len(_ops._REPLAYS)
+    with es.count_communication() as stats:  # a replay's collectives are counted
+        es.einshard("b n f/tp, c f/tp -> b n c", h, w, mesh=mesh)
+    assert len(_ops._REPLAYS) == before and stats.by_kind()["all_reduce"].calls == 1
     return True
 
 
