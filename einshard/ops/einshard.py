@@ -50,7 +50,7 @@ _SIZED_KEYS = BoundedCache(4096, name="einshard.ops.einshard.sized_keys")
 # (formula, sizes key, families key, *local shapes, id(mesh), id(ambient mesh), ambient split shapes, id(policy),
 #  grad mode, per operand: dtype, device, requires_grad (and for a tensor subclass: its type, id(its state)))
 #  -> (the plan's replay, the objects whose ids the key holds): see _replayed
-_REPLAYS = BoundedCache(16384, name="einshard.ops.einshard.replays")
+_REPLAYS = BoundedCache(4096, name="einshard.ops.einshard.replays")
 _TENSOR = torch.Tensor
 _SATISFIED: list = []  # non-empty inside shard_map(check_vma=True): the body sums every gradient, no duty applies
 
@@ -336,7 +336,7 @@ def _run_with_states(key, tensors, mesh, shapes, optimize, policy, ambient=None,
     pending = ANY in duties
     if not pending and keep is None:
         return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, ambient=ambient)
-    plans: list = []  # attached pending duties: the plan resolves them after success
+    plans: list = []  # the plan run: it resolves attached pending duties after success, or its replay is kept
     out = run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, plans, ambient=ambient)
     if plans and pending:
         resolve_pending(tensors, duties, plans[0].grad_partials(), plans[0].mesh.names)
