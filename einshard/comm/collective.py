@@ -41,7 +41,7 @@ from ..core import _torch_compat
 from ..core._torch_compat import in_traced_code
 from .primitives import PRIMITIVES, Primitive
 
-__all__ = ["Collective", "register", "collectives", "make_mapping"]
+__all__ = ["Collective", "register", "collectives", "make_mapping", "mapping_forms"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,16 @@ def make_mapping(name: str, forward, adjoint):
     implementation is called directly (and in traced code that needs no
     gradient, the forward alone).
     """
+    return mapping_forms(name, forward, adjoint)[0]
+
+
+def mapping_forms(name: str, forward, adjoint):
+    """:func:`make_mapping`'s ``apply``, and the C implementation it calls in eager code: ``(apply, eager)``.
+
+    ``eager(x, *args)`` is for a caller that has checked, once for a whole operation, that dynamo does not
+    trace it and no ``torch.func`` transform is active (an einshard plan's replay); ``apply`` checks on every
+    call.
+    """
 
     class Mapping(torch.autograd.Function):
         @staticmethod
@@ -146,4 +156,4 @@ def make_mapping(name: str, forward, adjoint):
             return slow(*args) if args[0].requires_grad and torch.is_grad_enabled() else forward(*args)
         return slow(*args) if _transforms_active() else raw(*args)
 
-    return apply
+    return apply, raw

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from .arguments import default_shapes as _shapes
-from .collective import make_mapping  # noqa: F401 (the executor makes its mappings with it)
+from .collective import make_mapping, mapping_forms  # noqa: F401 (the executor makes its mappings with them)
 from .entries import COLLECTIVES
 from .entries.all_to_all import repartition
 from .entries.ppermute import permute

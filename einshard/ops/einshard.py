@@ -9,7 +9,7 @@ import torch
 from ..comm import checks
 from ..core import _context, _trace
 from ..core._cache import BoundedCache
-from ..core._torch_compat import compile_in_progress, in_traced_code
+from ..core._torch_compat import compile_in_progress, functorch_transforms_active, in_traced_code
 from ..core.policy import resolve_policy
 from ..errors import EinshardError
 from ..notation import Axis, TensorSpec, expand, freeze_families
@@ -27,6 +27,7 @@ from ..params.formula import (
 from ..params.metadata import named_sizes
 from ..params.replicated import keep_duties_on_root
 from ..params.state import ParameterState
+from ..params.store import PARAM_STATE_ATTR
 from ..plan.local import build_local_plan, freeze_sizes
 from ..runtime import vma as _vma
 from ..runtime.dispatch import dispatch
@@ -43,8 +44,14 @@ _MAX_DISTRIBUTED = 4096
 _MISSING = object()
 _shape = operator.attrgetter("shape")
 _VMA_RECORDERS = BoundedCache(name="einshard.ops.einshard.vma_recorders")
+_transforms_active = functorch_transforms_active
 # (key, recorded global shapes) -> the key with their sizes
 _SIZED_KEYS = BoundedCache(4096, name="einshard.ops.einshard.sized_keys")
+# (formula, sizes key, families key, *local shapes, id(mesh), id(ambient mesh), ambient split shapes, id(policy),
+#  grad mode, per operand: dtype, device, requires_grad (and for a tensor subclass: its type, id(its state)))
+#  -> (the plan's replay, the objects whose ids the key holds): see _replayed
+_REPLAYS = BoundedCache(4096, name="einshard.ops.einshard.replays")
+_TENSOR = torch.Tensor
 _SATISFIED: list = []  # non-empty inside shard_map(check_vma=True): the body sums every gradient, no duty applies
 
 
@@ -103,7 +110,7 @@ def _eager(formula, tensors, call):
             return plan.run(tensors)
         recorder = _DISTRIBUTED.get((formula, key[2]), _MISSING)
         if recorder is None:  # a distributed formula without [param]: only attached states can carry duties
-            return _run_with_states(key, tensors, mesh, shapes, optimize, policy)
+            return _run_unrecorded(key, tensors, mesh, shapes, optimize, policy)
         if recorder is not _MISSING:
             return _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy)
     except (AttributeError, TypeError, RuntimeError):
@@ -139,7 +146,7 @@ def _plan_and_run(key, formula, tensors, mesh, shapes, families, optimize, polic
             return run_distributed(key, tensors, mesh, shapes, optimize, policy)
         if recorder is not None:
             return _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy)
-        return _run_with_states(key, tensors, mesh, shapes, optimize, policy)
+        return _run_unrecorded(key, tensors, mesh, shapes, optimize, policy)
     plan = build_local_plan(parsed, [tuple(t.shape) for t in tensors], key[1], key[2])
     if recorder is not None:
         plan = _RecordingPlan(plan, recorder)
@@ -284,20 +291,67 @@ def _run_recorded(recorder, key, tensors, mesh, shapes, optimize, policy):
     return out
 
 
-def _run_with_states(key, tensors, mesh, shapes, optimize, policy):
-    """A distributed formula without [param]: the operands' attached states may carry gradient duties."""
-    key = _with_recorded_sizes(key, tensors)
+def _run_unrecorded(key, tensors, mesh, shapes, optimize, policy):
+    """A distributed formula without [param]: replayed (:func:`_replayed`) when checks are off, no argument
+    is given to validate and no ``torch.func`` transform is active; else planned and run with its checks."""
+    if shapes is None and optimize is None and policy is None and not (checks.ENABLED or _SATISFIED
+                                                                       or _transforms_active()):
+        return _replayed(key, tensors, mesh)
+    return _run_with_states(key, tensors, mesh, shapes, optimize, policy)
+
+
+def _replayed(key, tensors, mesh):
+    """The steady state of a distributed formula without [param], checks off: the replay kept under the
+    :data:`_REPLAYS` key of this call, or the call planned (:func:`_run_with_states`) and its replay kept."""
     ambient = _context.current()
+    body = ambient.shard_map
+    if body is not None and body.tracker is not None:  # (_tracks) the untracked call in shard_map(check_vma=True)
+        return _run_with_states(key, tensors, mesh, None, None, None, ambient=ambient)
+    policy = resolve_policy()
+    grad = torch.is_grad_enabled()
+    facts = [key, id(mesh), id(ambient.mesh), ambient.shapes_key, id(policy), grad]
+    for t in tensors:
+        if type(t) is _TENSOR:  # (no attached state)
+            facts += (t.dtype, t.device, t.requires_grad)
+        else:
+            facts += (t.dtype, t.device, t.requires_grad, type(t), id(getattr(t, PARAM_STATE_ATTR, None)))
+    replay_key = tuple(facts)
+    found = _REPLAYS.get(replay_key)
+    if found is not None:
+        return found[0](tensors)
+    return _run_with_states(key, tensors, mesh, None, None, None, ambient=ambient, keep=(replay_key, policy, grad))
+
+
+def _run_with_states(key, tensors, mesh, shapes, optimize, policy, ambient=None, keep=None):
+    """A distributed formula without [param]: the operands' attached states may carry gradient duties.
+
+    ``keep``: ``(replay key, policy, grad mode)`` of :func:`_replayed`: the plan's replay is kept under that key.
+    """
+    key = _with_recorded_sizes(key, tensors)
+    if ambient is None:
+        ambient = _context.current()
     if _SATISFIED or _tracks(ambient):  # inside shard_map(check_vma=True): the formula reduces every gradient
         return run_distributed(key, tensors, mesh, shapes, optimize, policy, ambient=ambient)
     duties = state_duties(tensors)
-    if ANY not in duties:
+    pending = ANY in duties
+    if not pending and keep is None:
         return run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, ambient=ambient)
-    plans: list = []  # attached pending duties: the plan resolves them after success
-    out = run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, plans)
-    if plans:
+    plans: list = []  # the plan run: it resolves attached pending duties after success, or its replay is kept
+    out = run_distributed(key, tensors, mesh, shapes, optimize, policy, duties, plans, ambient=ambient)
+    if plans and pending:
         resolve_pending(tensors, duties, plans[0].grad_partials(), plans[0].mesh.names)
+    elif plans and keep is not None:
+        _keep_replay(keep, plans[0], tensors, mesh, ambient)
     return out
+
+
+def _keep_replay(keep, plan, tensors, mesh, ambient) -> None:
+    """Keep ``plan``'s replay under the replay key of :func:`_replayed`, with the objects whose ids the key holds
+    (so no other object takes one of those ids while the replay is kept)."""
+    replay_key, policy, grad = keep
+    states = tuple(getattr(t, PARAM_STATE_ATTR, None) for t in tensors if type(t) is not _TENSOR)
+    run = plan.replay(tuple(grad and t.requires_grad for t in tensors))
+    _REPLAYS.put(replay_key, (run, (mesh, ambient.mesh, policy, states)))
 
 
 class _RecordingPlan:

@@ -10,6 +10,7 @@ shapes, split shapes, sizes, mesh, dtype, policy, ambient split shapes).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from itertools import pairwise
 
 from ..comm import checks
@@ -36,7 +37,7 @@ class DistributedPlan:
     """A chosen schedule bound to this rank: call ``run`` with the local tensors."""
 
     __slots__ = ("problem", "schedules", "chosen", "resolved", "mesh", "run", "local_error", "fingerprint",
-                 "_compiled", "_traced_run", "_partials")
+                 "_compiled", "_traced_run", "_partials", "_replays")
 
     def grad_partials(self) -> tuple:
         """Per operand: the mesh dimensions its gradient comes back partial over (a gradient duty's groups)."""
@@ -66,6 +67,7 @@ class DistributedPlan:
         self.run = None
         self._compiled: tuple | None = None  # (stages, final transition), built by compile
         self._traced_run = None
+        self._replays: dict = {}  # per operand, whether it needs a gradient -> the replay (see replay)
         # equal on every rank when they agree on global sizes and split shapes (checked with checks on)
         self.fingerprint = zlib.crc32(repr((problem.operands, problem.output)).encode())
 
@@ -144,6 +146,52 @@ class DistributedPlan:
 
         return run
 
+    def replay(self, grads: tuple) -> Callable:
+        """The eager replay for a caller that has checked, once for the whole call, that checks are off, no
+        ``torch.func`` transform is active and dynamo does not trace it, and knows which operands need a
+        gradient (``grads``, per operand: grad mode is on and it requires grad): the same reshapes, steps,
+        autograd nodes and torch calls as :attr:`run`, each transition called as it is for such an operand
+        (:meth:`~einshard.runtime.execute.Transition.eager`), with nothing tested per transition."""
+        found = self._replays.get(grads)
+        if found is None:
+            found = self._replays[grads] = self._replay(grads)
+        return found
+
+    def _replay(self, grads: tuple) -> Callable:
+        assert self._compiled is not None  # compile ran
+        compiled, finish = self._compiled
+        needs = list(grads)  # per operand of the running list: whether it needs a gradient
+        stages = []
+        for indices, chains, contraction, embedding in compiled:
+            operands = []  # per operand of the stage: its transitions as one callable (None: none)
+            for i, chain in zip(indices, chains):
+                calls = [t.eager(needs[i]) for t in chain]
+                operands.append(None if not calls else calls[0] if len(calls) == 1 else _chained(calls))
+            core = contraction.run if embedding is None else _then(contraction.run, embedding)
+            stages.append((indices, tuple(operands), core))
+            needs = [n for j, n in enumerate(needs) if j not in indices] + [any(needs[i] for i in indices)]
+        _, _, last_contraction, last_embedding = compiled[-1]
+        if finish is not None and last_contraction.fresh and last_embedding is None:
+            finish = finish.owning()  # as in run: a sum over ranks goes into the product itself
+        end = None if finish is None else finish.eager(needs[-1])
+        in_shapes, out_shape = self.resolved.in_shapes, self.resolved.out_shape
+        reshaped = any(s is not None for s in in_shapes)
+        if len(stages) == 1 and not reshaped:
+            indices, preps, core = stages[0]
+            if indices == tuple(range(len(in_shapes))):  # one product of the operands as they come
+                body = core if not any(preps) else _prepared(preps, core)
+                return _finished(body, end, out_shape)
+
+        def run(tensors):
+            xs = [x if shape is None else x.reshape(shape) for x, shape in zip(tensors, in_shapes)] if reshaped \
+                else list(tensors)
+            for indices, preps, core in stages:
+                y = core([xs[i] if f is None else f(xs[i]) for i, f in zip(indices, preps)])
+                xs = [x for j, x in enumerate(xs) if j not in indices] + [y]
+            return xs[-1]
+
+        return _finished(run, end, out_shape)
+
     def traced_run(self):
         """The replay for code that dynamo traces (built once, at trace time)."""
         if self._traced_run is None:
@@ -153,6 +201,36 @@ class DistributedPlan:
 
 def _then(core, embedding):
     return lambda tensors: embedding(core(tensors))
+
+
+def _chained(calls):
+    """One operand's transitions, in order."""
+    def chain(x):
+        for call in calls:
+            x = call(x)
+        return x
+
+    return chain
+
+
+def _prepared(preps, core):
+    """``core`` on the operands, each through its transitions (``None``: none)."""
+    if len(preps) == 2:  # (most formulas: no loop)
+        first, second = preps
+        if second is None:
+            return lambda tensors: core((first(tensors[0]), tensors[1]))
+        if first is None:
+            return lambda tensors: core((tensors[0], second(tensors[1])))
+    return lambda tensors: core([x if f is None else f(x) for x, f in zip(tensors, preps)])
+
+
+def _finished(body, end, out_shape):
+    """``body``, then the result's transition ``end`` (``None``: none) and its reshape to ``out_shape``."""
+    if end is None:
+        return body if out_shape is None else lambda tensors: body(tensors).reshape(out_shape)
+    if out_shape is None:
+        return lambda tensors: end(body(tensors))
+    return lambda tensors: end(body(tensors)).reshape(out_shape)
 
 
 @naming()
@@ -218,11 +296,13 @@ def run_distributed(key, tensors, mesh, shapes, optimize, policy, duties=(), pla
             return _stationary(key, tensors).run(tensors)
     elif type(mesh) is not Mesh and not isinstance(mesh, Mesh):
         mesh = resolve_mesh(mesh)
-    if shapes is None and optimize is None and policy is None and plan_out is None and not checks.ENABLED:
+    if shapes is None and optimize is None and policy is None and not checks.ENABLED:
         # the steady state: no argument to validate, no agreement; the plan found from the cheap key runs
         plan = _PLANS.get((key, mesh, None, resolve_policy(), ambient.shapes_key, duties,
                            *[getattr(t, "dtype", None) for t in tensors]))
         if plan is not None and plan.local_error is None:
+            if plan_out is not None:
+                plan_out.append(plan)
             return plan.run(tensors)
     # an explicit shapes= that one rank's block contradicts: every rank raises together, checks on or off
     # (one agreement per call; see docs/reliability.md)

@@ -18,7 +18,7 @@ from ..comm import collectives as C
 from ..comm import collectives as _eager_collectives
 from ..comm.exchange import runs_exchange
 from ..comm.grad_sums import leaf_sum
-from ..comm.mappings import make_mapping
+from ..comm.mappings import mapping_forms
 from ..comm.primitives import PRIMITIVES, Site
 from ..core import _torch_compat
 from ..core._cache import BoundedCache
@@ -65,10 +65,12 @@ class Transition:
         self.traced_steps: tuple | None = None  # built by prepare_traced (when a plan is first traced)
         self._reverse: Transition | None = None
         self._owning: Transition | None = None
-        back_steps = plan_transition(dst, src, self.shape)
-        # no forward steps and no reverse steps: autograd needs nothing either
-        self.trivial = (not self.steps and not back_steps
-                        and self.back.essential(self.shape) == src.essential(self.shape))
+        # the steps of the backward: the reverse transition, or the gradient left partial for its duty
+        back_steps = (plan_transition(dst, src, self.shape) if self.back == src
+                      else plan_gradient(dst, self.back, self.shape))
+        # no forward steps and no backward steps: autograd needs nothing either (the gradient passes as it is,
+        # also where it stays partial for a duty: ``w -> w // dp`` with the duty over dp)
+        self.trivial = not self.steps and not back_steps
         # no forward steps and one all-reduce back (a replicated operand used as per-rank data, ``w -> w // dp``):
         # a pvary, whose sum into a leaf may wait for the end of backward (einshard.comm.grad_sums.leaf_sum)
         self.sum_dims = None
@@ -141,13 +143,31 @@ class Transition:
         if not (x.requires_grad and torch.is_grad_enabled()) and not _transforms_active():
             return self.run_raw(x)  # no backward will run: skip the autograd Function
         if self.sum_dims is not None and not _transforms_active():
-            if x.is_leaf:
-                return leaf_sum(x, self.mesh.group(self.sum_dims))
-            deferred = getattr(x, "einshard_pvary", None)  # a gathered ZeRO block: its gather sums it
-            y = None if deferred is None else deferred(self.sum_dims)
-            if y is not None:
-                return y
+            return self._summed(x, _apply_transition)
         return _apply_transition(x, self)
+
+    def _summed(self, x: torch.Tensor, apply) -> torch.Tensor:
+        """A pvary (no forward step, one all-reduce back) on ``x``, which needs a gradient: a leaf's sum waits for
+        the end of backward (:func:`~einshard.comm.grad_sums.leaf_sum`), a gathered ZeRO block's gather sums it;
+        else ``apply(x, self)``, the autograd mapping."""
+        if x.is_leaf:
+            return leaf_sum(x, self.mesh.group(self.sum_dims))
+        deferred = getattr(x, "einshard_pvary", None)  # a gathered ZeRO block: its gather sums it
+        y = None if deferred is None else deferred(self.sum_dims)
+        if y is not None:
+            return y
+        return apply(x, self)
+
+    def eager(self, grad: bool):
+        """This transition as a replay runs it once it has checked, for the whole call, that checks are off, no
+        ``torch.func`` transform is active and dynamo does not trace it: ``x -> y`` for an operand that needs a
+        gradient (``grad``: grad mode is on and the operand requires grad) or not. The same steps and autograd
+        node as :meth:`__call__`, without its per-call tests."""
+        if not grad:
+            return self.run_raw
+        if self.sum_dims is not None:
+            return lambda x: self._summed(x, _eager_transition)
+        return lambda x: _eager_transition(x, self)
 
 
 _TRANSITIONS = BoundedCache(16384, name="einshard.runtime.execute.transitions")
@@ -166,12 +186,24 @@ def transition(src: Layout, dst: Layout, mesh, back: Layout | None = None) -> Tr
 
 
 def _run_transition(x: torch.Tensor, ex: Transition) -> torch.Tensor:
+    if not ex.steps:  # nothing moves forward (a pvary): the autograd node's own view of x
+        return x.view_as(x)
     y = ex.run_raw(x)
     return x.view_as(x) if y is x else y
 
 
+def _adjoint(grad: torch.Tensor, ex: Transition) -> torch.Tensor:
+    """The backward of ``ex``: its reverse transition, as raw steps where no gradient of the gradient is tracked."""
+    rev = ex._reverse
+    if rev is None:
+        rev = ex.reverse()
+    if grad.requires_grad or _transforms_active() or in_traced_code():  # double backward, torch.func, compiled
+        return rev(grad)
+    return rev.run_raw(grad)
+
+
 # backward: the reverse transition (itself a Transition, so double backward works)
-_apply_transition = make_mapping("Transition", _run_transition, lambda grad, ex: ex.reverse()(grad))
+_apply_transition, _eager_transition = mapping_forms("Transition", _run_transition, _adjoint)
 
 
 class _TracedTransition(torch.autograd.Function):
