@@ -204,6 +204,7 @@ def _guards_case(mesh) -> dict:
     facts["fresh_after_inner_grad"] = len(taken) == 1 and not (taken & _alias_ids(sm2))
     errs["inner grad"] = _err(w.grad, 2 * ref_grad(w))
     # a compiled call traces its own pvary: no kept alias is taken, the gradient is the same
+    torch._dynamo.reset()  # (a pooled rank may have compiled ShardMap.__call__ up to dynamo's recompile limit)
     compiled = torch.compile(sm, backend="eager", fullgraph=True)
     w.grad = None
     with es.use_mesh(mesh):
