@@ -46,13 +46,13 @@ installed torch, so a release that changes what a shim assumes fails there.
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as functional_collectives
+import torch.distributed._functional_collectives as _functional_collectives
 import torch.distributed.distributed_c10d as _c10d
-import torch.utils._pytree as pytree
+import torch.utils._pytree as _pytree
 import torch.utils.checkpoint as _checkpoint
 from torch._guards import CompileContext as _CompileContext
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec as _DTensorSpec
 
 __all__ = ["TORCH_VERSION", "in_traced_code", "compile_in_progress", "trace_time", "traced_function_result",
            "DYNAMO_MARKS_DIRTY", "CheckpointFrame", "CHECKPOINT_ANCHORS_ON_DEFAULT_DEVICE", "checkpoint",
@@ -244,14 +244,15 @@ def dynamo_compiling_frame() -> bool:
     return _CompileContext.try_get() is not None
 
 
-#: the functional collectives (``torch.distributed._functional_collectives``): the collectives code that
-#: dynamo traces calls, as DTensor does (a graph node each, waited for where a result is used)
-#: (``functional_collectives`` is imported above)
+#: the functional collectives (``torch.distributed._functional_collectives``): what code dynamo traces calls, as
+#: DTensor does (a graph node each, waited for where a result is used)
+functional_collectives = _functional_collectives
 #: the same collectives as raw ops (``torch.ops._c10d_functional``): started in a graph and waited for later
 c10d_functional = torch.ops._c10d_functional
 #: a DTensor's sharding spec (placements, mesh, shape), which DTensor's own constructors take
-#: (``DTensorSpec`` is imported above); torch's pytree (``torch.utils._pytree``), which dynamo traces
-#: natively, for the pytrees of code that may be traced (``pytree``, imported above)
+DTensorSpec = _DTensorSpec
+#: torch's pytree (``torch.utils._pytree``), which dynamo traces natively: for the pytrees of code it may trace
+pytree = _pytree
 
 
 def graph_break(reason: str) -> None:

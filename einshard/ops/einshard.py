@@ -304,8 +304,7 @@ def _replayed(key, tensors, mesh):
     """The steady state of a distributed formula without [param], checks off: the replay kept under the
     :data:`_REPLAYS` key of this call, or the call planned (:func:`_run_with_states`) and its replay kept."""
     ambient = _context.current()
-    body = ambient.shard_map
-    if body is not None and body.tracker is not None:  # (_tracks) the untracked call in shard_map(check_vma=True)
+    if _tracks(ambient):  # the untracked call in shard_map(check_vma=True)
         return _run_with_states(key, tensors, mesh, None, None, None, ambient=ambient)
     policy = resolve_policy()
     grad = torch.is_grad_enabled()

@@ -194,9 +194,7 @@ def _run_transition(x: torch.Tensor, ex: Transition) -> torch.Tensor:
 
 def _adjoint(grad: torch.Tensor, ex: Transition) -> torch.Tensor:
     """The backward of ``ex``: its reverse transition, as raw steps where no gradient of the gradient is tracked."""
-    rev = ex._reverse
-    if rev is None:
-        rev = ex.reverse()
+    rev = ex.reverse()
     if grad.requires_grad or _transforms_active() or in_traced_code():  # double backward, torch.func, compiled
         return rev(grad)
     return rev.run_raw(grad)
